@@ -1,0 +1,3 @@
+from mindspec.backends.cpu.backend import CpuBackend
+
+__all__ = ["CpuBackend"]

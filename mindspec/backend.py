@@ -1,0 +1,289 @@
+"""The Backend interface: the only door between the model and device code.
+
+A backend owns a device, allocates the paged latent cache and implements the ops of DESIGN.md
+section 3. The model calls these ops (plus plain torch for glue and dense GEMMs) and never checks
+which device it runs on. The ``cpu`` backend is the reference every other backend is tested against.
+
+Backends are found by name through a registry of dotted paths, imported on first use, so choosing
+``cpu`` never imports triton or torch_npu. Packages extend the registry through the
+``mindspec.backends`` entry-point group.
+"""
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Callable, Optional
+
+import torch
+
+
+class BackendError(RuntimeError):
+    """A backend cannot be created here (unknown name, missing device or library)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Records passed from the model wrapper to the ops
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LatentCache:
+    """One layer's paged MLA cache: only the latent is stored, never expanded K/V.
+
+    Backends choose the storage; the cpu backend keeps one [num_blocks, block_size, R + P] buffer
+    and exposes the two parts as views, Ascend keeps two separate tensors.
+    """
+
+    c_kv: torch.Tensor  # [num_blocks, block_size, kv_lora_rank]   normalised latent
+    k_pe: torch.Tensor  # [num_blocks, block_size, qk_rope_head_dim] roped key part
+
+    @property
+    def num_blocks(self) -> int:
+        return self.c_kv.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.c_kv.shape[1]
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each new token sits in the paged cache, for one forward over a flat token batch.
+
+    Tokens are token-major: sequence b owns rows q_start_loc[b] : q_start_loc[b + 1]. Its new
+    tokens are the last q_lens[b] of its seq_lens[b] tokens, so the causal mask is aligned to the
+    end of each sequence (bottom-right). Host copies of the lengths exist because Ascend's
+    attention ops take Python lists.
+    """
+
+    slots: torch.Tensor  # [T] int64, block_id * block_size + offset; -1 = do not write
+    block_tables: torch.Tensor  # [B, max_blocks] int32, unused entries may hold anything
+    seq_lens: torch.Tensor  # [B] int32, tokens in the cache after this step's writes
+    q_lens: torch.Tensor  # [B] int32, new tokens per sequence
+    q_start_loc: torch.Tensor  # [B + 1] int32, cumulative q_lens
+    seq_lens_host: list[int]
+    q_lens_host: list[int]
+    is_prefill: bool  # every sequence starts at position 0 (no cached context)
+    # Optional tree verification: tree_mask[b, i, j] says new token i of sequence b may attend new
+    # token j (j, i < max_q_len); the causal mask among new tokens is replaced by it.
+    tree_mask: Optional[torch.Tensor] = None  # [B, max_q_len, max_q_len] bool
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens_host)
+
+    @property
+    def max_q_len(self) -> int:
+        return max(self.q_lens_host) if self.q_lens_host else 0
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_host) if self.seq_lens_host else 0
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How a DeepSeekMoE router turns logits into (weights, expert ids)."""
+
+    top_k: int
+    scoring: str  # "softmax" (V2) | "sigmoid" (V3)
+    topk_method: str  # "greedy" | "group_limited_greedy" | "noaux_tc"
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+
+
+@dataclass
+class ExpertWeights:
+    """Routed experts stacked along dim 0 (the checkpoint stores them one by one)."""
+
+    w13: torch.Tensor  # [E, 2 * I, H]  gate_proj rows then up_proj rows
+    w2: torch.Tensor  # [E, H, I]       down_proj
+
+
+@dataclass
+class RotaryEmbedding:
+    """DeepSeek rope (optionally YaRN-scaled): cos/sin follow from positions and inv_freq."""
+
+    inv_freq: torch.Tensor  # [rope_dim // 2] float32
+    attention_factor: float  # multiplies cos and sin (YaRN mscale ratio; 1.0 for released configs)
+
+
+# --------------------------------------------------------------------------------------------
+# The interface
+# --------------------------------------------------------------------------------------------
+
+
+class Backend(ABC):
+    """Device, cache allocation and the op set of DESIGN.md section 3."""
+
+    name: str = "abstract"
+    dist_backend: str = "gloo"  # torch.distributed backend for multi-process work
+
+    def __init__(self, device: Optional[str] = None):
+        self.device = torch.device(device or self.default_device())
+
+    # ---- device services -----------------------------------------------------------------
+    @abstractmethod
+    def default_device(self) -> str: ...
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (no-op where ops are synchronous)."""
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free, total) bytes of device memory usable for the KV cache."""
+        raise BackendError(f"backend {self.name!r} cannot report device memory")
+
+    def to_device(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.device, non_blocking=True)
+
+    # ---- cache -----------------------------------------------------------------------------
+    def allocate_latent_cache(
+        self, num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype
+    ) -> LatentCache:
+        buf = torch.zeros(num_blocks, block_size, kv_lora_rank + rope_dim, dtype=dtype, device=self.device)
+        return LatentCache(c_kv=buf[..., :kv_lora_rank], k_pe=buf[..., kv_lora_rank:])
+
+    @abstractmethod
+    def write_latent_cache(
+        self, cache: LatentCache, c_kv: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """cache[slot] = (c_kv [T, R], k_pe [T, P]) for each token; slot -1 is skipped."""
+
+    def latent_norm_rope_cache(
+        self,
+        kv_a: torch.Tensor,  # [T, R + P] output of kv_a_proj_with_mqa
+        norm_weight: torch.Tensor,  # [R] kv_a_layernorm
+        eps: float,
+        positions: torch.Tensor,  # [T]
+        rotary: RotaryEmbedding,
+        cache: LatentCache,
+        slots: torch.Tensor,  # [T]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalise the latent, rope k_pe, store both; returns (c_kv [T, R], k_pe [T, P]).
+
+        Composed from the single ops here; Ascend fuses it (npu_kv_rmsnorm_rope_cache).
+        """
+        rank = norm_weight.shape[0]
+        c_kv = self.rms_norm(kv_a[:, :rank], norm_weight, eps)
+        k_pe = self.rope(kv_a[:, None, rank:], positions, rotary)[:, 0]
+        self.write_latent_cache(cache, c_kv, k_pe, slots)
+        return c_kv, k_pe
+
+    # ---- norms and activations ---------------------------------------------------------------
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [T, D] -> RMSNorm(x) * weight, computed in float32 and cast back (as HF does)."""
+
+    @abstractmethod
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (RMSNorm(x + residual) * weight, x + residual)."""
+
+    @abstractmethod
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, 2I] -> silu(x[:, :I]) * x[:, I:]."""
+
+    # ---- rope --------------------------------------------------------------------------------
+    @abstractmethod
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+        """Rotate interleaved pairs (x0, x1), (x2, x3), ... of x [T, H, P] by position; the output
+        keeps DeepSeek's interleaved layout."""
+
+    # ---- attention -----------------------------------------------------------------------------
+    @abstractmethod
+    def mla_attention(
+        self,
+        q_lat: torch.Tensor,  # [T, H, R] q_nope absorbed through W_UK
+        q_pe: torch.Tensor,  # [T, H, P] roped
+        cache: LatentCache,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Absorbed MLA over the paged latent cache -> o_lat [T, H, R] (before W_UV).
+
+        score = (q_lat . c_kv + q_pe . k_pe) * scale; values are c_kv. Any q_len >= 1 per
+        sequence, causal aligned to the end of each sequence, or meta.tree_mask among new tokens.
+        """
+
+    @abstractmethod
+    def mla_prefill(
+        self,
+        q_nope: torch.Tensor,  # [T, H, Dn]
+        q_pe: torch.Tensor,  # [T, H, P]
+        k_nope: torch.Tensor,  # [T, H, Dn]
+        k_pe: torch.Tensor,  # [T, P] shared by all heads
+        v: torch.Tensor,  # [T, H, Dv]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of sequences with no cached context, K/V expanded -> [T, H, Dv]."""
+
+    # ---- MoE -----------------------------------------------------------------------------------
+    @abstractmethod
+    def moe_gate(
+        self,
+        x: torch.Tensor,  # [T, H]
+        gate_weight: torch.Tensor,  # [E, H]
+        correction_bias: Optional[torch.Tensor],  # [E] float32, V3 only
+        router: RouterConfig,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router in float32 -> (topk_weights [T, k] float32, topk_ids [T, k] int64)."""
+
+    @abstractmethod
+    def moe_experts(
+        self,
+        x: torch.Tensor,  # [T, H]
+        topk_weights: torch.Tensor,  # [T, k] float32
+        topk_ids: torch.Tensor,  # [T, k] int64
+        experts: ExpertWeights,
+    ) -> torch.Tensor:
+        """sum_k w[t, k] * down(silu(gate(x)) * up(x)) over the chosen experts -> [T, H]."""
+
+
+# --------------------------------------------------------------------------------------------
+# Registry
+# --------------------------------------------------------------------------------------------
+
+BACKENDS: dict[str, str] = {
+    "cpu": "mindspec.backends.cpu:CpuBackend",
+    "cuda": "mindspec.backends.cuda:CudaBackend",
+    "npu": "mindspec.backends.npu:NpuBackend",
+}
+# MindIE's backendType values both mean the Ascend backend here.
+ALIASES = {"atb": "npu", "torch": "npu"}
+
+
+def _entry_point_backends() -> dict[str, str]:
+    return {ep.name: ep.value for ep in entry_points(group="mindspec.backends")}
+
+
+def available_backends() -> list[str]:
+    return sorted(set(BACKENDS) | set(_entry_point_backends()))
+
+
+def resolve_backend_name(name: str) -> str:
+    """'auto' picks cuda when a CUDA device is visible, else cpu."""
+    name = ALIASES.get(name, name)
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def backend_class(name: str) -> Callable[..., Backend]:
+    name = resolve_backend_name(name)
+    target = BACKENDS.get(name) or _entry_point_backends().get(name)
+    if target is None:
+        raise BackendError(f"unknown backend {name!r}; choose one of {', '.join(available_backends())}")
+    module_name, _, attr = target.partition(":")
+    module = importlib.import_module(module_name)
+    return getattr(module, attr)
+
+
+def get_backend(name: str = "cpu", device: Optional[str] = None) -> Backend:
+    """Instantiate a backend by name ('cpu', 'cuda', 'npu', 'auto', MindIE's 'atb'/'torch')."""
+    return backend_class(name)(device)
