@@ -1,0 +1,47 @@
+"""``ModelConfig.plugin_params`` as MindIE reads it: a JSON string (or object) of at most 1024
+characters whose ``plugin_type`` names one or more plugins separated by commas."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+MAX_PLUGIN_PARAMS_CHARS = 1024
+
+
+class PluginParamsError(ValueError):
+    """plugin_params is malformed; the message names the offending key."""
+
+
+@dataclass(frozen=True)
+class PluginParams:
+    plugin_types: tuple[str, ...] = ()
+    options: dict[str, Any] = field(default_factory=dict)  # every key except plugin_type
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.plugin_types)
+
+
+def parse_plugin_params(raw: Optional[Union[str, dict]]) -> PluginParams:
+    if raw is None or raw == "" or raw == {}:
+        return PluginParams()
+    text = raw if isinstance(raw, str) else json.dumps(raw)
+    if len(text) > MAX_PLUGIN_PARAMS_CHARS:
+        raise PluginParamsError(f"plugin_params is {len(text)} characters long; at most {MAX_PLUGIN_PARAMS_CHARS} are allowed")
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise PluginParamsError(f"plugin_params is not valid JSON: {exc.msg} at character {exc.pos}") from None
+    if not isinstance(raw, dict):
+        raise PluginParamsError(f"plugin_params must be a JSON object, got {type(raw).__name__}")
+    options = dict(raw)
+    plugin_type = options.pop("plugin_type", None)
+    if not isinstance(plugin_type, str) or not plugin_type.strip():
+        raise PluginParamsError(f"plugin_params.plugin_type must be a non-empty string, got {plugin_type!r}")
+    types = tuple(t for t in re.split(r",\s*", plugin_type.strip()) if t)
+    if len(set(types)) != len(types):
+        raise PluginParamsError(f"plugin_params.plugin_type lists a plugin twice: {plugin_type!r}")
+    return PluginParams(plugin_types=types, options=options)

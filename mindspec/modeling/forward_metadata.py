@@ -1,0 +1,129 @@
+"""Host-side model inputs (MindIE's ModelInput) and their move to the device.
+
+Everything here is numpy and vectorised: the engine builds one ``ModelInputs`` per forward from
+per-sequence lengths and block tables, and ``to_device`` turns it into the tensors and
+AttentionMetadata the model consumes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from mindspec.backend import AttentionMetadata
+
+
+@dataclass
+class ModelInputs:
+    """One forward over a flat token-major batch; sequence b owns rows q_start[b]:q_start[b+1]."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slots: np.ndarray  # [T] int64, -1 = do not write the cache
+    block_tables: np.ndarray  # [B, max_blocks] int32 (padded with 0)
+    seq_lens: np.ndarray  # [B] int32 tokens in the cache after this forward
+    q_lens: np.ndarray  # [B] int32 new tokens per sequence
+    lm_head_indices: np.ndarray  # [N] int64 rows that need logits
+    is_prefill: bool  # no sequence has cached context
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.q_lens.shape[0])
+
+    @property
+    def q_start_loc(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.q_lens, dtype=np.int64)]).astype(np.int32)
+
+    def with_(self, **changes) -> "ModelInputs":
+        return replace(self, **changes)
+
+
+def pad_block_tables(block_tables: Sequence[Sequence[int]], min_width: int = 1) -> np.ndarray:
+    """Ragged block tables -> [B, max_blocks] int32 padded with 0."""
+    width = max([min_width, *(len(t) for t in block_tables)])
+    out = np.zeros((len(block_tables), width), dtype=np.int32)
+    for b, table in enumerate(block_tables):
+        out[b, : len(table)] = table
+    return out
+
+
+def token_positions(start: np.ndarray, q_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(seq index [T], position [T]) of tokens start[b] .. start[b] + q_lens[b] - 1 per sequence."""
+    q_lens = q_lens.astype(np.int64)
+    seq_idx = np.repeat(np.arange(len(q_lens)), q_lens)
+    q_start = np.cumsum(q_lens) - q_lens
+    offsets = np.arange(int(q_lens.sum())) - np.repeat(q_start, q_lens)
+    return seq_idx, np.repeat(start.astype(np.int64), q_lens) + offsets
+
+
+def slots_for(block_tables: np.ndarray, seq_idx: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """slot = block_tables[b, pos // block_size] * block_size + pos % block_size."""
+    blocks = block_tables[seq_idx, positions // block_size].astype(np.int64)
+    return blocks * block_size + positions % block_size
+
+
+def build_model_inputs(
+    token_ids: Sequence[Sequence[int]],
+    num_cached: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    lm_head_indices: Optional[np.ndarray] = None,
+) -> ModelInputs:
+    """Inputs for appending ``token_ids[b]`` after ``num_cached[b]`` cached tokens of sequence b.
+
+    lm_head_indices defaults to the last new token of each sequence.
+    """
+    q_lens = np.array([len(t) for t in token_ids], dtype=np.int32)
+    cached = np.asarray(num_cached, dtype=np.int64)
+    tables = pad_block_tables(block_tables)
+    seq_idx, positions = token_positions(cached, q_lens)
+    if lm_head_indices is None:
+        lm_head_indices = np.cumsum(q_lens, dtype=np.int64) - 1
+    flat = np.fromiter((t for seq in token_ids for t in seq), dtype=np.int64, count=int(q_lens.sum()))
+    return ModelInputs(
+        input_ids=flat,
+        positions=positions,
+        slots=slots_for(tables, seq_idx, positions, block_size),
+        block_tables=tables,
+        seq_lens=(cached + q_lens).astype(np.int32),
+        q_lens=q_lens,
+        lm_head_indices=np.asarray(lm_head_indices, dtype=np.int64),
+        is_prefill=bool((cached == 0).all()),
+    )
+
+
+@dataclass
+class DeviceInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    lm_head_indices: torch.Tensor  # [N] int64
+
+
+def to_device(inputs: ModelInputs, device: torch.device | str, tree_mask: Optional[torch.Tensor] = None) -> DeviceInputs:
+    def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype, non_blocking=True)
+
+    meta = AttentionMetadata(
+        slots=dev(inputs.slots, torch.int64),
+        block_tables=dev(inputs.block_tables, torch.int32),
+        seq_lens=dev(inputs.seq_lens, torch.int32),
+        q_lens=dev(inputs.q_lens, torch.int32),
+        q_start_loc=dev(inputs.q_start_loc, torch.int32),
+        seq_lens_host=inputs.seq_lens.tolist(),
+        q_lens_host=inputs.q_lens.tolist(),
+        is_prefill=inputs.is_prefill,
+        tree_mask=tree_mask,
+    )
+    return DeviceInputs(
+        input_ids=dev(inputs.input_ids, torch.int64),
+        positions=dev(inputs.positions, torch.int64),
+        meta=meta,
+        lm_head_indices=dev(inputs.lm_head_indices, torch.int64),
+    )

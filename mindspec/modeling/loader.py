@@ -1,0 +1,160 @@
+"""Safetensors checkpoint loading in Hugging Face layout (single file or sharded with an index).
+
+Tensors stream one at a time into the requested dtype. Every problem is a CheckpointError that
+names the tensor and the file: a checkpoint that does not fit the model never half-loads.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from .errors import (
+    CheckpointError,
+    MissingTensorError,
+    NotACheckpointError,
+    ShapeMismatchError,
+    UnexpectedTensorError,
+    UnsupportedCheckpointError,
+)
+
+INDEX_FILE = "model.safetensors.index.json"
+LOADABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    shape: tuple[int, ...]
+    optional: bool = False
+    keep_dtype: bool = False  # load as float32 whatever the model dtype (e.g. the V3 router bias)
+
+
+def read_hf_config(model_dir: str | Path, supported_model_types: Iterable[str] = ("deepseek_v2", "deepseek_v3")) -> dict:
+    path = Path(model_dir)
+    if not path.exists():
+        raise NotACheckpointError(f"model directory {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise NotACheckpointError(f"{str(path)!r} is not a directory; pass the checkpoint directory")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise NotACheckpointError(f"{str(path)!r} is not a model checkpoint: it has no config.json")
+    try:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise NotACheckpointError(f"{config_file} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise NotACheckpointError(f"{config_file} must hold a JSON object")
+    supported = tuple(supported_model_types)
+    model_type = config.get("model_type")
+    if model_type not in supported:
+        raise NotACheckpointError(
+            f"{str(path)!r} is not a DeepSeek checkpoint: config.json has model_type {model_type!r}, "
+            f"expected one of {', '.join(supported)}"
+        )
+    return config
+
+
+def find_checkpoint_files(model_dir: str | Path) -> tuple[list[Path], dict[str, Path]]:
+    """(files, weight_map); weight_map is empty for unindexed checkpoints."""
+    path = Path(model_dir)
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise NotACheckpointError(f"{index} is not a safetensors index (no valid weight_map): {exc}") from None
+        mapped = {name: path / file for name, file in weight_map.items()}
+        files = sorted(set(mapped.values()))
+        for f in files:
+            if not f.is_file():
+                raise NotACheckpointError(f"{INDEX_FILE} lists shard {f.name!r}, which is missing from {str(path)!r}")
+        return files, mapped
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        legacy = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+        hint = f" (found {', '.join(legacy[:3])}: only safetensors checkpoints are supported)" if legacy else ""
+        raise NotACheckpointError(f"{str(path)!r} has no *.safetensors weight files{hint}")
+    return files, {}
+
+
+def load_checkpoint(
+    model_dir: str | Path,
+    specs: dict[str, WeightSpec],
+    dtype: torch.dtype,
+    *,
+    ignore: tuple[str, ...] = (),
+    device: str = "cpu",
+    progress: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Load exactly the tensors in ``specs`` (optional ones may be absent) as ``dtype``."""
+    if dtype not in LOADABLE_DTYPES:
+        raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+    files, _ = find_checkpoint_files(model_dir)
+    ignored = [re.compile(p) for p in ignore]
+    loaded: dict[str, torch.Tensor] = {}
+    source: dict[str, Path] = {}
+    handles = [(f, safe_open(str(f), framework="pt", device="cpu")) for f in files]
+    total = sum(len(h.keys()) for _, h in handles)
+    with tqdm(total=total, desc=f"Loading {Path(model_dir).name}", unit="tensor", disable=not progress) as bar:
+        for file, handle in handles:
+            for name in handle.keys():
+                bar.update(1)
+                if any(p.fullmatch(name) for p in ignored):
+                    continue
+                _check_key(name, file, specs, source)
+                tensor = handle.get_slice(name)
+                _check_tensor(name, file, specs[name], tensor)
+                target = torch.float32 if specs[name].keep_dtype else dtype
+                loaded[name] = handle.get_tensor(name).to(device=device, dtype=target)
+                source[name] = file
+    _check_complete(model_dir, specs, loaded)
+    return loaded
+
+
+def _check_key(name: str, file: Path, specs: dict[str, WeightSpec], source: dict[str, Path]) -> None:
+    if name.endswith("weight_scale_inv") or name.endswith("_scale"):
+        raise UnsupportedCheckpointError(
+            f"tensor {name!r} in {file.name} is an FP8 scale: FP8 checkpoints need dequantising to bf16 first"
+        )
+    if name not in specs:
+        raise UnexpectedTensorError(f"unexpected tensor {name!r} in {file.name}: the model has no such weight")
+    if name in source:
+        raise CheckpointError(f"tensor {name!r} appears in both {source[name].name} and {file.name}")
+
+
+def _check_tensor(name: str, file: Path, spec: WeightSpec, tensor_slice) -> None:
+    dtype = tensor_slice.get_dtype()
+    if dtype.startswith("F8"):
+        raise UnsupportedCheckpointError(
+            f"tensor {name!r} in {file.name} is {dtype}: FP8 checkpoints need dequantising to bf16 first"
+        )
+    shape = tuple(tensor_slice.get_shape())
+    if shape != tuple(spec.shape):
+        raise ShapeMismatchError(
+            f"tensor {name!r} in {file.name} has shape {list(shape)}, expected {list(spec.shape)}"
+        )
+
+
+def _check_complete(model_dir, specs: dict[str, WeightSpec], loaded: dict[str, torch.Tensor]) -> None:
+    missing = [n for n, s in specs.items() if not s.optional and n not in loaded]
+    if missing:
+        more = f" and {len(missing) - 1} more ({', '.join(missing[1:6])}{', ...' if len(missing) > 6 else ''})" if len(missing) > 1 else ""
+        raise MissingTensorError(f"checkpoint {str(model_dir)!r} lacks tensor {missing[0]!r}{more}")
+
+
+def checkpoint_keys(model_dir: str | Path) -> set[str]:
+    """Every tensor name in the checkpoint, read from headers only."""
+    files, weight_map = find_checkpoint_files(model_dir)
+    if weight_map:
+        return set(weight_map)
+    keys: set[str] = set()
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as h:
+            keys.update(h.keys())
+    return keys

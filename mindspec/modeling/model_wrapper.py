@@ -1,0 +1,100 @@
+"""ModelWrapper: binds a model to the backend chosen by config, owns its KV cache, warms it up.
+
+MindIE's ATBModelWrapper equivalent: the generator hands it device inputs and it calls the model
+with the caches; nothing above it knows which backend or model class runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from mindspec.backend import Backend, LatentCache, get_backend
+from mindspec.modeling.forward_metadata import DeviceInputs, build_model_inputs, to_device
+from mindspec.modeling.loader import read_hf_config
+from mindspec.modeling.registry import model_class, supported_model_types
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@dataclass
+class CacheConfig:
+    num_blocks: int
+    block_size: int
+
+    @property
+    def dummy_block_id(self) -> int:
+        """The last block is kept for dummy and padding inputs (MindIE does the same)."""
+        return self.num_blocks - 1
+
+
+class ModelWrapper:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        backend: str | Backend = "cpu",
+        dtype: str | torch.dtype = "bfloat16",
+        num_mtp_modules: Optional[int] = 0,
+        device: Optional[str] = None,
+        progress: bool = True,
+    ):
+        self.model_dir = Path(model_dir)
+        self.backend = backend if isinstance(backend, Backend) else get_backend(backend, device)
+        self.dtype = parse_dtype(dtype)
+        self.hf_config = read_hf_config(model_dir, supported_model_types())
+        cls = model_class(self.hf_config["model_type"])
+        self.model = cls.load(model_dir, self.backend, self.dtype, num_mtp_modules=num_mtp_modules, progress=progress)
+        self.caches: list[LatentCache] = []
+        self.cache_config: Optional[CacheConfig] = None
+
+    @property
+    def config(self):
+        return self.model.cfg
+
+    @property
+    def device(self) -> torch.device:
+        return self.backend.device
+
+    # ---- cache ---------------------------------------------------------------------------------
+    def bytes_per_block(self, block_size: int) -> int:
+        return self.model.cache_bytes_per_token() * block_size
+
+    def num_blocks_for(self, mem_bytes: int, block_size: int) -> int:
+        return int(mem_bytes // self.bytes_per_block(block_size))
+
+    def allocate_cache(self, num_blocks: int, block_size: int) -> CacheConfig:
+        if num_blocks < 2:
+            raise ValueError(f"the KV cache needs at least 2 blocks (one is reserved), got {num_blocks}")
+        self.caches = self.model.allocate_caches(num_blocks, block_size)
+        self.cache_config = CacheConfig(num_blocks, block_size)
+        return self.cache_config
+
+    # ---- forward -------------------------------------------------------------------------------
+    def forward(self, inputs: DeviceInputs):
+        return self.model.forward(inputs.input_ids, inputs.positions, self.caches, inputs.meta, inputs.lm_head_indices)
+
+    def forward_mtp(self, module_idx: int, inputs: DeviceInputs, hidden_states: torch.Tensor):
+        return self.model.forward_mtp(
+            module_idx, inputs.input_ids, hidden_states, inputs.positions, self.caches, inputs.meta, inputs.lm_head_indices
+        )
+
+    @torch.inference_mode()
+    def warmup(self, num_tokens: int = 4) -> None:
+        """One dummy prefill written into the reserved block, so first-request latency is not the
+        place where lazy initialisation happens; nothing of a real sequence is touched."""
+        cc = self.cache_config
+        n = max(1, min(num_tokens, cc.block_size))
+        host = build_model_inputs([[0] * n], [0], [[cc.dummy_block_id]], cc.block_size)
+        self.forward(to_device(host, self.device))
+        self.backend.synchronize()
+

@@ -1,0 +1,45 @@
+"""Generator (MindIE's generator_torch): host inputs -> device tensors -> ModelWrapper -> outputs.
+
+It is the one place that knows about data-parallel attention: with dp > 1 the batch is split over
+ranks and every rank padded to the same token count (MoE collectives need equal shapes). This
+build runs dp = 1, so the split is the identity, but the hook and its bookkeeping live here so the
+plugin manager and the model never change when dp arrives.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from mindspec.modeling.forward_metadata import ModelInputs, to_device
+from mindspec.modeling.model_wrapper import ModelWrapper
+
+
+@dataclass
+class GeneratorOutput:
+    logits: torch.Tensor  # [N, vocab] float32, rows at lm_head_indices
+    hidden_states: torch.Tensor  # [T, hidden] (after the final norm)
+    draft_tokens: Optional[torch.Tensor] = None  # [bs, K] when a drafter ran in the same forward
+
+
+class Generator:
+    def __init__(self, model_wrapper: ModelWrapper, dp_size: int = 1):
+        if dp_size != 1:
+            raise ValueError(f"dp={dp_size}: attention data parallelism is not available in this build (dp must be 1)")
+        self.model_wrapper = model_wrapper
+        self.dp_size = dp_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.model_wrapper.device
+
+    def dp_partition(self, model_inputs: ModelInputs) -> ModelInputs:
+        """This rank's share of the batch (dp = 1: all of it)."""
+        return model_inputs
+
+    @torch.inference_mode()
+    def forward(self, model_inputs: ModelInputs) -> GeneratorOutput:
+        local = self.dp_partition(model_inputs)
+        out = self.model_wrapper.forward(to_device(local, self.device))
+        return GeneratorOutput(logits=out.logits, hidden_states=out.hidden_states)

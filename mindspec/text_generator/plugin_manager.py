@@ -1,0 +1,121 @@
+"""PluginManager: one decoding step for a scheduled batch (MindIE's ``generate_token``).
+
+    compose model inputs (host, numpy)
+    -> plugins: model_inputs_update         (MTP: q_lens, sub_model_inputs, hidden_states)
+    -> generator forward (plugins that draft drive their own forward)
+    -> plugins: sample_preprocess           (MTP: one sampling row per draft position)
+    -> sampler
+    -> plugins: plugin_verify               (MTP: decoding policy, accepted tokens per sequence)
+    -> plugins: plugin_cache_update         (MTP: hidden states for the next step)
+With no plugin this is plain autoregressive decoding: one row, one token per sequence.
+``plugin_cache_clear`` runs when the engine retires sequences.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence as Seq
+
+import numpy as np
+
+from mindspec.modeling.forward_metadata import build_model_inputs
+from mindspec.plugins.plugin import Plugin
+from mindspec.text_generator.generator import Generator, GeneratorOutput
+from mindspec.text_generator.sampling.metadata import SamplingMetadata
+from mindspec.text_generator.sampling.sampler import Sampler
+from mindspec.text_generator.step import StepBatch, StepInputs, StepOutputs
+
+
+class PluginManager:
+    def __init__(
+        self,
+        generator: Generator,
+        sampler: Optional[Sampler] = None,
+        plugins: Seq[Plugin] = (),
+        vocab_size: Optional[int] = None,
+        eos_token_ids: Seq[int] = (),
+    ):
+        self.generator = generator
+        self.sampler = sampler or Sampler()
+        self.plugins = list(plugins)
+        self.vocab_size = vocab_size or generator.model_wrapper.config.vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        return max((p.num_lookahead_tokens for p in self.plugins), default=0)
+
+    # ---- one step ------------------------------------------------------------------------------
+    def generate_token(self, batch: StepBatch) -> StepOutputs:
+        inputs = self.compose_model_inputs(batch)
+        for plugin in self.plugins:
+            inputs = plugin.model_inputs_update(batch, inputs)
+        outputs = self.forward(batch, inputs)
+        for plugin in self.plugins:
+            inputs = plugin.sample_preprocess(batch, inputs)
+        self.sample(batch, inputs, outputs)
+        # Without a drafter every sequence has one row and keeps its sampled token.
+        outputs.accepted = [[int(t)] for t in outputs.sampled[: len(batch)]]
+        outputs.accepted_rows = [[i] for i in range(len(batch))]
+        for plugin in self.plugins:
+            outputs = plugin.plugin_verify(batch, inputs, outputs)
+        for plugin in self.plugins:
+            plugin.plugin_cache_update(batch, inputs, outputs)
+        return outputs
+
+    def clear(self, seq_ids: list[int]) -> None:
+        for plugin in self.plugins:
+            plugin.plugin_cache_clear(seq_ids)
+
+    # ---- stages --------------------------------------------------------------------------------
+    def compose_model_inputs(self, batch: StepBatch) -> StepInputs:
+        """Prefill feeds every uncached token (the prompt, or prompt + output after a preemption);
+        decode feeds the last token. Logits are taken at each sequence's last token."""
+        seqs = batch.seqs
+        tokens = [s.token_ids[s.num_cached_tokens :] for s in seqs]
+        model_inputs = build_model_inputs(
+            tokens, [s.num_cached_tokens for s in seqs], [s.block_table for s in seqs], batch.block_size
+        )
+        n = len(seqs)
+        return StepInputs(
+            model_inputs=model_inputs,
+            q_lens=model_inputs.q_lens,
+            row_seq=np.arange(n, dtype=np.int64),
+            row_offset=np.zeros(n, dtype=np.int64),
+        )
+
+    def forward(self, batch: StepBatch, inputs: StepInputs) -> StepOutputs:
+        for plugin in self.plugins:
+            drive = getattr(plugin, "forward", None)
+            if drive is not None:
+                out: GeneratorOutput = drive(batch, inputs, self.generator)
+                break
+        else:
+            out = self.generator.forward(inputs.model_inputs)
+        return StepOutputs(logits=out.logits, hidden_states=out.hidden_states, draft_tokens=out.draft_tokens)
+
+    def sampling_metadata(self, batch: StepBatch, inputs: StepInputs, draft_prefix: Optional[np.ndarray] = None) -> SamplingMetadata:
+        """One row per logits row. Row r of sequence b samples output position
+        len(output) + row_offset[r]; its penalty history includes the drafts before it."""
+        seqs = [batch.seqs[b] for b in inputs.row_seq]
+        outputs = [s.output_token_ids for s in seqs]
+        if draft_prefix is not None:
+            outputs = [o + draft_prefix[b, :k].tolist() for o, b, k in zip(outputs, inputs.row_seq, inputs.row_offset)]
+        return SamplingMetadata.build(
+            params=[s.sampling_params for s in seqs],
+            prompt_ids=[s.prompt_token_ids for s in seqs],
+            output_ids=outputs,
+            output_positions=[s.num_output_tokens + int(k) for s, k in zip(seqs, inputs.row_offset)],
+            vocab_size=self.vocab_size,
+            device=self.generator.device,
+            eos_token_ids=self.eos_token_ids,
+        )
+
+    def sample(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs) -> None:
+        drafts = None if outputs.draft_tokens is None else outputs.draft_tokens.cpu().numpy()
+        md = self.sampling_metadata(batch, inputs, drafts)
+        inputs.extra["sampling_metadata"] = md
+        res = self.sampler(outputs.logits, md)
+        outputs.sampled = res.token_ids.cpu().numpy()
+        outputs.logprobs = res.logprobs.cpu().numpy()
+        if res.top_logprobs is not None:
+            outputs.top_logprobs = (res.top_logprobs[0].cpu().numpy(), res.top_logprobs[1].cpu().numpy())
+

@@ -1,0 +1,132 @@
+"""Per-request sampling parameters (MindIE / vLLM / OpenAI names) and their validation."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+_MAX_SEED = 2**63
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range; the message names the field and the bad value."""
+
+    def __init__(self, name: str, value, rule: str):
+        self.field = name
+        self.value = value
+        super().__init__(f"invalid sampling parameter {name}={value!r}: {rule}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters of one request.
+
+    temperature 0 means greedy; top_k 0 or -1 and top_p 1 switch those filters off; min_p 0 is off.
+    Penalties follow vLLM: repetition (HF rule, prompt + output tokens), frequency and presence
+    (output tokens only). `seed` makes the request's tokens depend only on (seed, output position).
+    min_tokens keeps stop_token_ids and EOS (unless ignore_eos) from being sampled too early.
+    `logprobs` asks for the top-n log-probabilities of every output position (0..20).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        self._normalize()
+        self._validate()
+
+    def _normalize(self):
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop) if isinstance(self.stop, (list, tuple)) else self.stop
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
+        if _is_number(self.temperature):
+            self.temperature = float(self.temperature)
+        if _is_number(self.top_p):
+            self.top_p = float(self.top_p)
+        if _is_number(self.min_p):
+            self.min_p = float(self.min_p)
+
+    def _validate(self):
+        def bad(name, rule):
+            raise SamplingParamsError(name, getattr(self, name), rule)
+
+        if not _is_number(self.temperature) or self.temperature < 0:
+            bad("temperature", "must be a finite number >= 0 (0 = greedy)")
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
+            bad("top_k", "must be an int >= 1, or 0 / -1 to disable")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be a finite number > 0 (1 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2.0 <= v <= 2.0:
+                bad(name, "must be in [-2, 2]")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < _MAX_SEED):
+            bad("seed", "must be None or an int in [0, 2**63)")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            bad("max_tokens", "must be an int >= 1")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            bad("min_tokens", "must be an int >= 0")
+        if self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a non-empty str or a list of non-empty str")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            _is_int(t) and t >= 0 for t in self.stop_token_ids
+        ):
+            bad("stop_token_ids", "must be a list of ints >= 0")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", "must be a bool")
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            bad("logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
+        if not isinstance(self.skip_special_tokens, bool):
+            bad("skip_special_tokens", "must be a bool")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )

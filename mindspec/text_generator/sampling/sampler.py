@@ -1,0 +1,165 @@
+"""Batched token sampler: penalties -> temperature -> top-k -> top-p -> min-p -> exponential race.
+
+Pipeline per row (all fp32, vectorised over rows):
+  1. penalised logits = penalties(raw logits) with min_tokens bans set to -inf.
+  2. greedy rows: argmax of the penalised logits (ties -> lowest id).
+  3. random rows: divide by temperature; top-k keeps tokens >= the k-th largest logit; top-p keeps
+     tokens whose strictly-larger mass (under the top-k renormalised distribution) is < top_p;
+     min-p keeps tokens with p >= min_p * p_max. Every filter is threshold based, so tokens tied
+     with the last kept token are kept too, whatever the sort order. Softmax gives the target p.
+  4. sample argmax(p / E), E ~ Exp(1) (the exponential race, exact for categorical p).
+     Seeded rows draw E from their own generator seeded by (seed, output position), so a seeded
+     request's tokens depend on neither the batch nor the other rows; unseeded rows share one draw.
+
+Reported logprobs are vLLM's "raw" logprobs: log_softmax of the penalised logits (step 1), before
+temperature and the filters, so they do not depend on temperature/top-k/top-p/min-p.
+`processed_probs` returns the step-3 distribution (greedy rows one-hot) for speculative verification.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .metadata import SamplingMetadata
+from .penalties import apply_penalties
+
+_SEED_MULT = 1_000_003
+_SEED_MOD = 2**63
+
+
+def row_seed(seed: int, output_position: int) -> int:
+    """Generator seed of a seeded row: a function of (seed, output position) only."""
+    return (int(seed) * _SEED_MULT + int(output_position)) % _SEED_MOD
+
+
+def make_generator(seed: int, output_position: int, device: torch.device | str) -> torch.Generator:
+    gen = torch.Generator(device=torch.device(device))
+    gen.manual_seed(row_seed(seed, output_position))
+    return gen
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [N] int64
+    logprobs: torch.Tensor  # [N] fp32, log_softmax(penalised logits) at the chosen token
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None  # (ids [N, n] int64, values [N, n] fp32)
+
+
+def penalised_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """fp32 logits after penalties and min_tokens bans (a new tensor; the input is untouched)."""
+    out = apply_penalties(logits, md)
+    if md.banned_rows is not None:
+        if out is logits:
+            out = out.clone()
+        out[md.banned_rows, md.banned_token_ids] = float("-inf")
+    return out
+
+
+def filter_logits(scaled: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Apply top-k, top-p and min-p to temperature-scaled logits; removed tokens become -inf."""
+    if not md.any_filters:
+        return scaled
+    neg_inf = torch.tensor(float("-inf"), device=scaled.device)
+    keep = None
+    if md.any_top_k or md.any_top_p:
+        sorted_l, _ = scaled.sort(dim=-1, descending=True)
+        thr = torch.full((md.num_rows, 1), float("-inf"), device=scaled.device)
+        if md.any_top_k:
+            thr = sorted_l.gather(1, (md.top_k - 1).unsqueeze(1))
+            sorted_l = sorted_l.masked_fill(sorted_l < thr, neg_inf)
+        if md.any_top_p:
+            sp = sorted_l.softmax(dim=-1)
+            # mass of the tokens ranked strictly before each position (exactly monotone)
+            csum = torch.cumsum(sp, dim=-1)
+            excl = torch.cat([torch.zeros_like(csum[:, :1]), csum[:, :-1]], dim=1)
+            keep_sorted = excl < md.top_p.unsqueeze(1)
+            keep_sorted[:, 0] = True
+            n_keep = keep_sorted.sum(dim=-1, keepdim=True)
+            p_thr = sorted_l.gather(1, n_keep - 1)
+            p_thr = torch.where(md.top_p.unsqueeze(1) < 1.0, p_thr, neg_inf)
+            thr = torch.maximum(thr, p_thr)
+        keep = scaled >= thr
+    if md.any_min_p:
+        masked = scaled if keep is None else scaled.masked_fill(~keep, neg_inf)
+        probs = masked.softmax(dim=-1)
+        p_max = probs.amax(dim=-1, keepdim=True)
+        keep_p = probs >= md.min_p.unsqueeze(1) * p_max
+        keep = keep_p if keep is None else keep & keep_p
+    return scaled.masked_fill(~keep, neg_inf)
+
+
+def probs_from_penalised(pen: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Target distribution [N, V] fp32 from penalised logits; greedy rows one-hot at argmax."""
+    v = pen.shape[1]
+    if md.all_greedy:
+        return _one_hot(pen.argmax(dim=-1), v)
+    scaled = pen / md.temperature.unsqueeze(1)  # greedy rows hold temperature 1
+    probs = filter_logits(scaled, md).softmax(dim=-1)
+    if not md.all_random:
+        one_hot = _one_hot(pen.argmax(dim=-1), v)
+        probs = torch.where(md.greedy_mask.unsqueeze(1), one_hot, probs)
+    return probs
+
+
+def processed_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Target distribution after penalties, temperature, top-k, top-p and min-p ([N, V] fp32)."""
+    return probs_from_penalised(penalised_logits(logits, md), md)
+
+
+def _one_hot(ids: torch.Tensor, v: int) -> torch.Tensor:
+    out = torch.zeros(ids.shape[0], v, dtype=torch.float32, device=ids.device)
+    out.scatter_(1, ids.unsqueeze(1), 1.0)
+    return out
+
+
+class Sampler:
+    """Stateless apart from the generator used for unseeded rows (None = torch's default)."""
+
+    def __init__(self, generator: torch.Generator | None = None):
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape != (md.num_rows, md.vocab_size):
+            raise ValueError(
+                f"logits shape {tuple(logits.shape)} != ({md.num_rows}, {md.vocab_size})"
+            )
+        pen = penalised_logits(logits, md)
+        greedy_ids = None if md.all_random else pen.argmax(dim=-1)
+        if md.all_greedy:
+            token_ids = greedy_ids
+        else:
+            probs = probs_from_penalised(pen, md)
+            token_ids = self.sample_from_probs(probs, md)
+            if greedy_ids is not None:
+                token_ids = torch.where(md.greedy_mask, greedy_ids, token_ids)
+        return self._logprobs(pen, token_ids, md)
+
+    def processed_probs(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        return processed_probs(logits, md)
+
+    def exponential_noise(self, md: SamplingMetadata) -> torch.Tensor:
+        """Exp(1) noise [N, V]; seeded rows from their (seed, position) generator."""
+        q = torch.empty(md.num_rows, md.vocab_size, dtype=torch.float32, device=md.device)
+        q.exponential_(generator=self.generator)
+        if md.any_seeded:
+            for i, (seed, pos) in enumerate(zip(md.seeds_host, md.output_positions_host)):
+                if seed >= 0:
+                    q[i].exponential_(generator=make_generator(seed, pos, md.device))
+        # exponential_ can return exactly 0; keep the division finite
+        return q.clamp_min_(torch.finfo(torch.float32).tiny)
+
+    def sample_from_probs(self, probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Exponential race: argmax(p / E) is distributed as Categorical(p)."""
+        return (probs / self.exponential_noise(md)).argmax(dim=-1)
+
+    @staticmethod
+    def _logprobs(pen: torch.Tensor, token_ids: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        if md.max_num_logprobs is None:
+            chosen = pen.gather(1, token_ids.unsqueeze(1)).squeeze(1) - pen.logsumexp(dim=-1)
+            return SamplerOutput(token_ids, chosen, None)
+        lp = pen.log_softmax(dim=-1)
+        chosen = lp.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        n = min(md.max_num_logprobs, md.vocab_size)
+        values, ids = lp.topk(n, dim=-1)
+        return SamplerOutput(token_ids, chosen, (ids, values))

@@ -1,0 +1,58 @@
+"""Records passed between the plugin manager, its plugins and the generator for one step.
+
+Names follow seed 000's module-boundary table: ``model_inputs``, ``sub_model_inputs``, ``q_lens``,
+``hidden_states``; back: ``logits``, ``hidden_states``, ``draft_tokens``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from mindspec.engine.sequence import Sequence
+from mindspec.modeling.forward_metadata import ModelInputs
+
+
+@dataclass
+class StepBatch:
+    """The scheduled sequences of one step, host side (MindIE's InputMetadata)."""
+
+    seqs: list[Sequence]
+    is_prefill: bool
+    block_size: int
+
+    @property
+    def seq_ids(self) -> list[int]:
+        return [s.seq_id for s in self.seqs]
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+@dataclass
+class StepInputs:
+    model_inputs: ModelInputs
+    q_lens: np.ndarray  # [B] int32 tokens per sequence in model_inputs
+    # Which sequence each logits row belongs to, and how many draft tokens precede it: rows of one
+    # sequence sit at consecutive output positions (sampling seeds and penalties depend on it).
+    row_seq: np.ndarray  # [N] int64
+    row_offset: np.ndarray  # [N] int64
+    sub_model_inputs: Optional[ModelInputs] = None  # the drafter's inputs (MTP decode)
+    hidden_states: Optional[torch.Tensor] = None  # [rows, hidden] cached hidden states for the drafter
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class StepOutputs:
+    logits: torch.Tensor  # [N, vocab] float32
+    hidden_states: torch.Tensor  # [T, hidden]
+    draft_tokens: Optional[torch.Tensor] = None  # [B, K]
+    sampled: Optional[np.ndarray] = None  # [N] int64 sampled target token per row
+    logprobs: Optional[np.ndarray] = None  # [N] float32
+    top_logprobs: Optional[tuple[np.ndarray, np.ndarray]] = None  # ([N, n] ids, [N, n] values)
+    # Per sequence: the tokens accepted this step (1..K+1) and, with drafts, how many were accepted.
+    accepted: list[list[int]] = field(default_factory=list)
+    num_draft_accepted: Optional[list[int]] = None
+    accepted_rows: list[list[int]] = field(default_factory=list)  # logits rows of the accepted tokens

@@ -1,0 +1,85 @@
+"""Multi-head latent attention (MLA) over a paged cache that holds only the latent.
+
+Per token and layer the cache keeps c_kv = kv_a_layernorm(latent) (kv_lora_rank values) and the
+roped k_pe (qk_rope_head_dim values). Sequences with no cached context (a plain prefill) expand K/V
+through kv_b_proj and run ordinary causal attention; everything else (decode, MTP verification,
+context continuation) absorbs kv_b_proj into the query and the output, so K/V are never expanded:
+q_lat = q_nope . W_UK against c_kv, and o = o_lat . W_UV^T.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mindspec.backend import AttentionMetadata, Backend, LatentCache, RotaryEmbedding
+
+from .config import DeepseekV2Config
+from .tensors import TensorBag
+
+
+class MlaAttention:
+    def __init__(
+        self,
+        cfg: DeepseekV2Config,
+        w: TensorBag,
+        backend: Backend,
+        rotary: RotaryEmbedding,
+        softmax_scale: float,
+    ):
+        self.backend = backend
+        self.rotary = rotary
+        self.scale = softmax_scale
+        self.eps = cfg.rms_norm_eps
+        self.num_heads = cfg.num_attention_heads
+        self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        if cfg.q_lora_rank is None:
+            self.q_proj = w.take("q_proj.weight")  # [H * (nope + rope), hidden]
+            self.q_a_proj = None
+        else:
+            self.q_a_proj = w.take("q_a_proj.weight")  # [q_lora, hidden]
+            self.q_a_layernorm = w.take("q_a_layernorm.weight")
+            self.q_b_proj = w.take("q_b_proj.weight")  # [H * (nope + rope), q_lora]
+        self.kv_a_proj = w.take("kv_a_proj_with_mqa.weight")  # [R + P, hidden]
+        self.kv_a_layernorm = w.take("kv_a_layernorm.weight")  # [R]
+        kv_b = w.take("kv_b_proj.weight")  # [H * (nope + v), R], rows per head: [k_nope | v]
+        self.kv_b_proj = kv_b
+        per_head = kv_b.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        self.w_uk = per_head[:, : self.nope_dim].contiguous()  # [H, nope, R]
+        self.w_uv = per_head[:, self.nope_dim :].contiguous()  # [H, v, R]
+        self.o_proj = w.take("o_proj.weight")  # [hidden, H * v]
+
+    def _query(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q_a_proj is None:
+            q = F.linear(x, self.q_proj)
+        else:
+            q_a = self.backend.rms_norm(F.linear(x, self.q_a_proj), self.q_a_layernorm, self.eps)
+            q = F.linear(q_a, self.q_b_proj)
+        return q.view(x.shape[0], self.num_heads, self.nope_dim + self.rope_dim)  # [T, H, nope + rope]
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: LatentCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; writes the new tokens' latents into ``cache``."""
+        q = self._query(x)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_pe = self.backend.rope(q_pe, positions, self.rotary)
+        kv_a = F.linear(x, self.kv_a_proj)  # [T, R + P]
+        c_kv, k_pe = self.backend.latent_norm_rope_cache(
+            kv_a, self.kv_a_layernorm, self.eps, positions, self.rotary, cache, meta.slots
+        )
+        if meta.is_prefill and meta.tree_mask is None:
+            out = self._prefill(q_nope, q_pe, c_kv, k_pe, meta)
+        else:
+            out = self._absorbed(q_nope, q_pe, cache, meta)
+        return F.linear(out.reshape(x.shape[0], self.num_heads * self.v_dim), self.o_proj)
+
+    def _prefill(self, q_nope, q_pe, c_kv, k_pe, meta) -> torch.Tensor:
+        kv = F.linear(c_kv, self.kv_b_proj).view(-1, self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        return self.backend.mla_prefill(q_nope, q_pe, k_nope, k_pe, v, meta, self.scale)  # [T, H, v]
+
+    def _absorbed(self, q_nope, q_pe, cache, meta) -> torch.Tensor:
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, R]
+        o_lat = self.backend.mla_attention(q_lat, q_pe, cache, meta, self.scale)  # [T, H, R]
+        return torch.bmm(o_lat.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]

@@ -1,0 +1,150 @@
+"""FlashCausalDeepseekV2: the DeepSeek-V2/V3 main model and its MTP modules on a paged latent cache.
+
+The model sees flat token-major batches and cache metadata, never requests. All device work goes
+through the Backend; this file has no device checks. Entry points:
+
+- ``forward``: the main model -> logits at ``lm_head_indices`` and the hidden states of every token
+  (after the final norm, which is what the first MTP step consumes);
+- ``forward_mtp``: one MTP module step (MTP Vanilla calls modules 0..K-1 once each, MTP Eagle calls
+  module 0 K times over the same cache) -> logits at ``lm_head_indices`` and block outputs.
+
+Caches are one LatentCache per layer: main layers 0..L-1, then MTP module j at index L + j.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from mindspec.backend import AttentionMetadata, Backend, LatentCache
+from mindspec.modeling.loader import load_checkpoint
+from mindspec.modeling.rotary import build_rotary, softmax_scale
+
+from .config import DeepseekV2Config, ModelConfigError
+from .decoder_layer import DecoderLayer
+from .mtp import MtpModule
+from .tensors import TensorBag
+from .weights import ignored_patterns, layer_prefix, model_specs
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [N, vocab] float32, rows at lm_head_indices
+    hidden_states: torch.Tensor  # [T, hidden] every token (main: after the final norm; MTP: block output)
+
+
+class FlashCausalDeepseekV2:
+    def __init__(
+        self,
+        cfg: DeepseekV2Config,
+        tensors: dict[str, torch.Tensor],
+        backend: Backend,
+        num_mtp_modules: int = 0,
+    ):
+        self.cfg = cfg
+        self.backend = backend
+        self.num_mtp_modules = num_mtp_modules
+        self.dtype = tensors["model.embed_tokens.weight"].dtype
+        self.rotary = build_rotary(cfg.qk_rope_head_dim, cfg.rope, cfg.max_position_embeddings)
+        self.rotary.inv_freq = self.rotary.inv_freq.to(backend.device)
+        scale = softmax_scale(cfg.qk_head_dim, cfg.rope)
+        bag = TensorBag(tensors)
+        self.embed = bag.take("model.embed_tokens.weight")  # [vocab, hidden]
+        self.norm = bag.take("model.norm.weight")
+        self.lm_head = bag.take_optional("lm_head.weight")
+        if self.lm_head is None:  # tie_word_embeddings
+            self.lm_head = self.embed
+        self.layers = [
+            DecoderLayer(cfg, i, bag.scope(layer_prefix(i)), backend, self.rotary, scale)
+            for i in range(cfg.num_hidden_layers)
+        ]
+        self.mtp_modules = [
+            MtpModule(
+                cfg, j, bag.scope(layer_prefix(cfg.num_hidden_layers + j)), backend,
+                self.rotary, scale, self.embed, self.lm_head,
+            )
+            for j in range(num_mtp_modules)
+        ]
+        if bag.remaining():
+            raise ModelConfigError(f"checkpoint tensors left unused by the model: {bag.remaining()[:5]}")
+
+    # ---- construction ------------------------------------------------------------------------
+    @classmethod
+    def load(
+        cls,
+        model_dir: str | Path,
+        backend: Backend,
+        dtype: torch.dtype = torch.bfloat16,
+        num_mtp_modules: Optional[int] = None,
+        progress: bool = True,
+    ) -> "FlashCausalDeepseekV2":
+        """Load a Hugging Face-layout checkpoint; ``num_mtp_modules`` None loads every MTP module."""
+        cfg = DeepseekV2Config.from_model_dir(model_dir)
+        available = cfg.num_nextn_predict_layers
+        if num_mtp_modules is None:
+            num_mtp_modules = available
+        if num_mtp_modules > available:
+            raise ModelConfigError(
+                f"{num_mtp_modules} MTP module(s) requested but config.json num_nextn_predict_layers={available}"
+            )
+        tensors = load_checkpoint(
+            model_dir,
+            model_specs(cfg, num_mtp_modules),
+            dtype,
+            ignore=ignored_patterns(cfg, num_mtp_modules),
+            device=str(backend.device),
+            progress=progress,
+        )
+        return cls(cfg, tensors, backend, num_mtp_modules)
+
+    @property
+    def num_cache_layers(self) -> int:
+        return self.cfg.num_hidden_layers + self.num_mtp_modules
+
+    def allocate_caches(self, num_blocks: int, block_size: int, dtype: Optional[torch.dtype] = None) -> list[LatentCache]:
+        """One latent cache per main layer and per MTP module, all addressed by the same slots."""
+        return [
+            self.backend.allocate_latent_cache(
+                num_blocks, block_size, self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim, dtype or self.dtype
+            )
+            for _ in range(self.num_cache_layers)
+        ]
+
+    def cache_bytes_per_token(self, dtype: Optional[torch.dtype] = None) -> int:
+        itemsize = torch.empty((), dtype=dtype or self.dtype).element_size()
+        return self.num_cache_layers * self.cfg.latent_dim * itemsize
+
+    # ---- forward -------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        caches: list[LatentCache],
+        meta: AttentionMetadata,
+        lm_head_indices: torch.Tensor,  # [N] int64 rows of the flat batch that need logits
+    ) -> ModelOutput:
+        x = F.embedding(input_ids, self.embed)  # [T, hidden]
+        residual = None
+        for layer, cache in zip(self.layers, caches):
+            x, residual = layer.forward(x, residual, positions, cache, meta)
+        hidden, _ = self.backend.add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
+        logits = F.linear(hidden[lm_head_indices], self.lm_head).float()
+        return ModelOutput(logits=logits, hidden_states=hidden)
+
+    def forward_mtp(
+        self,
+        module_idx: int,
+        input_ids: torch.Tensor,  # [T] tokens t(i+1)
+        hidden_states: torch.Tensor,  # [T, hidden] h(i) from the main model or the previous MTP step
+        positions: torch.Tensor,  # [T] (position i: the convention of mindspec, see DESIGN.md 5)
+        caches: list[LatentCache],
+        meta: AttentionMetadata,
+        lm_head_indices: torch.Tensor,  # [N]
+    ) -> ModelOutput:
+        module = self.mtp_modules[module_idx]
+        cache = caches[self.cfg.num_hidden_layers + module_idx]
+        block_out = module.forward(input_ids, hidden_states, positions, cache, meta)
+        return ModelOutput(logits=module.logits(block_out[lm_head_indices]), hidden_states=block_out)

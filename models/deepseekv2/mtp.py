@@ -1,0 +1,70 @@
+"""DeepSeek-V3 multi-token-prediction (MTP) module.
+
+Module j pairs token t(i+1) with the previous stage's hidden state h(i):
+    x = eh_proj(concat[enorm(embed(t(i+1))), hnorm(h(i))])      (embedding first, as DeepSeek)
+    block_out = decoder_block(x)                                  (its own latent cache)
+    logits = shared_head.head(shared_head.norm(block_out))
+The first stage's h is the main model's hidden state after its final norm; a further MTP step
+(the next module in MTP Vanilla, the same module again in MTP Eagle) takes block_out before the
+shared-head norm, as vLLM does.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mindspec.backend import AttentionMetadata, Backend, LatentCache, RotaryEmbedding
+
+from .config import DeepseekV2Config
+from .decoder_layer import DecoderLayer
+from .tensors import TensorBag
+
+
+def _shared_or_own(own: torch.Tensor | None, main: torch.Tensor) -> torch.Tensor:
+    # DeepSeek-V3 ships copies of the main embedding and lm_head in each module; keep one tensor.
+    if own is None or torch.equal(own, main):
+        return main
+    return own
+
+
+class MtpModule:
+    def __init__(
+        self,
+        cfg: DeepseekV2Config,
+        module_idx: int,
+        w: TensorBag,
+        backend: Backend,
+        rotary: RotaryEmbedding,
+        softmax_scale: float,
+        main_embed: torch.Tensor,
+        main_head: torch.Tensor,
+    ):
+        self.backend = backend
+        self.eps = cfg.rms_norm_eps
+        self.module_idx = module_idx
+        self.enorm = w.take("enorm.weight")
+        self.hnorm = w.take("hnorm.weight")
+        self.eh_proj = w.take("eh_proj.weight")  # [hidden, 2 * hidden]
+        self.head_norm = w.take("shared_head.norm.weight")
+        self.embed = _shared_or_own(w.take_optional("embed_tokens.weight"), main_embed)
+        self.head = _shared_or_own(w.take_optional("shared_head.head.weight"), main_head)
+        self.block = DecoderLayer(cfg, cfg.num_hidden_layers + module_idx, w, backend, rotary, softmax_scale)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] tokens t(i+1)
+        hidden_states: torch.Tensor,  # [T, hidden] h(i) of the previous stage
+        positions: torch.Tensor,  # [T]
+        cache: LatentCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """-> block_out [T, hidden], before the shared-head norm."""
+        e = self.backend.rms_norm(F.embedding(input_ids, self.embed), self.enorm, self.eps)
+        h = self.backend.rms_norm(hidden_states, self.hnorm, self.eps)
+        x = F.linear(torch.cat([e, h], dim=-1), self.eh_proj)
+        out, residual = self.block.forward(x, None, positions, cache, meta)
+        return out + residual
+
+    def logits(self, block_out: torch.Tensor) -> torch.Tensor:
+        """block_out [N, hidden] -> logits [N, vocab] float32."""
+        return F.linear(self.backend.rms_norm(block_out, self.head_norm, self.eps), self.head).float()

@@ -1,0 +1,63 @@
+"""The Plugin interface: five hooks the PluginManager calls around every forward (MindIE's
+``text_generator/plugins/plugin.py``), plus the registry that loads a plugin by name.
+
+Plugins are found as ``mindspec.plugins.{name}.{name}_plugin.{Name}Plugin`` (``mtp`` -> MtpPlugin)
+or through the ``mindspec.plugins`` entry-point group.
+"""
+from __future__ import annotations
+
+import importlib
+from abc import ABC
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mindspec.text_generator.step import StepBatch, StepInputs, StepOutputs
+
+
+class PluginError(ValueError):
+    """A plugin cannot be loaded or configured."""
+
+
+class Plugin(ABC):
+    """Hooks default to "change nothing", so a plugin implements only what it alters."""
+
+    name = "plugin"
+    # KV positions a decode step writes beyond one new token per sequence (MTP: drafts).
+    num_lookahead_tokens = 0
+
+    def model_inputs_update(self, batch: "StepBatch", inputs: "StepInputs") -> "StepInputs":
+        return inputs
+
+    def sample_preprocess(self, batch: "StepBatch", inputs: "StepInputs") -> "StepInputs":
+        return inputs
+
+    def plugin_verify(self, batch: "StepBatch", inputs: "StepInputs", outputs: "StepOutputs") -> "StepOutputs":
+        return outputs
+
+    def plugin_cache_update(self, batch: "StepBatch", inputs: "StepInputs", outputs: "StepOutputs") -> None:
+        pass
+
+    def plugin_cache_clear(self, seq_ids: list[int]) -> None:
+        pass
+
+
+def _camel(name: str) -> str:
+    return "".join(part.capitalize() for part in name.split("_"))
+
+
+def plugin_class(name: str) -> type[Plugin]:
+    eps = {ep.name: ep.value for ep in entry_points(group="mindspec.plugins")}
+    target = eps.get(name, f"mindspec.plugins.{name}.{name}_plugin:{_camel(name)}Plugin")
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            raise PluginError(f"plugin_params.plugin_type: unknown plugin {name!r}") from None
+        raise
+    return getattr(module, attr)
+
+
+def load_plugin(name: str, **kwargs: Any) -> Plugin:
+    return plugin_class(name)(**kwargs)

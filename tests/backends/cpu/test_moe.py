@@ -1,0 +1,135 @@
+import pytest
+import torch
+
+import op_references as ref
+from mindspec.backend import ExpertWeights, RouterConfig
+from mindspec.backends.cpu import CpuBackend
+
+HIDDEN, E, T = 32, 16, 23
+
+
+def _sorted(w, ids):
+    order = torch.argsort(ids, dim=-1)
+    return w.gather(1, order), ids.gather(1, order)
+
+
+@pytest.mark.parametrize("method,n_group,topk_group", [("greedy", 1, 1), ("group_limited_greedy", 4, 2)])
+def test_v2_router_matches_transformers(method, n_group, topk_group):
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    cfg = DeepseekV2Config(hidden_size=HIDDEN, n_routed_experts=E, num_experts_per_tok=4, n_group=n_group,
+                           topk_group=topk_group, topk_method=method, routed_scaling_factor=16.0,
+                           norm_topk_prob=False)
+    hf = DeepseekV2TopkRouter(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(E, HIDDEN, generator=g).to(torch.bfloat16))  # a bf16 checkpoint
+    x = torch.randn(T, HIDDEN, generator=g).to(torch.bfloat16)
+    _, hf_w, hf_ids = hf(x)
+    router = RouterConfig(top_k=4, scoring="softmax", topk_method=method, n_group=n_group,
+                          topk_group=topk_group, norm_topk_prob=False, routed_scaling_factor=16.0)
+    w, ids = CpuBackend().moe_gate(x, hf.weight.data.to(torch.bfloat16), None, router)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int64 and w.shape == (T, 4)
+    w, ids = _sorted(w, ids)
+    hf_w, hf_ids = _sorted(hf_w, hf_ids)
+    assert torch.equal(ids, hf_ids)
+    torch.testing.assert_close(w, hf_w, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_v3_router_matches_transformers(norm):
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    cfg = DeepseekV3Config(hidden_size=HIDDEN, n_routed_experts=E, num_experts_per_tok=4, n_group=4,
+                           topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=norm)
+    hf = DeepseekV3TopkRouter(cfg)
+    g = torch.Generator().manual_seed(1)
+    bias = torch.randn(E, generator=g) * 0.5
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(E, HIDDEN, generator=g))
+        hf.e_score_correction_bias.copy_(bias)
+    x = torch.randn(T, HIDDEN, generator=g)
+    _, hf_w, hf_ids = hf(x)
+    router = RouterConfig(top_k=4, scoring="sigmoid", topk_method="noaux_tc", n_group=4, topk_group=2,
+                          norm_topk_prob=norm, routed_scaling_factor=2.5)
+    w, ids = CpuBackend().moe_gate(x, hf.weight.data, bias, router)
+    w, ids = _sorted(w, ids)
+    hf_w, hf_ids = _sorted(hf_w, hf_ids)
+    assert torch.equal(ids, hf_ids)
+    torch.testing.assert_close(w, hf_w, atol=1e-6, rtol=1e-6)
+    # the bias steers the choice only: the weights are the unbiased sigmoid scores
+    s = torch.sigmoid(x @ hf.weight.data.T).gather(1, ids)
+    if norm:
+        s = s / s.sum(-1, keepdim=True)
+    torch.testing.assert_close(w, s * 2.5, atol=1e-5, rtol=1e-5)
+
+
+def test_v3_group_limit_restricts_choice():
+    g = torch.Generator().manual_seed(2)
+    x, gate = torch.randn(T, HIDDEN, generator=g), torch.randn(E, HIDDEN, generator=g)
+    bias = torch.randn(E, generator=g)
+    router = RouterConfig(top_k=3, scoring="sigmoid", topk_method="noaux_tc", n_group=4, topk_group=1,
+                          norm_topk_prob=True, routed_scaling_factor=1.0)
+    w, ids = CpuBackend().moe_gate(x, gate, bias, router)
+    choice = torch.sigmoid(x @ gate.T) + bias
+    for t in range(T):
+        group_score = [sorted(choice[t, 4 * k:4 * k + 4].tolist())[-2:] for k in range(4)]
+        best = max(range(4), key=lambda k: sum(group_score[k]))
+        assert set((ids[t] // 4).tolist()) == {best}
+        in_group = choice[t, 4 * best:4 * best + 4]
+        assert set(ids[t].tolist()) == set((torch.topk(in_group, 3).indices + 4 * best).tolist())
+    torch.testing.assert_close(w.sum(-1), torch.ones(T))
+
+
+def _experts(g, inter=12, dtype=torch.float32):
+    return ExpertWeights(w13=(torch.randn(E, 2 * inter, HIDDEN, generator=g) * 0.2).to(dtype),
+                         w2=(torch.randn(E, HIDDEN, inter, generator=g) * 0.2).to(dtype))
+
+
+def test_moe_experts_matches_naive_loop():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(T, HIDDEN, generator=g)
+    ex = _experts(g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:4] for _ in range(T)])
+    ids[:, 0] = 5  # a popular expert
+    ids[0] = torch.tensor([0, 1, 2, 3])
+    w = torch.rand(T, 4, generator=g)
+    out = CpuBackend().moe_experts(x, w, ids, ex)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    torch.testing.assert_close(out.double(), ref.moe_experts(x, w, ids, ex.w13, ex.w2), atol=1e-5, rtol=1e-5)
+
+
+def test_moe_experts_matches_transformers_experts_bf16():
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
+
+    cfg = DeepseekV3Config(hidden_size=HIDDEN, n_routed_experts=E, moe_intermediate_size=12)
+    hf = DeepseekV3Experts(cfg).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(4)
+    ex = _experts(g, dtype=torch.bfloat16)
+    with torch.no_grad():
+        hf.gate_up_proj.copy_(ex.w13)
+        hf.down_proj.copy_(ex.w2)
+    x = torch.randn(T, HIDDEN, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:4] for _ in range(T)])
+    w = torch.rand(T, 4, generator=g)
+    expected = DeepseekV3Experts.forward(hf, x, ids, w)
+    out = CpuBackend().moe_experts(x, w, ids, ex)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_moe_experts_skips_foreign_ids_and_empty_batch():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, HIDDEN, generator=g)
+    ex = _experts(g)
+    ids = torch.tensor([[0, -1], [E, 3], [3, 3], [-1, E + 2]])
+    w = torch.rand(4, 2, generator=g)
+    out = CpuBackend().moe_experts(x, w, ids, ex)
+    keep = (ids >= 0) & (ids < E)
+    expected = ref.moe_experts(x, w * keep, ids.clamp(0, E - 1), ex.w13, ex.w2)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    empty = CpuBackend().moe_experts(x[:0], w[:0], ids[:0], ex)
+    assert empty.shape == (0, HIDDEN)
