@@ -20,14 +20,14 @@ import torch
 import torch.nn.functional as F
 
 from mindspec.backend import AttentionMetadata, Backend, LatentCache
-from mindspec.modeling.loader import load_checkpoint
+from mindspec.modeling.loader import checkpoint_keys, load_checkpoint
 from mindspec.modeling.rotary import build_rotary, softmax_scale
 
 from .config import DeepseekV2Config, ModelConfigError
 from .decoder_layer import DecoderLayer
 from .mtp import MtpModule
 from .tensors import TensorBag
-from .weights import ignored_patterns, layer_prefix, model_specs
+from .weights import ignored_patterns, layer_prefix, model_specs, mtp_modules_in
 
 
 @dataclass
@@ -81,20 +81,23 @@ class FlashCausalDeepseekV2:
         num_mtp_modules: Optional[int] = None,
         progress: bool = True,
     ) -> "FlashCausalDeepseekV2":
-        """Load a Hugging Face-layout checkpoint; ``num_mtp_modules`` None loads every MTP module."""
+        """Load a Hugging Face-layout checkpoint; ``num_mtp_modules`` None loads every MTP module
+        the checkpoint holds (config.json's num_nextn_predict_layers at most)."""
         cfg = DeepseekV2Config.from_model_dir(model_dir)
-        available = cfg.num_nextn_predict_layers
+        keys = checkpoint_keys(model_dir)
+        available = min(cfg.num_nextn_predict_layers, mtp_modules_in(cfg, keys))
         if num_mtp_modules is None:
             num_mtp_modules = available
         if num_mtp_modules > available:
             raise ModelConfigError(
-                f"{num_mtp_modules} MTP module(s) requested but config.json num_nextn_predict_layers={available}"
+                f"{num_mtp_modules} MTP module(s) requested but the checkpoint has {available} "
+                f"(config.json num_nextn_predict_layers={cfg.num_nextn_predict_layers})"
             )
         tensors = load_checkpoint(
             model_dir,
             model_specs(cfg, num_mtp_modules),
             dtype,
-            ignore=ignored_patterns(cfg, num_mtp_modules),
+            ignore=ignored_patterns(cfg, num_mtp_modules, keys),
             device=str(backend.device),
             progress=progress,
         )

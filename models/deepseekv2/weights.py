@@ -7,6 +7,8 @@ used where a module has none.
 """
 from __future__ import annotations
 
+import re
+
 from mindspec.modeling.loader import WeightSpec
 
 from .config import DeepseekV2Config
@@ -97,11 +99,23 @@ def model_specs(cfg: DeepseekV2Config, num_mtp_modules: int) -> dict[str, Weight
     return specs
 
 
-def ignored_patterns(cfg: DeepseekV2Config, num_mtp_modules: int) -> tuple[str, ...]:
+def mtp_modules_in(cfg: DeepseekV2Config, keys: set[str]) -> int:
+    """How many consecutive MTP modules the checkpoint holds (save_pretrained drops them)."""
+    count = 0
+    while layer_prefix(cfg.num_hidden_layers + count) + "eh_proj.weight" in keys:
+        count += 1
+    return count
+
+
+def ignored_patterns(cfg: DeepseekV2Config, num_mtp_modules: int, keys: set[str]) -> tuple[str, ...]:
     """Checkpoint keys to skip: MTP modules beyond those loaded, rotary caches some exports carry."""
     first_unused = cfg.num_hidden_layers + num_mtp_modules
-    unused_layers = "|".join(str(i) for i in range(first_unused, cfg.num_hidden_layers + cfg.num_nextn_predict_layers))
+    layer_ids = {int(m.group(1)) for k in keys if (m := _LAYER.match(k))}
+    unused = "|".join(str(i) for i in sorted(layer_ids) if i >= first_unused)
     patterns = [r".*rotary_emb\.inv_freq"]
-    if unused_layers:
-        patterns.append(rf"model\.layers\.({unused_layers})\..*")
+    if unused:
+        patterns.append(rf"model\.layers\.({unused})\..*")
     return tuple(patterns)
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
