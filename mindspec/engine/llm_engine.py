@@ -1,0 +1,214 @@
+"""LLMEngine: requests in, tokens and text out, one scheduler step at a time.
+
+    add_request -> Sequence -> Scheduler (admission, batching, blocks)
+    step: schedule -> PluginManager.generate_token -> Scheduler.postprocess (stops, frees blocks)
+          -> detokenize -> RequestOutputs
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Optional, Sequence as Seq, Union
+
+from mindspec.config.plugin_params import parse_plugin_params
+from mindspec.modeling.model_wrapper import ModelWrapper
+from mindspec.plugins.plugin import load_plugin, plugin_class
+from mindspec.text_generator.detokenizer import IncrementalDetokenizer
+from mindspec.text_generator.generator import Generator
+from mindspec.text_generator.plugin_manager import PluginManager
+from mindspec.text_generator.sampling.params import SamplingParams
+from mindspec.text_generator.step import StepBatch, StepOutputs
+from mindspec.text_generator.stop_strings import StopStringMatcher
+from mindspec.text_generator.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+
+from .args import GiB, EngineArgs
+from .block_manager import BlockManager
+from .errors import EngineError, RequestRejected
+from .outputs import RequestOutput, SpecDecodeStats
+from .request_state import RequestState
+from .scheduler import ScheduledBatch, Scheduler, SeqUpdate
+from .sequence import FinishReason, Sequence
+
+logger = logging.getLogger(__name__)
+
+Prompt = Union[str, list[int]]
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        plugin_params = parse_plugin_params(args.plugin_params)
+        plugin_classes = [plugin_class(name) for name in plugin_params.plugin_types]
+        num_mtp = max((getattr(c, "mtp_modules_needed")(plugin_params.options) for c in plugin_classes
+                       if hasattr(c, "mtp_modules_needed")), default=0)
+        self.model_wrapper = ModelWrapper(
+            args.model, args.backend, args.resolved_dtype(args.backend), num_mtp_modules=num_mtp,
+            device=args.device, progress=args.progress,
+        )
+        self.tokenizer = _maybe_tokenizer(args.model)
+        self.eos_token_ids = self._eos_token_ids()
+        cache = self.model_wrapper.allocate_cache(self._num_blocks(), args.cache_block_size)
+        generator = Generator(self.model_wrapper)
+        plugins = [
+            load_plugin(name, generator=generator, cache_config=cache, **plugin_params.options)
+            for name in plugin_params.plugin_types
+        ]
+        self.plugin_manager = PluginManager(generator, plugins=plugins, eos_token_ids=sorted(self.eos_token_ids))
+        args.scheduler.num_lookahead_tokens = self.plugin_manager.num_lookahead_tokens
+        self.block_manager = BlockManager(cache.num_blocks, cache.block_size, reserve_dummy_block=True)
+        self.scheduler = Scheduler(args.scheduler, self.block_manager)
+        self.requests: dict[int, RequestState] = {}
+        self._ids = itertools.count()
+        if args.warmup:
+            self.model_wrapper.warmup()
+
+    # ---- set-up helpers ---------------------------------------------------------------------------
+    def _eos_token_ids(self) -> set[int]:
+        ids = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
+        eos = self.model_wrapper.config.eos_token_id
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+        return ids
+
+    def _num_blocks(self) -> int:
+        args, sched = self.args, self.args.scheduler
+        # Never more than the configured batch could ever use: a 5 GB default budget on a tiny
+        # model would otherwise allocate gigabytes of zeros.
+        per_seq = -(-(sched.max_seq_len + 8) // args.cache_block_size)
+        cap = sched.max_batch_size * per_seq + 1
+        if args.num_blocks is not None:
+            return args.num_blocks
+        if args.kv_cache_gb is not None:
+            budget = int(args.kv_cache_gb * GiB)
+        else:
+            free, _ = self.model_wrapper.backend.mem_get_info()
+            budget = int(free * 0.5)
+        return max(2, min(cap, self.model_wrapper.num_blocks_for(budget, args.cache_block_size)))
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestRejected(f"{self.args.model} has no tokenizer: pass prompts as token id lists")
+            return self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        vocab = self.model_wrapper.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestRejected(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        return ids
+
+    def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None) -> RequestState:
+        params = params or SamplingParams()
+        seq_id = next(self._ids)
+        seq = Sequence(seq_id=seq_id, prompt_token_ids=self.encode(prompt), max_tokens=params.max_tokens, sampling_params=params)
+        self.scheduler.add(seq)
+        state = RequestState(
+            request_id=request_id if request_id is not None else str(seq_id),
+            seq=seq,
+            prompt=prompt if isinstance(prompt, str) else None,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens)
+            if self.tokenizer else None,
+            stop_matcher=StopStringMatcher(params.stop) if params.stop else None,
+            logprobs=[] if params.logprobs is not None else None,
+            top_logprobs=[] if params.logprobs else None,
+        )
+        self.requests[seq_id] = state
+        return state
+
+    def abort(self, request_id: str) -> Optional[RequestOutput]:
+        for seq_id, state in list(self.requests.items()):
+            if state.request_id == request_id and not state.seq.is_finished:
+                self.scheduler.abort(seq_id)
+                self.plugin_manager.clear([seq_id])
+                del self.requests[seq_id]
+                return state.output([])
+        return None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        outputs = self.plugin_manager.generate_token(StepBatch(batch.seqs, batch.is_prefill, self.block_manager.block_size))
+        updates = self.scheduler.postprocess(batch, outputs.accepted, self._is_stop)
+        self._record(batch, outputs, updates)
+        finished = [u.seq.seq_id for u in updates if u.finished]
+        if finished:
+            self.plugin_manager.clear(finished)
+        results = []
+        for u in updates:
+            state = self.requests[u.seq.seq_id]
+            if u.finished:
+                state.finish_text()
+                del self.requests[u.seq.seq_id]
+            results.append(state.output(u.new_token_ids))
+        return results
+
+    def _is_stop(self, seq: Sequence, token: int) -> Optional[FinishReason]:
+        state = self.requests[seq.seq_id]
+        params: SamplingParams = seq.sampling_params
+        matched = state.add_token_text(token)
+        if matched:
+            return FinishReason.STOP
+        if token in params.stop_token_ids:
+            state.stop_reason = token
+            return FinishReason.STOP
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return FinishReason.STOP
+        return None
+
+    def _record(self, batch: ScheduledBatch, outputs: StepOutputs, updates: list[SeqUpdate]) -> None:
+        """Logprobs of the appended tokens and speculative statistics per request."""
+        for b, u in enumerate(updates):
+            state = self.requests[u.seq.seq_id]
+            rows = outputs.accepted_rows[b][: len(u.new_token_ids)]
+            if state.logprobs is not None:
+                state.logprobs.extend(float(outputs.logprobs[r]) for r in rows)
+            if state.top_logprobs is not None and outputs.top_logprobs is not None:
+                ids, vals = outputs.top_logprobs
+                n = u.seq.sampling_params.logprobs
+                state.top_logprobs.extend({int(i): float(v) for i, v in zip(ids[r][:n], vals[r][:n])} for r in rows)
+            if outputs.num_draft_accepted is not None and not batch.is_prefill:
+                self._record_spec(state, outputs, b)
+
+    @staticmethod
+    def _record_spec(state: RequestState, outputs: StepOutputs, b: int) -> None:
+        k = outputs.draft_tokens.shape[1]
+        stats = state.spec_decode or SpecDecodeStats(accepted_per_position=[0] * k)
+        accepted = outputs.num_draft_accepted[b]
+        stats.num_steps += 1
+        stats.num_draft_tokens += k
+        stats.num_accepted_tokens += accepted
+        for pos in range(accepted):
+            stats.accepted_per_position[pos] += 1
+        state.spec_decode = stats
+
+    # ---- batch API ----------------------------------------------------------------------------------
+    def generate(self, prompts: Seq[Prompt], params: Union[SamplingParams, Seq[SamplingParams], None] = None) -> list[RequestOutput]:
+        """Run prompts to completion (alongside any requests already queued); outputs in prompt order."""
+        plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        states = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        index = {s.request_id: i for i, s in enumerate(states)}
+        results: list[Optional[RequestOutput]] = [None] * len(states)
+        while any(r is None for r in results):
+            outs = self.step()
+            if not outs and not self.has_unfinished():
+                raise EngineError("the engine went idle with requests unfinished")
+            for out in outs:
+                i = index.get(out.request_id)
+                if i is not None and out.finished:
+                    results[i] = out
+        return results  # type: ignore[return-value]
+
+
+def _maybe_tokenizer(model_dir: str) -> Optional[Tokenizer]:
+    try:
+        return load_tokenizer(model_dir)
+    except TokenizerError as exc:
+        logger.warning("no tokenizer loaded (%s); prompts must be token ids", exc)
+        return None

@@ -1,0 +1,42 @@
+"""What the engine returns per request and step (host records, no tensors)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding counters of one request: drafts proposed and accepted per position."""
+
+    num_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [K] drafts accepted at position k
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per decode step (accepted drafts + the bonus token)."""
+        return (self.num_accepted_tokens + self.num_steps) / self.num_steps if self.num_steps else 0.0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
+    stop_reason: Optional[int | str] = None  # the stop token id or stop string that ended it
+    new_token_ids: list[int] = field(default_factory=list)  # this step's delta, for streaming
+    new_text: str = ""
+    logprobs: Optional[list[float]] = None
+    top_logprobs: Optional[list[dict[int, float]]] = None
+    spec_decode: Optional[SpecDecodeStats] = None
+    num_preemptions: int = 0

@@ -1,0 +1,74 @@
+"""Per-request output state in the engine: detokenizer, stop strings, logprobs, statistics."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from mindspec.text_generator.detokenizer import IncrementalDetokenizer
+from mindspec.text_generator.stop_strings import StopStringMatcher
+
+from .outputs import RequestOutput, SpecDecodeStats
+from .sequence import Sequence
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    seq: Sequence
+    prompt: Optional[str]
+    detokenizer: Optional[IncrementalDetokenizer]
+    stop_matcher: Optional[StopStringMatcher]
+    text: str = ""
+    stop_reason: Optional[int | str] = None
+    logprobs: Optional[list[float]] = None
+    top_logprobs: Optional[list[dict[int, float]]] = None
+    spec_decode: Optional[SpecDecodeStats] = None
+    pending_text: str = field(default="")  # text produced since the last output was built
+
+    def add_token_text(self, token_id: int) -> bool:
+        """Detokenize one token; returns True when a stop string completed."""
+        if self.detokenizer is None:
+            return False
+        piece = self.detokenizer.add([token_id])
+        if self.stop_matcher is None:
+            self._emit(piece)
+            return False
+        emitted, matched = self.stop_matcher.feed(piece)
+        self._emit(emitted)
+        if matched:
+            self.stop_reason = self.stop_matcher.matched_stop
+        return matched
+
+    def finish_text(self) -> None:
+        if self.detokenizer is None or isinstance(self.stop_reason, str):  # a stop string ended it
+            return
+        tail = self.detokenizer.flush()
+        if self.stop_matcher is not None:
+            emitted, matched = self.stop_matcher.feed(tail)
+            tail = emitted + ("" if matched else self.stop_matcher.flush())
+        self._emit(tail)
+
+    def _emit(self, text: str) -> None:
+        self.text += text
+        self.pending_text += text
+
+    def output(self, new_token_ids: list[int]) -> RequestOutput:
+        seq = self.seq
+        out = RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=list(seq.prompt_token_ids),
+            token_ids=list(seq.output_token_ids),
+            text=self.text,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            stop_reason=self.stop_reason,
+            new_token_ids=new_token_ids,
+            new_text=self.pending_text,
+            logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs,
+            spec_decode=self.spec_decode,
+            num_preemptions=seq.num_preemptions,
+        )
+        self.pending_text = ""
+        return out

@@ -1,0 +1,62 @@
+"""A Sequence: one request's tokens, counters and block table. Host-side only, no tensors."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # eos, stop token id or stop string
+    LENGTH = "length"  # max_tokens, maxIterTimes or maxSeqLen
+    ABORT = "abort"
+
+
+@dataclass(eq=False)  # identity semantics: the scheduler looks sequences up in its queues
+class Sequence:
+    seq_id: int
+    prompt_token_ids: list[int]
+    max_tokens: int
+    sampling_params: Any = None  # read by the sampler, never by the scheduler
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # tokens whose KV is in the cache
+    arrival_time: float = field(default_factory=time.monotonic)
+    finish_reason: Optional[FinishReason] = None
+    num_preemptions: int = 0
+    extra: dict = field(default_factory=dict)  # plugin state keyed by plugin name
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(int(token_id))

@@ -1,0 +1,69 @@
+"""The Python API: ``LLM(model=DIR)`` or ``LLM(config=config.json)``, then ``generate``."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+from mindspec.engine.args import EngineArgs
+from mindspec.engine.llm_engine import LLMEngine, Prompt
+from mindspec.engine.outputs import RequestOutput
+from mindspec.engine.scheduler import SchedulerConfig
+from mindspec.text_generator.sampling.params import SamplingParams
+
+
+class LLM:
+    """Offline generation.
+
+    >>> llm = LLM(model="path/to/deepseek", backend="cpu", dtype="float32")
+    >>> llm.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=32))[0].text
+    """
+
+    def __init__(
+        self,
+        model: Optional[str] = None,
+        *,
+        config: Optional[Union[str, Path]] = None,
+        backend: str = "cpu",
+        dtype: str = "auto",
+        plugin_params: Union[str, dict, None] = None,
+        cache_block_size: int = 128,
+        num_blocks: Optional[int] = None,
+        kv_cache_gb: Optional[float] = None,
+        device: Optional[str] = None,
+        progress: bool = True,
+        **scheduler_limits,
+    ):
+        if (model is None) == (config is None):
+            raise ValueError("pass exactly one of model=DIR or config=PATH_TO_CONFIG_JSON")
+        if config is not None:
+            from mindspec.config.mindie_config import load_config
+
+            args = EngineArgs.from_mindie_config(load_config(config), progress=progress)
+        else:
+            args = EngineArgs(
+                model=str(model),
+                backend=backend,
+                dtype=dtype,
+                device=device,
+                plugin_params=plugin_params,
+                cache_block_size=cache_block_size,
+                num_blocks=num_blocks,
+                kv_cache_gb=kv_cache_gb,
+                scheduler=SchedulerConfig(**scheduler_limits),
+                progress=progress,
+            )
+        self.engine = LLMEngine(args)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Union[Prompt, Sequence[Prompt]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+    ) -> list[RequestOutput]:
+        """A prompt is a string or a list of token ids; returns one output per prompt, in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        return self.engine.generate(list(prompts), sampling_params)
