@@ -144,7 +144,8 @@ class Scheduler:
                 bm.append_slots(seq, lookahead)
                 scheduled.append(seq)
         self.running = scheduled
-        return ScheduledBatch(scheduled, is_prefill=False) if scheduled else None
+        # A copy: finishing sequences leave self.running while the batch is still being read.
+        return ScheduledBatch(list(scheduled), is_prefill=False) if scheduled else None
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

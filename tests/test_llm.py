@@ -1,0 +1,69 @@
+"""LLM.generate end to end: greedy output equals transformers' greedy generate, token for token."""
+import numpy as np
+import pytest
+import torch
+
+from mindspec import LLM, SamplingParams
+from tests.support.checkpoints import load_hf_model, make_checkpoint, tiny_v2_config, tiny_v3_config
+
+NEW_TOKENS = 48
+PROMPT_LENS = [3, 17, 8, 1, 25, 12, 5, 30]
+
+
+@pytest.fixture(scope="module", params=["v3", "v2"])
+def case(request, tmp_path_factory):
+    # A wider init than HF's 0.02 gives peaked logits, so no greedy step is a near-tie that
+    # float32 rounding could flip (checked below).
+    make_cfg = tiny_v3_config if request.param == "v3" else tiny_v2_config
+    cfg = make_cfg(initializer_range=0.2)
+    path = make_checkpoint(tmp_path_factory.mktemp(request.param), cfg, seed=11)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(2, cfg.vocab_size, n).tolist() for n in PROMPT_LENS]
+    hf = load_hf_model(path)
+    expected = []
+    for p in prompts:
+        out = hf.generate(
+            torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,  # ignore_eos
+            pad_token_id=0, output_scores=True, return_dict_in_generate=True,
+        )
+        expected.append(out.sequences[0, len(p):].tolist())
+        top2 = torch.stack(out.scores)[:, 0].topk(2).values
+        assert (top2[:, 0] - top2[:, 1]).min() > 1e-4, "a near-tie would make the comparison meaningless"
+    return path, prompts, expected
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def _llm(path, **kw):
+    kw.setdefault("num_blocks", 128)
+    return LLM(model=str(path), dtype="float32", cache_block_size=4, progress=False, **kw)
+
+
+def test_batch_and_alone_equal_transformers(case):
+    path, prompts, expected = case
+    llm = _llm(path)
+    together = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in together] == expected
+    assert all(o.finish_reason == "length" and o.finished for o in together)
+    for prompt, exp in zip(prompts, expected):
+        assert llm.generate([prompt], GREEDY)[0].token_ids == exp
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_usable_blocks
+
+
+def test_small_block_budget_waits_and_preempts_without_changing_output(case):
+    path, prompts, expected = case
+    # 8 sequences of up to 30 + 48 tokens need ~160 blocks of 4; 40 forces waiting and preemption.
+    llm = _llm(path, num_blocks=40)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert sum(o.num_preemptions for o in outs) > 0
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_usable_blocks
+
+
+def test_batch_limits_do_not_change_output(case):
+    path, prompts, expected = case
+    llm = _llm(path, max_batch_size=3, max_prefill_batch_size=2, max_prefill_tokens=20)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
