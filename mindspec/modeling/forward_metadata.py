@@ -85,7 +85,7 @@ def build_model_inputs(
     seq_idx, positions = token_positions(cached, q_lens)
     if lm_head_indices is None:
         lm_head_indices = np.cumsum(q_lens, dtype=np.int64) - 1
-    flat = np.fromiter((t for seq in token_ids for t in seq), dtype=np.int64, count=int(q_lens.sum()))
+    flat = np.concatenate([np.asarray(t, dtype=np.int64) for t in token_ids]) if len(token_ids) else np.zeros(0, np.int64)
     return ModelInputs(
         input_ids=flat,
         positions=positions,

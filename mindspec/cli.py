@@ -1,0 +1,102 @@
+"""``mindspec`` command line: ``mindspec generate ...`` (the service's ``serve`` joins later)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional, Sequence
+
+from mindspec.config.plugin_params import PluginParamsError
+from mindspec.engine.errors import RequestRejected
+from mindspec.modeling.errors import CheckpointError
+from mindspec.plugins.plugin import PluginError
+from mindspec.text_generator.sampling.params import SamplingParamsError
+from mindspec.text_generator.tokenizer import TokenizerError
+
+# Errors caused by the user's input: one line on stderr, exit code 2, never a traceback.
+USER_ERRORS = (
+    CheckpointError, PluginParamsError, PluginError, RequestRejected, SamplingParamsError, TokenizerError,
+    ValueError, FileNotFoundError,
+)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="checkpoint directory (Hugging Face layout, safetensors)")
+    src.add_argument("--config", help="MindIE-style config.json (or .yaml)")
+    p.add_argument("--backend", default="cpu", help="cpu | cuda | npu | auto (with --model)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (with --model)")
+    p.add_argument("--plugin-params", default=None, help='e.g. \'{"plugin_type": "mtp", "num_speculative_tokens": 2}\'')
+    p.add_argument("--cache-block-size", type=int, default=128)
+    p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: from memory)")
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text for one or more prompts")
+    _add_model_args(p)
+    p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message with the chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--stats", action="store_true", help="print speculative-decoding statistics to stderr")
+    p.set_defaults(func=_cmd_generate)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from mindspec.llm import LLM
+    from mindspec.text_generator.sampling.params import SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+    )
+    if args.config:
+        llm = LLM(config=args.config)
+    else:
+        llm = LLM(
+            model=args.model, backend=args.backend, dtype=args.dtype, plugin_params=args.plugin_params,
+            cache_block_size=args.cache_block_size, num_blocks=args.num_blocks,
+        )
+    prompts = args.prompt
+    if args.chat:
+        if llm.tokenizer is None:
+            raise TokenizerError("--chat needs a tokenizer in the model directory")
+        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    for i, out in enumerate(llm.generate(prompts, params)):
+        if len(prompts) > 1:
+            print(f"--- prompt {i} ---")
+        print(out.text if llm.tokenizer is not None else out.token_ids)
+        if args.stats and out.spec_decode is not None:
+            s = out.spec_decode
+            print(
+                f"[spec] steps={s.num_steps} drafted={s.num_draft_tokens} accepted={s.num_accepted_tokens} "
+                f"per_position={s.accepted_per_position} mean_accepted_length={s.mean_accepted_length:.2f}",
+                file=sys.stderr,
+            )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mindspec", description="DeepSeek inference with speculative decoding")
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except USER_ERRORS as exc:
+        print(f"mindspec: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
