@@ -39,7 +39,7 @@ class LLMEngine:
         self.args = args
         plugin_params = parse_plugin_params(args.plugin_params)
         plugin_classes = [plugin_class(name) for name in plugin_params.plugin_types]
-        num_mtp = max((getattr(c, "mtp_modules_needed")(plugin_params.options) for c in plugin_classes
+        num_mtp = max((c.mtp_modules_needed(plugin_params.options, args.model) for c in plugin_classes
                        if hasattr(c, "mtp_modules_needed")), default=0)
         self.model_wrapper = ModelWrapper(
             args.model, args.backend, args.resolved_dtype(args.backend), num_mtp_modules=num_mtp,

@@ -88,6 +88,23 @@ class ModelWrapper:
             module_idx, inputs.input_ids, hidden_states, inputs.positions, self.caches, inputs.meta, inputs.lm_head_indices
         )
 
+    def forward_prefill_mtp(self, inputs: DeviceInputs, mtp_modules: list[int]):
+        return self.model.forward_prefill_mtp(
+            inputs.input_ids, inputs.positions, inputs.meta, inputs.lm_head_indices, mtp_modules, self.caches
+        )
+
+    def forward_speculative(
+        self, inputs: DeviceInputs, sub_steps: list[DeviceInputs], mtp_modules: list[int], hidden_states: torch.Tensor
+    ):
+        from mindspec.models.deepseekv2.flash_causal_deepseekv2 import DraftStep
+
+        first = sub_steps[0]
+        steps = [DraftStep(m, d.positions, d.meta) for m, d in zip(mtp_modules, sub_steps)]
+        return self.model.forward_speculative(
+            inputs.input_ids, inputs.positions, inputs.meta, inputs.lm_head_indices,
+            first.input_ids, hidden_states, first.lm_head_indices, steps, self.caches,
+        )
+
     @torch.inference_mode()
     def warmup(self, num_tokens: int = 4) -> None:
         """One dummy prefill written into the reserved block, so first-request latency is not the

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from mindspec.modeling.forward_metadata import ModelInputs, to_device
@@ -39,7 +40,24 @@ class Generator:
         return model_inputs
 
     @torch.inference_mode()
-    def forward(self, model_inputs: ModelInputs) -> GeneratorOutput:
+    def forward(
+        self,
+        model_inputs: ModelInputs,
+        sub_model_inputs: Optional[list[ModelInputs]] = None,
+        q_lens: Optional[np.ndarray] = None,
+        hidden_states: Optional[torch.Tensor] = None,
+        mtp_modules: Optional[list[int]] = None,
+    ) -> GeneratorOutput:
+        """Plain forward; with ``mtp_modules`` a prefill that also fills the MTP caches; with
+        ``sub_model_inputs`` (one per draft step) an MTP decode: draft, then verify in one call.
+        ``q_lens`` are the per-sequence row counts the dp split will need."""
         local = self.dp_partition(model_inputs)
-        out = self.model_wrapper.forward(to_device(local, self.device))
-        return GeneratorOutput(logits=out.logits, hidden_states=out.hidden_states)
+        inputs = to_device(local, self.device)
+        if sub_model_inputs is not None:
+            subs = [to_device(self.dp_partition(s), self.device) for s in sub_model_inputs]
+            out = self.model_wrapper.forward_speculative(inputs, subs, mtp_modules, hidden_states.to(self.device))
+        elif mtp_modules:
+            out = self.model_wrapper.forward_prefill_mtp(inputs, mtp_modules)
+        else:
+            out = self.model_wrapper.forward(inputs)
+        return GeneratorOutput(logits=out.logits, hidden_states=out.hidden_states, draft_tokens=out.draft_tokens)

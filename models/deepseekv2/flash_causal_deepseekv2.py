@@ -34,6 +34,16 @@ from .weights import ignored_patterns, layer_prefix, model_specs, mtp_modules_in
 class ModelOutput:
     logits: torch.Tensor  # [N, vocab] float32, rows at lm_head_indices
     hidden_states: torch.Tensor  # [T, hidden] every token (main: after the final norm; MTP: block output)
+    draft_tokens: Optional[torch.Tensor] = None  # [B, K] from forward_speculative
+
+
+@dataclass
+class DraftStep:
+    """Where one MTP draft step reads and writes: its module, positions and cache metadata."""
+
+    module_idx: int
+    positions: torch.Tensor  # [Ts]
+    meta: AttentionMetadata  # slots -1 where this step must not write (padding, verified entries)
 
 
 class FlashCausalDeepseekV2:
@@ -151,3 +161,68 @@ class FlashCausalDeepseekV2:
         cache = caches[self.cfg.num_hidden_layers + module_idx]
         block_out = module.forward(input_ids, hidden_states, positions, cache, meta)
         return ModelOutput(logits=module.logits(block_out[lm_head_indices]), hidden_states=block_out)
+
+    def draft(
+        self,
+        input_ids: torch.Tensor,  # [Ts] sub_model_inputs tokens: accepted tokens, padded per sequence
+        hidden_states: torch.Tensor,  # [Ts, hidden] the main hidden states that produced them
+        lm_head_indices: torch.Tensor,  # [B] row of each sequence's newest entry
+        steps: list[DraftStep],
+        caches: list[LatentCache],
+    ) -> torch.Tensor:
+        """K greedy MTP steps -> draft_tokens [B, K]. Each step rolls its input left by one and puts
+        the new draft at the lm_head index; the block output becomes the next step's hidden state."""
+        drafts = []
+        ids, hidden = input_ids, hidden_states
+        for k, step in enumerate(steps):
+            out = self.forward_mtp(step.module_idx, ids, hidden, step.positions, caches, step.meta, lm_head_indices)
+            draft = out.logits.argmax(dim=-1)  # [B]
+            drafts.append(draft)
+            if k + 1 < len(steps):
+                # A global roll is safe: what crosses a sequence boundary lands on padding rows, and
+                # each sequence's lm_head row is overwritten with its own draft.
+                ids = torch.roll(ids, -1)
+                ids[lm_head_indices] = draft
+                hidden = out.hidden_states
+        return torch.stack(drafts, dim=1)
+
+    def forward_speculative(
+        self,
+        input_ids: torch.Tensor,  # [B * (K + 1)] last accepted token per sequence, then K slots for drafts
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        lm_head_indices: torch.Tensor,  # [B * (K + 1)] every row is verified
+        sub_input_ids: torch.Tensor,
+        sub_hidden_states: torch.Tensor,
+        sub_lm_head_indices: torch.Tensor,
+        steps: list[DraftStep],
+        caches: list[LatentCache],
+    ) -> ModelOutput:
+        """Decode with MTP in one call: draft K tokens, then the main model verifies
+        [last token, d1..dK] per sequence (seed 000: drafts fill input_ids.view(B, K+1)[:, 1:])."""
+        draft_tokens = self.draft(sub_input_ids, sub_hidden_states, sub_lm_head_indices, steps, caches)
+        num_seqs, k = draft_tokens.shape
+        ids = input_ids.clone().view(num_seqs, k + 1)
+        ids[:, 1:] = draft_tokens
+        out = self.forward(ids.view(-1), positions, caches, meta, lm_head_indices)
+        out.draft_tokens = draft_tokens
+        return out
+
+    def forward_prefill_mtp(
+        self,
+        input_ids: torch.Tensor,  # [T] prompts
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        lm_head_indices: torch.Tensor,  # [B] last token of each prompt
+        mtp_modules: list[int],  # vanilla: 0..K-1, eagle: [0]
+        caches: list[LatentCache],
+    ) -> ModelOutput:
+        """Prefill the main model, then the MTP module(s) over the prompt shifted by one plus the
+        new (greedy) token, so every MTP cache holds the prompt; the drafts are dropped (seed 000):
+        the first decode step rewrites the entry of the new token with the token actually sampled."""
+        out = self.forward(input_ids, positions, caches, meta, lm_head_indices)
+        shifted = torch.roll(input_ids, -1)
+        shifted[lm_head_indices] = out.logits.argmax(dim=-1)
+        steps = [DraftStep(m, positions, meta) for m in mtp_modules]
+        self.draft(shifted, out.hidden_states, lm_head_indices, steps, caches)
+        return out

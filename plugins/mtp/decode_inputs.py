@@ -1,0 +1,130 @@
+"""Host-side MTP inputs for one decode step (numpy, vectorised over sequences).
+
+Per sequence with n tokens, whose last step accepted ``a`` tokens (1 after prefill):
+- main ``model_inputs``: K+1 rows [t(n-1), d1..dK] at positions n-1..n-1+K (drafts filled in
+  on the device); every row gets logits.
+- ``sub_model_inputs``: one ModelInputs per MTP step over the same rows. MTP cache entry i holds
+  (t(i+1), h(i)) at rope position i (mindspec's convention; MindIE's code uses i+1: RoPE is
+  relative, so either is exact when used everywhere). Rows are ``h`` history entries, the ``a``
+  entries made valid by last step's accepted tokens (ending at entry n-2, the lm_head row), then
+  padding up to K+1 entries after the history. Padding rows never write the cache (slot -1).
+  * eagle (one module reused): step s shifts positions, context lengths and the lm_head slot by s,
+    and only the lm_head row writes, so entries written from verified tokens are never
+    overwritten by draft-conditioned ones.
+  * vanilla (module s at step s, own cache): same rows every step. Module s's entry i pairs
+    t(i+1+s) with module s-1's output at i; entries written from drafts become stale when drafts
+    are rejected, so the window starts ``h = min(K-1, start)`` entries early and rewrites them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mindspec.modeling.forward_metadata import ModelInputs, pad_block_tables, slots_for, token_positions
+
+
+@dataclass
+class DecodeLayout:
+    """Row bookkeeping shared by the plugin and the trace tool."""
+
+    num_tokens: np.ndarray  # [B] n
+    last_accepted: np.ndarray  # [B] a
+    history: np.ndarray  # [B] h
+    start: np.ndarray  # [B] first MTP entry index of the window
+    sub_q_lens: np.ndarray  # [B] h + K + 1
+    sub_lm_rows: np.ndarray  # [B] flat row of each sequence's lm_head entry (n-2)
+
+
+def decode_layout(num_tokens: np.ndarray, last_accepted: np.ndarray, k: int, mode: str) -> DecodeLayout:
+    base = num_tokens - last_accepted - 1  # entry of the first newly valid row
+    history = np.minimum(k - 1, base) if mode == "vanilla" else np.zeros_like(base)
+    sub_q = history + k + 1
+    offsets = np.cumsum(sub_q) - sub_q
+    return DecodeLayout(
+        num_tokens=num_tokens,
+        last_accepted=last_accepted,
+        history=history,
+        start=base - history,
+        sub_q_lens=sub_q.astype(np.int32),
+        sub_lm_rows=(offsets + history + last_accepted - 1).astype(np.int64),
+    )
+
+
+def main_inputs(last_tokens: np.ndarray, num_tokens: np.ndarray, tables: np.ndarray, block_size: int, k: int) -> ModelInputs:
+    num_seqs = len(num_tokens)
+    q_lens = np.full(num_seqs, k + 1, dtype=np.int32)
+    seq_idx, positions = token_positions(num_tokens - 1, q_lens)
+    ids = np.zeros((num_seqs, k + 1), dtype=np.int64)
+    ids[:, 0] = last_tokens  # drafts go to ids[:, 1:] inside the model
+    return ModelInputs(
+        input_ids=ids.reshape(-1),
+        positions=positions,
+        slots=slots_for(tables, seq_idx, positions, block_size),
+        block_tables=tables,
+        seq_lens=(num_tokens + k).astype(np.int32),
+        q_lens=q_lens,
+        lm_head_indices=np.arange(num_seqs * (k + 1), dtype=np.int64),
+        is_prefill=False,
+    )
+
+
+def sub_inputs(
+    token_ids: list[list[int]], layout: DecodeLayout, tables: np.ndarray, block_size: int, k: int, mode: str
+) -> list[ModelInputs]:
+    """One ModelInputs per MTP step; step 0 carries the tokens, later steps' tokens come from the
+    device-side roll."""
+    q_lens = layout.sub_q_lens
+    seq_idx, positions = token_positions(layout.start, q_lens)
+    row_in_seq = positions - np.repeat(layout.start, q_lens)
+    valid_rows = layout.history + layout.last_accepted
+    valid = row_in_seq < np.repeat(valid_rows, q_lens)
+    ids = np.zeros(len(positions), dtype=np.int64)
+    for b, toks in enumerate(token_ids):  # entry i carries token i + 1: the last h + a tokens
+        rows = np.flatnonzero((seq_idx == b) & valid)
+        ids[rows] = toks[len(toks) - len(rows):]
+    slots = np.where(valid, slots_for(tables, seq_idx, np.maximum(positions, 0), block_size), -1)
+    seq_lens = (layout.start + q_lens).astype(np.int32)
+    # Eagle's later steps see up to K-1 positions past the main model's last one, on padding rows
+    # only (causal: the lm_head rows never look there); widen the table so every op can index them.
+    tables = _widen(tables, int(seq_lens.max()) + (k - 1 if mode == "eagle" else 0), block_size)
+    steps = []
+    for s in range(k):
+        shift = s if mode == "eagle" else 0
+        step_slots = slots
+        if mode == "eagle" and s > 0:
+            step_slots = np.full_like(slots, -1)
+            lm = layout.sub_lm_rows
+            step_slots[lm] = slots_for(tables, np.arange(len(lm)), positions[lm] + shift, block_size)
+        steps.append(
+            ModelInputs(
+                input_ids=ids if s == 0 else np.zeros_like(ids),
+                positions=positions + shift,
+                slots=step_slots,
+                block_tables=tables,
+                seq_lens=seq_lens + shift,
+                q_lens=q_lens,
+                lm_head_indices=layout.sub_lm_rows,
+                is_prefill=False,
+            )
+        )
+    return steps
+
+
+def _widen(tables: np.ndarray, max_len: int, block_size: int) -> np.ndarray:
+    need = -(-max_len // block_size)
+    if need <= tables.shape[1]:
+        return tables
+    return np.pad(tables, ((0, 0), (0, need - tables.shape[1])))
+
+
+def hidden_rows(layout: DecodeLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(seq index, hidden position, valid) per sub row: row i of the window needs h(start + i)."""
+    seq_idx, positions = token_positions(layout.start, layout.sub_q_lens)
+    row_in_seq = positions - np.repeat(layout.start, layout.sub_q_lens)
+    valid = row_in_seq < np.repeat(layout.history + layout.last_accepted, layout.sub_q_lens)
+    return seq_idx, positions, valid
+
+
+def block_tables(tables: list[list[int]]) -> np.ndarray:
+    return pad_block_tables(tables)

@@ -1,0 +1,166 @@
+"""MtpPlugin: DeepSeek MTP speculative decoding through the five plugin hooks (seed 000).
+
+Prefill: the main model, then the MTP module(s) over the prompt shifted by one plus the new token.
+Decode: K greedy MTP draft steps, then the main model verifies [last token, d1..dK] in the same
+forward; the decoding policy keeps 1..K+1 tokens per sequence. Rejected drafts need no KV clean-up:
+the sequence length is the rollback, and the next step overwrites their slots.
+
+Per-sequence cache (MindIE's mtp_hidden_states / mtp_last_token_num): the main model's hidden
+states of the last 2K positions and how many tokens the last step accepted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from mindspec.modeling.loader import checkpoint_keys
+from mindspec.models.deepseekv2.config import DeepseekV2Config
+from mindspec.models.deepseekv2.weights import mtp_modules_in
+from mindspec.plugins.plugin import Plugin
+from mindspec.text_generator.sampling.sampler import penalised_logits, processed_probs
+from mindspec.text_generator.step import StepBatch, StepInputs, StepOutputs
+
+from . import decode_inputs as di
+from . import decoding_policy as policy
+from .params import MtpParams, parse_mtp_params
+
+
+@dataclass
+class MtpSeqState:
+    hidden: torch.Tensor  # [m, hidden] main hidden states of positions hidden_end - m .. hidden_end - 1
+    hidden_end: int
+    last_accepted: int  # tokens accepted by the last step (1 after prefill)
+    in_think: bool = False
+
+
+class MtpPlugin(Plugin):
+    name = "mtp"
+
+    @staticmethod
+    def mtp_modules_needed(options: dict, model_dir: str) -> int:
+        params = parse_mtp_params(options)
+        cfg = DeepseekV2Config.from_model_dir(model_dir)
+        available = min(cfg.num_nextn_predict_layers, mtp_modules_in(cfg, checkpoint_keys(model_dir)))
+        return params.modules_needed(available)
+
+    def __init__(self, generator, cache_config, **options):
+        self.params: MtpParams = parse_mtp_params(options)
+        self.generator = generator
+        model = generator.model_wrapper.model
+        self.k = self.params.num_speculative_tokens
+        self.mode = self.params.resolved_mode(model.num_mtp_modules)
+        self.modules = list(range(self.k)) if self.mode == "vanilla" else [0] * self.k
+        self.block_size = cache_config.block_size
+        self.num_lookahead_tokens = self.k  # the main model writes K draft positions past the last token
+        self.keep_hidden = 2 * self.k
+        self.states: dict[int, MtpSeqState] = {}
+
+    # ---- hooks ---------------------------------------------------------------------------------
+    def model_inputs_update(self, batch: StepBatch, inputs: StepInputs) -> StepInputs:
+        if batch.is_prefill:
+            inputs.extra["mtp_modules"] = self.modules if self.mode == "vanilla" else [0]
+            return inputs
+        seqs = batch.seqs
+        num_tokens = np.array([s.num_tokens for s in seqs], dtype=np.int64)
+        last_accepted = np.array([self.states[s.seq_id].last_accepted for s in seqs], dtype=np.int64)
+        tables = di.block_tables([s.block_table for s in seqs])
+        layout = di.decode_layout(num_tokens, last_accepted, self.k, self.mode)
+        inputs.model_inputs = di.main_inputs(
+            np.array([s.last_token_id for s in seqs]), num_tokens, tables, self.block_size, self.k
+        )
+        inputs.sub_model_inputs = di.sub_inputs([s.token_ids for s in seqs], layout, tables, self.block_size, self.k, self.mode)
+        inputs.hidden_states = self._gather_hidden(seqs, layout)
+        inputs.q_lens = inputs.model_inputs.q_lens
+        inputs.extra["mtp_modules"] = self.modules
+        inputs.extra["mtp_layout"] = layout
+        return inputs
+
+    def forward(self, batch: StepBatch, inputs: StepInputs, generator):
+        return generator.forward(
+            inputs.model_inputs,
+            sub_model_inputs=inputs.sub_model_inputs,
+            q_lens=inputs.q_lens,
+            hidden_states=inputs.hidden_states,
+            mtp_modules=inputs.extra["mtp_modules"],
+        )
+
+    def sample_preprocess(self, batch: StepBatch, inputs: StepInputs) -> StepInputs:
+        if not batch.is_prefill:  # one sampling row per verified position
+            n = len(batch)
+            inputs.row_seq = np.repeat(np.arange(n, dtype=np.int64), self.k + 1)
+            inputs.row_offset = np.tile(np.arange(self.k + 1, dtype=np.int64), n)
+        return inputs
+
+    def plugin_verify(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs) -> StepOutputs:
+        if batch.is_prefill:
+            return outputs
+        n, k = len(batch), self.k
+        drafts = outputs.draft_tokens.cpu().numpy()
+        targets = outputs.sampled.reshape(n, k + 1)
+        accepted = self._accept(batch, inputs, outputs, drafts, targets)
+        outputs.accepted = policy.emitted_tokens(drafts, targets, accepted)
+        outputs.accepted_rows = [list(range(b * (k + 1), b * (k + 1) + c + 1)) for b, c in enumerate(accepted.tolist())]
+        outputs.num_draft_accepted = accepted.tolist()
+        return outputs
+
+    def plugin_cache_update(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs) -> None:
+        hidden = outputs.hidden_states
+        if batch.is_prefill:
+            ends = np.cumsum(inputs.model_inputs.q_lens)
+            for seq, end, q in zip(batch.seqs, ends, inputs.model_inputs.q_lens):
+                keep = min(int(q), self.keep_hidden)
+                self.states[seq.seq_id] = MtpSeqState(
+                    hidden=hidden[end - keep : end].clone(), hidden_end=seq.num_cached_tokens + int(q),
+                    last_accepted=1, in_think=self._prompt_in_think(seq.token_ids),
+                )
+            return
+        for b, seq in enumerate(batch.seqs):
+            state = self.states[seq.seq_id]
+            count = len(outputs.accepted[b])
+            rows = hidden[b * (self.k + 1) : b * (self.k + 1) + count]  # positions n-1 .. n-2+count
+            state.hidden = torch.cat([state.hidden, rows])[-self.keep_hidden :]
+            state.hidden_end += count
+            state.last_accepted = count
+            if self.params.think_start_token_id is not None:
+                state.in_think = bool(policy.update_think_state(
+                    np.array([state.in_think]), [outputs.accepted[b]],
+                    self.params.think_start_token_id, self.params.think_end_token_id,
+                )[0])
+
+    def plugin_cache_clear(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self.states.pop(seq_id, None)
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _gather_hidden(self, seqs, layout: di.DecodeLayout) -> torch.Tensor:
+        seq_idx, positions, valid = di.hidden_rows(layout)
+        first = self.states[seqs[0].seq_id].hidden
+        out = torch.zeros(len(positions), first.shape[1], dtype=first.dtype, device=first.device)
+        for b, seq in enumerate(seqs):
+            state = self.states[seq.seq_id]
+            rows = np.flatnonzero((seq_idx == b) & valid)
+            offset = state.hidden_end - state.hidden.shape[0]
+            out[rows] = state.hidden[positions[rows] - offset]
+        return out
+
+    def _accept(self, batch, inputs, outputs, drafts, targets) -> np.ndarray:
+        p = self.params
+        if p.decoding_policy == "strict":
+            return policy.strict_accept(drafts, targets)
+        md = inputs.extra["sampling_metadata"]
+        n, k = len(batch), self.k
+        if p.decoding_policy == "relaxed":
+            probs = torch.softmax(penalised_logits(outputs.logits, md), dim=-1).view(n, k + 1, -1).cpu()
+            delta = np.array([p.relaxed_delta if self.states[s.seq_id].in_think else 0.0 for s in batch.seqs])
+            return policy.relaxed_accept(drafts, targets, probs, p.relaxed_topk, delta)
+        probs = processed_probs(outputs.logits, md).view(n, k + 1, -1).cpu()
+        return policy.typical_accept(drafts, targets, probs, p.posterior_threshold, p.posterior_alpha)
+
+    def _prompt_in_think(self, token_ids: list[int]) -> bool:
+        p = self.params
+        if p.think_start_token_id is None:
+            return False
+        return bool(policy.update_think_state(np.array([False]), [token_ids], p.think_start_token_id, p.think_end_token_id)[0])

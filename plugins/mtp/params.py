@@ -1,0 +1,101 @@
+"""MTP options from ``plugin_params`` (MindIE keys plus mindspec's policy keys), validated.
+
+Every bad value is one PluginParamsError naming the key.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from mindspec.config.plugin_params import PluginParamsError
+
+MAX_SPECULATIVE_TOKENS = 5
+MTP_MODES = ("vanilla", "eagle")
+POLICIES = ("strict", "relaxed", "typical")
+PD_ROLES = ("standard", "prefill", "decode")
+KNOWN_KEYS = {
+    "num_speculative_tokens", "mtp_mode", "decoding_policy", "relaxed_topk", "relaxed_delta",
+    "think_start_token_id", "think_end_token_id", "posterior_threshold", "posterior_alpha", "pd_role",
+}
+
+
+@dataclass(frozen=True)
+class MtpParams:
+    num_speculative_tokens: int
+    mtp_mode: Optional[str] = None  # None: vanilla when the checkpoint has >= K modules, else eagle
+    decoding_policy: str = "strict"
+    relaxed_topk: int = 1
+    relaxed_delta: float = 0.0
+    think_start_token_id: Optional[int] = None
+    think_end_token_id: Optional[int] = None
+    posterior_threshold: float = 0.09  # Medusa's epsilon
+    posterior_alpha: float = 0.3  # Medusa's alpha (about sqrt(epsilon))
+    pd_role: str = "standard"
+
+    def resolved_mode(self, modules_in_checkpoint: int) -> str:
+        k = self.num_speculative_tokens
+        if self.mtp_mode is None:
+            return "vanilla" if modules_in_checkpoint >= k else "eagle"
+        if self.mtp_mode == "vanilla" and modules_in_checkpoint < k:
+            raise PluginParamsError(
+                f"plugin_params.mtp_mode 'vanilla' needs {k} MTP modules (num_speculative_tokens={k}) "
+                f"but the checkpoint has {modules_in_checkpoint}; use mtp_mode 'eagle'"
+            )
+        if modules_in_checkpoint < 1:
+            raise PluginParamsError("plugin_params.plugin_type 'mtp' needs a checkpoint with MTP modules (none found)")
+        return self.mtp_mode
+
+    def modules_needed(self, modules_in_checkpoint: int) -> int:
+        mode = self.resolved_mode(modules_in_checkpoint)
+        return self.num_speculative_tokens if mode == "vanilla" else 1
+
+
+def _int(options: dict, key: str, lo: int, hi: Optional[int] = None, default: Any = ...) -> Any:
+    if key not in options:
+        if default is ...:
+            raise PluginParamsError(f"plugin_params.{key} is required for plugin_type 'mtp'")
+        return default
+    value = options[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PluginParamsError(f"plugin_params.{key} must be an integer, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+        raise PluginParamsError(f"plugin_params.{key} must be in {rng}, got {value}")
+    return value
+
+
+def _float(options: dict, key: str, lo: float, hi: float, default: float) -> float:
+    value = options.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise PluginParamsError(f"plugin_params.{key} must be a number in [{lo}, {hi}], got {value!r}")
+    return float(value)
+
+
+def _choice(options: dict, key: str, choices: tuple[str, ...], default: Optional[str]) -> Optional[str]:
+    value = options.get(key, default)
+    if value is not None and value not in choices:
+        raise PluginParamsError(f"plugin_params.{key} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def parse_mtp_params(options: dict) -> MtpParams:
+    unknown = sorted(set(options) - KNOWN_KEYS)
+    if unknown:
+        raise PluginParamsError(f"plugin_params.{unknown[0]} is not an MTP option (known: {', '.join(sorted(KNOWN_KEYS))})")
+    params = MtpParams(
+        num_speculative_tokens=_int(options, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS),
+        mtp_mode=_choice(options, "mtp_mode", MTP_MODES, None),
+        decoding_policy=_choice(options, "decoding_policy", POLICIES, "strict"),
+        relaxed_topk=_int(options, "relaxed_topk", 1, None, 1),
+        relaxed_delta=_float(options, "relaxed_delta", 0.0, 1.0, 0.0),
+        think_start_token_id=_int(options, "think_start_token_id", 0, None, None),
+        think_end_token_id=_int(options, "think_end_token_id", 0, None, None),
+        posterior_threshold=_float(options, "posterior_threshold", 0.0, 1.0, 0.09),
+        posterior_alpha=_float(options, "posterior_alpha", 0.0, 1.0, 0.3),
+        pd_role=_choice(options, "pd_role", PD_ROLES, "standard"),
+    )
+    if params.decoding_policy == "relaxed" and (params.think_start_token_id is None or params.think_end_token_id is None):
+        raise PluginParamsError(
+            "plugin_params.think_start_token_id and think_end_token_id are required with decoding_policy 'relaxed'"
+        )
+    return params
