@@ -275,3 +275,31 @@ def load_hf_model(path, dtype: torch.dtype = torch.float32):
     finally:
         hf_logging.set_verbosity(verbosity)
     return model.eval()
+
+
+def make_self_predicting_checkpoint(path, config, *, seed: int = 0, residual_scale: float = 0.05) -> Path:
+    """A checkpoint whose MTP modules predict what the main model will say, most of the time.
+
+    Every block's output projections (o_proj, down_proj of MLPs and experts) are scaled by
+    ``residual_scale``, so the main model's next token is mostly a function g of the current token,
+    slightly bent by context. Each MTP module keeps only the embedding path (eh_proj = [I | 0]),
+    norms set to the main model's, the same head and scaled blocks, so it predicts g(t(i+1)) =
+    t(i+2): drafts are usually accepted (the full-hit path) and sometimes rejected.
+    """
+    path = make_checkpoint(path, config, seed=seed)
+    tensors = read_tensors(path)
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    for name, t in tensors.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[name] = t * residual_scale
+    modules = getattr(config, "num_nextn_predict_layers", 0) or 0
+    for j in range(modules):
+        p = f"model.layers.{layers + j}."
+        tensors[p + "eh_proj.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1).to(t.dtype)
+        tensors[p + "enorm.weight"] = torch.ones(hidden, dtype=t.dtype)
+        tensors[p + "hnorm.weight"] = torch.ones(hidden, dtype=t.dtype)
+        tensors[p + "shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
+        if p + "shared_head.head.weight" in tensors:
+            tensors[p + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / SINGLE_NAME), metadata={"format": "pt"})
+    return path
