@@ -1,0 +1,73 @@
+"""plugin_params validation: every bad input is one PluginParamsError naming what is wrong."""
+import json
+
+import pytest
+
+from mindspec.config.plugin_params import PluginParamsError, parse_plugin_params
+from mindspec.plugins.mtp.params import parse_mtp_params
+from mindspec.plugins.plugin import PluginError, plugin_class
+
+
+def _mtp(raw):
+    parsed = parse_plugin_params(raw)
+    return parse_mtp_params(parsed.options)
+
+
+BAD = [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "must be a JSON object"),
+    ('"mtp"', "must be a JSON object"),
+    (json.dumps({"plugin_type": "mtp", "x": "a" * 1100}), "at most 1024"),
+    ({"num_speculative_tokens": 1}, "plugin_type"),
+    ({"plugin_type": "", "num_speculative_tokens": 1}, "plugin_type"),
+    ({"plugin_type": 3}, "plugin_type"),
+    ({"plugin_type": "mtp, mtp", "num_speculative_tokens": 1}, "twice"),
+    ({"plugin_type": "mtp"}, "num_speculative_tokens is required"),
+    ({"plugin_type": "mtp", "num_speculative_tokens": 0}, r"num_speculative_tokens must be in 1\.\.5"),
+    ({"plugin_type": "mtp", "num_speculative_tokens": 6}, r"num_speculative_tokens must be in 1\.\.5"),
+    ({"plugin_type": "mtp", "num_speculative_tokens": "2"}, "num_speculative_tokens must be an integer"),
+    ({"plugin_type": "mtp", "num_speculative_tokens": True}, "num_speculative_tokens must be an integer"),
+    ({"plugin_type": "mtp", "num_speculative_tokens": 2.5}, "num_speculative_tokens must be an integer"),
+    ({"plugin_type": "mtp", "num_speculative_tokens": 1, "mtp_mode": "medusa"}, "mtp_mode must be one of"),
+    ({"plugin_type": "mtp", "num_speculative_tokens": 1, "decoding_policy": "greedy"}, "decoding_policy must be one of"),
+    ({"plugin_type": "mtp", "num_speculative_tokens": 1, "decoding_policy": "relaxed"}, "think_start_token_id"),
+    ({"plugin_type": "mtp", "num_speculative_tokens": 1, "relaxed_delta": 1.5}, "relaxed_delta"),
+    ({"plugin_type": "mtp", "num_speculative_tokens": 1, "relaxed_topk": 0}, "relaxed_topk"),
+    ({"plugin_type": "mtp", "num_speculative_tokens": 1, "posterior_threshold": -0.1}, "posterior_threshold"),
+    ({"plugin_type": "mtp", "num_speculative_tokens": 1, "pd_role": "master"}, "pd_role must be one of"),
+    ({"plugin_type": "mtp", "num_speculative_tokens": 1, "num_speculative_token": 2}, "num_speculative_token is not an MTP option"),
+    ({"plugin_type": "mtp", "num_speculative_tokens": 1, "think_start_token_id": -3}, "think_start_token_id"),
+]
+
+
+@pytest.mark.parametrize("raw, message", BAD)
+def test_bad_plugin_params_name_the_problem(raw, message):
+    with pytest.raises(PluginParamsError, match=message):
+        _mtp(raw)
+
+
+def test_unknown_plugin_is_named():
+    with pytest.raises(PluginError, match="unknown plugin 'lookahead'"):
+        plugin_class("lookahead")
+
+
+def test_string_and_object_forms_agree():
+    a = _mtp('{"plugin_type": "mtp", "num_speculative_tokens": 2, "mtp_mode": "eagle"}')
+    b = _mtp({"plugin_type": "mtp", "num_speculative_tokens": 2, "mtp_mode": "eagle"})
+    assert a == b and a.num_speculative_tokens == 2 and a.decoding_policy == "strict"
+
+
+def test_mode_resolution_against_checkpoint_modules():
+    p = _mtp({"plugin_type": "mtp", "num_speculative_tokens": 3})
+    assert p.resolved_mode(3) == "vanilla" and p.resolved_mode(1) == "eagle"
+    assert p.modules_needed(1) == 1 and p.modules_needed(5) == 3
+    vanilla = _mtp({"plugin_type": "mtp", "num_speculative_tokens": 3, "mtp_mode": "vanilla"})
+    with pytest.raises(PluginParamsError, match="mtp_mode 'vanilla' needs 3 MTP modules"):
+        vanilla.resolved_mode(1)
+    with pytest.raises(PluginParamsError, match="MTP modules"):
+        _mtp({"plugin_type": "mtp", "num_speculative_tokens": 1, "mtp_mode": "eagle"}).resolved_mode(0)
+
+
+def test_no_plugin_params_means_no_plugin():
+    assert not parse_plugin_params(None).enabled and not parse_plugin_params("").enabled
+    assert parse_plugin_params('{"plugin_type": "mtp,prefix_cache"}').plugin_types == ("mtp", "prefix_cache")
