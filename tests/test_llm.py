@@ -67,3 +67,19 @@ def test_batch_limits_do_not_change_output(case):
     path, prompts, expected = case
     llm = _llm(path, max_batch_size=3, max_prefill_batch_size=2, max_prefill_tokens=20)
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+
+
+def test_llm_from_mindie_config_json(case, tmp_path):
+    import json
+
+    path, prompts, expected = case
+    config = {
+        "BackendConfig": {
+            "ModelDeployConfig": {"maxSeqLen": 256, "maxInputTokenLen": 64,
+                                  "ModelConfig": [{"modelWeightPath": str(path), "backendType": "cpu", "dtype": "float32"}]},
+            "ScheduleConfig": {"cacheBlockSize": 4, "numBlocks": 40, "maxBatchSize": 4, "maxPrefillTokens": 64},
+        }
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = LLM(config=tmp_path / "config.json", progress=False)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected

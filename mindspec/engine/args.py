@@ -40,7 +40,7 @@ class EngineArgs:
             model=str(model.model_weight_path),
             backend=backend,
             dtype=model.dtype,
-            plugin_params=model.plugin_params_raw,
+            plugin_params=model.plugin_params,
             cache_block_size=sched.cache_block_size,
             num_blocks=sched.num_blocks,
             kv_cache_gb=None if mem_gb is None or mem_gb < 0 else float(mem_gb),

@@ -1,0 +1,245 @@
+"""MindIE-style ``config.json`` (or YAML with the same structure), read into typed records.
+
+Keys keep MindIE's camelCase spelling; defaults are MindIE's. mindspec adds three keys to
+``ModelConfig``: ``backendType`` also accepts cpu / cuda / auto (atb and torch mean npu), ``dtype``,
+and to ``ScheduleConfig``: ``numBlocks`` (a fixed KV block count instead of a memory budget).
+Every bad value is one ConfigError naming its JSON path.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from mindspec.config.plugin_params import PluginParamsError, parse_plugin_params
+
+
+class ConfigError(ValueError):
+    """config.json is unreadable or holds a bad value; the message names the JSON path."""
+
+
+BACKEND_TYPES = ("cpu", "cuda", "npu", "auto", "atb", "torch")
+DTYPES = ("float32", "bfloat16", "float16")
+# MindIE: 0/false = reject, -1/true = cut from the right, 1 = cut from the left (bool checked first:
+# True == 1 in Python).
+TRUNCATION = {0: "reject", -1: "right", 1: "left"}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    ip_address: str = "127.0.0.1"
+    port: int = 1025
+    management_port: int = 1026
+    metrics_port: int = 1027
+    max_link_num: int = 1000
+    token_timeout: int = 600
+    e2e_timeout: int = 600
+    allow_all_zero_ip_listening: bool = False
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_name: str
+    model_weight_path: str
+    backend_type: str = "cpu"
+    dtype: str = "auto"
+    world_size: int = 1
+    cpu_mem_size: float = 5
+    npu_mem_size: float = -1
+    plugin_params: Union[str, dict, None] = None  # validated, kept as given
+    dp: int = 1
+    tp: int = 1
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelDeployConfig:
+    max_seq_len: int = 2560
+    max_input_token_len: int = 2048
+    truncation: str = "reject"
+    models: tuple[ModelConfig, ...] = ()
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    cache_block_size: int = 128
+    max_prefill_batch_size: int = 50
+    max_prefill_tokens: int = 8192
+    max_batch_size: int = 200
+    max_iter_times: int = 512
+    num_blocks: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    model_deploy: ModelDeployConfig
+    schedule: ScheduleConfig
+
+
+@dataclass(frozen=True)
+class MindieConfig:
+    server: ServerConfig
+    backend: BackendConfig
+    source: str = "<dict>"
+
+    @property
+    def model(self) -> ModelConfig:
+        return self.backend.model_deploy.models[0]
+
+
+# ---- field readers ---------------------------------------------------------------------------
+
+
+class _Section:
+    def __init__(self, data: Any, path: str):
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: must be an object, got {type(data).__name__}")
+        self.data, self.path = data, path
+
+    def _where(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def int(self, key: str, default: Optional[int], lo: Optional[float] = None, hi: Optional[float] = None) -> Optional[int]:
+        value = self.data.get(key, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{self._where(key)}: must be an integer, got {value!r}")
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+            raise ConfigError(f"{self._where(key)}: must be in {rng}, got {value}")
+        return value
+
+    def num(self, key: str, default: float) -> float:
+        value = self.data.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{self._where(key)}: must be a number, got {value!r}")
+        return float(value)
+
+    def str(self, key: str, default: Optional[str], choices: Optional[tuple] = None) -> Optional[str]:
+        value = self.data.get(key, default)
+        if value is None:
+            return None
+        if not isinstance(value, str) or (choices and value not in choices):
+            want = f"one of {', '.join(choices)}" if choices else "a string"
+            raise ConfigError(f"{self._where(key)}: must be {want}, got {value!r}")
+        return value
+
+    def bool(self, key: str, default: bool) -> bool:
+        value = self.data.get(key, default)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{self._where(key)}: must be true or false, got {value!r}")
+        return value
+
+
+def _server(s: _Section) -> ServerConfig:
+    if s.data.get("httpsEnabled"):
+        raise ConfigError("ServerConfig.httpsEnabled: mindspec serves plain HTTP; terminate TLS in a reverse proxy")
+    return ServerConfig(
+        ip_address=s.str("ipAddress", "127.0.0.1"),
+        port=s.int("port", 1025, 1, 65535),
+        management_port=s.int("managementPort", 1026, 1, 65535),
+        metrics_port=s.int("metricsPort", 1027, 1, 65535),
+        max_link_num=s.int("maxLinkNum", 1000, 1),
+        token_timeout=s.int("tokenTimeout", 600, 1),
+        e2e_timeout=s.int("e2eTimeout", 600, 1),
+        allow_all_zero_ip_listening=s.bool("allowAllZeroIpListening", False),
+    )
+
+
+_MODEL_KEYS = {"modelName", "modelWeightPath", "backendType", "dtype", "worldSize", "cpuMemSize", "npuMemSize",
+               "plugin_params", "dp", "tp"}
+
+
+def _model(s: _Section, base_dir: Path) -> ModelConfig:
+    weight_path = s.str("modelWeightPath", None)
+    if not weight_path:
+        raise ConfigError(f"{s._where('modelWeightPath')}: is required (the checkpoint directory)")
+    if not Path(weight_path).is_absolute():
+        weight_path = str((base_dir / weight_path).resolve())
+    raw = s.data.get("plugin_params")
+    try:
+        parse_plugin_params(raw)
+    except PluginParamsError as exc:
+        raise ConfigError(f"{s._where('plugin_params')}: {exc}") from None
+    return ModelConfig(
+        model_name=s.str("modelName", Path(weight_path).name),
+        model_weight_path=weight_path,
+        backend_type=s.str("backendType", "cpu", BACKEND_TYPES),
+        dtype=s.str("dtype", "auto", DTYPES + ("auto",)),
+        world_size=s.int("worldSize", 1, 1),
+        cpu_mem_size=s.num("cpuMemSize", 5),
+        npu_mem_size=s.num("npuMemSize", -1),
+        plugin_params=raw,
+        dp=s.int("dp", 1, 1, 1),
+        tp=s.int("tp", 1, 1, 1),
+        extra={k: v for k, v in s.data.items() if k not in _MODEL_KEYS},
+    )
+
+
+def _deploy(s: _Section, base_dir: Path) -> ModelDeployConfig:
+    models = s.data.get("ModelConfig")
+    if not isinstance(models, list) or not models:
+        raise ConfigError(f"{s._where('ModelConfig')}: must be a non-empty list of models")
+    truncation = s.data.get("truncation", 0)
+    if isinstance(truncation, bool):
+        truncation = -1 if truncation else 0
+    if truncation not in TRUNCATION or isinstance(truncation, float):
+        raise ConfigError(f"{s._where('truncation')}: must be 0 (reject), 1 (cut left) or -1 (cut right), got {truncation!r}")
+    return ModelDeployConfig(
+        max_seq_len=s.int("maxSeqLen", 2560, 2),
+        max_input_token_len=s.int("maxInputTokenLen", 2048, 1),
+        truncation=TRUNCATION[truncation],
+        models=tuple(_model(_Section(m, f"{s._where('ModelConfig')}[{i}]"), base_dir) for i, m in enumerate(models)),
+    )
+
+
+def _schedule(s: _Section, max_input: int) -> ScheduleConfig:
+    cfg = ScheduleConfig(
+        cache_block_size=s.int("cacheBlockSize", 128, 1, 128),
+        max_prefill_batch_size=s.int("maxPrefillBatchSize", 50, 1),
+        max_prefill_tokens=s.int("maxPrefillTokens", 8192, 1),
+        max_batch_size=s.int("maxBatchSize", 200, 1),
+        max_iter_times=s.int("maxIterTimes", 512, 1),
+        num_blocks=s.int("numBlocks", None, 2),
+    )
+    if cfg.max_prefill_tokens < max_input:
+        raise ConfigError(
+            f"{s._where('maxPrefillTokens')}: must be >= maxInputTokenLen ({max_input}), got {cfg.max_prefill_tokens}"
+        )
+    return cfg
+
+
+def parse_config(obj: Any, source: str = "<dict>", base_dir: Union[str, Path] = ".") -> MindieConfig:
+    root = _Section(obj, "")
+    backend = _Section(root.data.get("BackendConfig"), "BackendConfig")
+    deploy = _deploy(_Section(backend.data.get("ModelDeployConfig"), "BackendConfig.ModelDeployConfig"), Path(base_dir))
+    effective_input = min(deploy.max_input_token_len, deploy.max_seq_len - 1)
+    schedule = _schedule(_Section(backend.data.get("ScheduleConfig"), "BackendConfig.ScheduleConfig"), effective_input)
+    return MindieConfig(
+        server=_server(_Section(root.data.get("ServerConfig"), "ServerConfig")),
+        backend=BackendConfig(model_deploy=deploy, schedule=schedule),
+        source=source,
+    )
+
+
+def load_config(path: Union[str, Path]) -> MindieConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            obj = yaml.safe_load(text)
+        else:
+            obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    except Exception as exc:  # yaml.YAMLError carries its own line information
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+    return parse_config(obj, str(path), path.parent)

@@ -1,0 +1,92 @@
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mindspec.config.mindie_config import ConfigError, load_config, parse_config
+
+SHIPPED = Path(__file__).resolve().parents[2] / "configs" / "config.json"
+
+
+def _sample() -> dict:
+    return json.loads(SHIPPED.read_text())
+
+
+def test_shipped_config_parses_with_mindie_defaults():
+    cfg = load_config(SHIPPED)
+    assert cfg.server.port == 1025 and cfg.backend.schedule.cache_block_size == 128
+    assert cfg.model.backend_type == "cpu" and cfg.backend.model_deploy.truncation == "reject"
+    assert "mtp" in cfg.model.plugin_params
+
+
+def test_minimal_config_and_relative_path(tmp_path):
+    (tmp_path / "c.json").write_text(json.dumps(
+        {"BackendConfig": {"ModelDeployConfig": {"ModelConfig": [{"modelWeightPath": "weights"}]}}}))
+    cfg = load_config(tmp_path / "c.json")
+    assert cfg.model.model_weight_path == str((tmp_path / "weights").resolve())
+    assert cfg.backend.schedule.max_batch_size == 200 and cfg.backend.model_deploy.max_seq_len == 2560
+
+
+def test_yaml_equals_json(tmp_path):
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(_sample()))
+    assert load_config(tmp_path / "c.yaml").backend == load_config(SHIPPED).backend
+
+
+def test_plugin_params_as_object():
+    d = _sample()
+    d["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["plugin_params"] = {"plugin_type": "mtp", "num_speculative_tokens": 2}
+    assert parse_config(d).model.plugin_params["num_speculative_tokens"] == 2
+
+
+@pytest.mark.parametrize("truncation, expected", [(0, "reject"), (False, "reject"), (1, "left"), (-1, "right"), (True, "right")])
+def test_truncation(truncation, expected):
+    d = _sample()
+    d["BackendConfig"]["ModelDeployConfig"]["truncation"] = truncation
+    assert parse_config(d).backend.model_deploy.truncation == expected
+
+
+MODEL = "BackendConfig.ModelDeployConfig.ModelConfig[0]"
+BAD = [
+    (("BackendConfig", "ScheduleConfig", "cacheBlockSize"), 0, "BackendConfig.ScheduleConfig.cacheBlockSize"),
+    (("BackendConfig", "ScheduleConfig", "cacheBlockSize"), 256, "cacheBlockSize: must be in 1..128"),
+    (("BackendConfig", "ScheduleConfig", "maxBatchSize"), "8", "maxBatchSize: must be an integer"),
+    (("BackendConfig", "ScheduleConfig", "maxPrefillTokens"), 100, "maxPrefillTokens: must be >= maxInputTokenLen"),
+    (("BackendConfig", "ModelDeployConfig", "truncation"), 2, "truncation"),
+    (("BackendConfig", "ModelDeployConfig", "ModelConfig"), [], "ModelConfig: must be a non-empty list"),
+    (("ServerConfig", "port"), 70000, "ServerConfig.port"),
+    (("ServerConfig", "httpsEnabled"), True, "httpsEnabled"),
+]
+
+
+@pytest.mark.parametrize("keys, value, message", BAD)
+def test_bad_values_name_their_path(keys, value, message):
+    d = _sample()
+    node = d
+    for k in keys[:-1]:
+        node = node[k]
+    node[keys[-1]] = value
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config(d)
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [("backendType", "tpu", "backendType: must be one of"), ("dtype", "int8", "dtype"),
+     ("plugin_params", "{bad", "plugin_params: plugin_params is not valid JSON"),
+     ("modelWeightPath", "", "modelWeightPath: is required"), ("dp", 0, "dp: must be in 1..1")],
+)
+def test_bad_model_values_name_their_path(key, value, message):
+    d = _sample()
+    d["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0][key] = value
+    with pytest.raises(ConfigError, match=re.escape(f"{MODEL}.") + message):
+        parse_config(d)
+
+
+def test_unreadable_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text('{"a": 1,,}')
+    with pytest.raises(ConfigError, match="invalid JSON at line 1"):
+        load_config(tmp_path / "bad.json")
