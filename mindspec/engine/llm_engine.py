@@ -58,6 +58,8 @@ class LLMEngine:
         self.block_manager = BlockManager(cache.num_blocks, cache.block_size, reserve_dummy_block=True)
         self.scheduler = Scheduler(args.scheduler, self.block_manager)
         self.requests: dict[int, RequestState] = {}
+        # Engine-wide speculative counters (all requests since start), for metrics and benchmarks.
+        self.spec_stats = SpecDecodeStats(accepted_per_position=[0] * max(1, self.plugin_manager.num_lookahead_tokens))
         self._ids = itertools.count()
         if args.warmup:
             self.model_wrapper.warmup()
@@ -174,17 +176,11 @@ class LLMEngine:
             if outputs.num_draft_accepted is not None and not batch.is_prefill:
                 self._record_spec(state, outputs, b)
 
-    @staticmethod
-    def _record_spec(state: RequestState, outputs: StepOutputs, b: int) -> None:
+    def _record_spec(self, state: RequestState, outputs: StepOutputs, b: int) -> None:
         k = outputs.draft_tokens.shape[1]
-        stats = state.spec_decode or SpecDecodeStats(accepted_per_position=[0] * k)
-        accepted = outputs.num_draft_accepted[b]
-        stats.num_steps += 1
-        stats.num_draft_tokens += k
-        stats.num_accepted_tokens += accepted
-        for pos in range(accepted):
-            stats.accepted_per_position[pos] += 1
-        state.spec_decode = stats
+        state.spec_decode = state.spec_decode or SpecDecodeStats(accepted_per_position=[0] * k)
+        for stats in (state.spec_decode, self.spec_stats):
+            stats.add_step(k, outputs.num_draft_accepted[b])
 
     # ---- batch API ----------------------------------------------------------------------------------
     def generate(self, prompts: Seq[Prompt], params: Union[SamplingParams, Seq[SamplingParams], None] = None) -> list[RequestOutput]:

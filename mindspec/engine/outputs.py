@@ -14,6 +14,13 @@ class SpecDecodeStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [K] drafts accepted at position k
 
+    def add_step(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_steps += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            self.accepted_per_position[pos] += 1
+
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
@@ -22,6 +29,10 @@ class SpecDecodeStats:
     def mean_accepted_length(self) -> float:
         """Tokens emitted per decode step (accepted drafts + the bonus token)."""
         return (self.num_accepted_tokens + self.num_steps) / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        return [a / self.num_steps if self.num_steps else 0.0 for a in self.accepted_per_position]
 
 
 @dataclass

@@ -50,6 +50,11 @@ def test_mtp_greedy_equals_no_speculation(case, mode, k):
         assert accepted > 0.2 * sum(s.num_draft_tokens for s in stats)
         # per-sequence accept lengths differ inside one batch
         assert len({s.num_accepted_tokens for s in stats}) > 1
+    # engine-wide counters sum the per-request ones (the "alone" runs add to them too)
+    engine = llm.engine.spec_stats
+    assert engine.num_accepted_tokens >= accepted and engine.num_draft_tokens == engine.num_steps * k
+    assert sum(engine.accepted_per_position) == engine.num_accepted_tokens
+    assert engine.accepted_per_position == sorted(engine.accepted_per_position, reverse=True)
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_usable_blocks
     assert not llm.engine.plugin_manager.plugins[0].states  # hidden-state cache cleared
