@@ -173,9 +173,14 @@ def _getter(hf: dict):
 
 def _rope(hf: dict) -> dict:
     try:
-        return rope_parameters(hf)
+        rope = rope_parameters(hf)
     except ValueError as exc:
         raise ModelConfigError(str(exc)) from exc
+    if rope.get("rope_type") == "yarn" and rope.get("factor") is None:
+        # As transformers does: the factor follows from the two context lengths.
+        original = rope.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 4096)
+        rope["factor"] = hf.get("max_position_embeddings", 4096) / original
+    return rope
 
 
 def load_config(model_dir: str | Path) -> DeepseekV2Config:
