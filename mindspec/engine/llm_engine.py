@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import replace
 from typing import Optional, Sequence as Seq, Union
+
+import torch
 
 from mindspec.config.plugin_params import parse_plugin_params
 from mindspec.modeling.model_wrapper import ModelWrapper
@@ -24,7 +27,7 @@ from mindspec.text_generator.tokenizer import Tokenizer, TokenizerError, load_to
 from .args import GiB, EngineArgs
 from .block_manager import BlockManager
 from .errors import EngineError, RequestRejected
-from .outputs import RequestOutput, SpecDecodeStats
+from .outputs import PrefillHandoff, RequestOutput, SpecDecodeStats
 from .request_state import RequestState
 from .scheduler import ScheduledBatch, Scheduler, SeqUpdate
 from .sequence import FinishReason, Sequence
@@ -104,18 +107,22 @@ class LLMEngine:
         seq_id = next(self._ids)
         seq = Sequence(seq_id=seq_id, prompt_token_ids=self.encode(prompt), max_tokens=params.max_tokens, sampling_params=params)
         self.scheduler.add(seq)
-        state = RequestState(
-            request_id=request_id if request_id is not None else str(seq_id),
+        state = self._new_state(seq, prompt if isinstance(prompt, str) else None, request_id)
+        self.requests[seq_id] = state
+        return state
+
+    def _new_state(self, seq: Sequence, prompt: Optional[str], request_id: Optional[str]) -> RequestState:
+        params: SamplingParams = seq.sampling_params
+        return RequestState(
+            request_id=request_id if request_id is not None else str(seq.seq_id),
             seq=seq,
-            prompt=prompt if isinstance(prompt, str) else None,
+            prompt=prompt,
             detokenizer=IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens)
             if self.tokenizer else None,
             stop_matcher=StopStringMatcher(params.stop) if params.stop else None,
             logprobs=[] if params.logprobs is not None else None,
             top_logprobs=[] if params.logprobs else None,
         )
-        self.requests[seq_id] = state
-        return state
 
     def abort(self, request_id: str) -> Optional[RequestOutput]:
         for seq_id, state in list(self.requests.items()):
@@ -129,12 +136,71 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # ---- PD disaggregation ------------------------------------------------------------------------
+    def prefill_for_handoff(self, prompt: Prompt, params: Optional[SamplingParams] = None) -> PrefillHandoff:
+        """Prefill node: run one request's prefill, return its first token and prompt KV (main
+        model and MTP caches), and free it."""
+        params = replace(params or SamplingParams(), max_tokens=1, stop=[], min_tokens=0)
+        state = self.add_request(prompt, params)
+        state.export_kv = True
+        self.run([state])
+        return state.handoff
+
+    def add_prefilled_request(
+        self, handoff: PrefillHandoff, params: Optional[SamplingParams] = None, request_id: Optional[str] = None
+    ) -> RequestState:
+        """Decode node: adopt a request prefilled on another node, from its KV and first token."""
+        params = params or SamplingParams()
+        for plugin in self.plugin_manager.plugins:
+            role = getattr(getattr(plugin, "params", None), "pd_role", "decode")
+            if role != "decode":
+                raise EngineError(f"plugin {plugin.name!r} must run with pd_role 'decode' to adopt prefilled requests")
+        if len(handoff.kv) != len(self.model_wrapper.caches):
+            raise EngineError(f"the hand-off carries {len(handoff.kv)} cache layers, this model has {len(self.model_wrapper.caches)}")
+        seq_id = next(self._ids)
+        seq = Sequence(seq_id=seq_id, prompt_token_ids=list(handoff.prompt_token_ids), max_tokens=params.max_tokens,
+                       sampling_params=params, output_token_ids=[handoff.first_token_id])
+        self.scheduler.add_prefilled(seq)
+        self._write_kv(seq, handoff.kv)
+        model = self.model_wrapper.model
+        for plugin in self.plugin_manager.plugins:
+            if hasattr(plugin, "adopt_prefilled"):
+                plugin.adopt_prefilled(seq, model.cfg.hidden_size, model.dtype, self.model_wrapper.device)
+        state = self._new_state(seq, None, request_id)
+        self.requests[seq_id] = state
+        reason = self._is_stop(seq, handoff.first_token_id)
+        if reason is None and seq.num_output_tokens >= seq.max_tokens:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self.plugin_manager.clear([seq_id])
+        return state
+
+    def _read_kv(self, seq: Sequence) -> list[torch.Tensor]:
+        slots = torch.from_numpy(self.block_manager.slots(seq, 0, seq.num_prompt_tokens)).to(self.model_wrapper.device)
+        bs = self.block_manager.block_size
+        blocks, offsets = slots // bs, slots % bs
+        return [torch.cat([c.c_kv[blocks, offsets], c.k_pe[blocks, offsets]], dim=-1).cpu() for c in self.model_wrapper.caches]
+
+    def _write_kv(self, seq: Sequence, kv: list[torch.Tensor]) -> None:
+        slots = torch.from_numpy(self.block_manager.slots(seq, 0, seq.num_prompt_tokens)).to(self.model_wrapper.device)
+        rank = self.model_wrapper.config.kv_lora_rank
+        backend = self.model_wrapper.backend
+        for cache, layer_kv in zip(self.model_wrapper.caches, kv):
+            layer_kv = layer_kv.to(self.model_wrapper.device, cache.c_kv.dtype)
+            backend.write_latent_cache(cache, layer_kv[:, :rank], layer_kv[:, rank:], slots)
+
     # ---- one step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
         outputs = self.plugin_manager.generate_token(StepBatch(batch.seqs, batch.is_prefill, self.block_manager.block_size))
+        if batch.is_prefill:
+            for b, seq in enumerate(batch.seqs):
+                state = self.requests[seq.seq_id]
+                if state.export_kv:
+                    state.handoff = PrefillHandoff(list(seq.prompt_token_ids), outputs.accepted[b][0], self._read_kv(seq))
         updates = self.scheduler.postprocess(batch, outputs.accepted, self._is_stop)
         self._record(batch, outputs, updates)
         finished = [u.seq.seq_id for u in updates if u.finished]
@@ -188,9 +254,17 @@ class LLMEngine:
         plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
-        states = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        return self.run([self.add_request(p, sp) for p, sp in zip(prompts, plist)])
+
+    def run(self, states: list[RequestState]) -> list[RequestOutput]:
+        """Step until every given request has finished; their final outputs, in order."""
         index = {s.request_id: i for i, s in enumerate(states)}
         results: list[Optional[RequestOutput]] = [None] * len(states)
+        for i, state in enumerate(states):
+            if state.seq.is_finished:  # e.g. a hand-off whose first token already ended it
+                state.finish_text()
+                self.requests.pop(state.seq.seq_id, None)
+                results[i] = state.output(list(state.seq.output_token_ids))
         while any(r is None for r in results):
             outs = self.step()
             if not outs and not self.has_unfinished():

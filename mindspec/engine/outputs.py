@@ -51,3 +51,13 @@ class RequestOutput:
     top_logprobs: Optional[list[dict[int, float]]] = None
     spec_decode: Optional[SpecDecodeStats] = None
     num_preemptions: int = 0
+
+
+@dataclass
+class PrefillHandoff:
+    """What a prefill node hands a decode node (PD disaggregation): the prompt, the first token
+    and the prompt's latent KV for every cache layer (main layers, then MTP modules)."""
+
+    prompt_token_ids: list[int]
+    first_token_id: int
+    kv: list  # per cache layer: torch.Tensor [num_prompt_tokens, kv_lora_rank + qk_rope_head_dim]

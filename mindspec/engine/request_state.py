@@ -24,6 +24,8 @@ class RequestState:
     top_logprobs: Optional[list[dict[int, float]]] = None
     spec_decode: Optional[SpecDecodeStats] = None
     pending_text: str = field(default="")  # text produced since the last output was built
+    export_kv: bool = False  # PD prefill node: capture the prompt KV after prefill
+    handoff: Optional[object] = None  # the PrefillHandoff once captured
 
     def add_token_text(self, token_id: int) -> bool:
         """Detokenize one token; returns True when a stop string completed."""

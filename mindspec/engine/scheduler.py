@@ -81,6 +81,24 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
+    def add_prefilled(self, seq: Sequence) -> None:
+        """A sequence whose prompt KV was computed elsewhere (PD disaggregation): it skips prefill
+        and runs from the next decode step. Its blocks are allocated now."""
+        self.add(seq)
+        self.waiting.remove(seq)
+        if not self.block_manager.can_allocate(seq):
+            raise RequestRejected(
+                f"no free KV blocks for a prefilled request of {seq.num_tokens} tokens "
+                f"({self.block_manager.num_free_blocks} free)"
+            )
+        self.block_manager.allocate(seq)
+        seq.num_cached_tokens = seq.num_prompt_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self._finish(seq, reason)
+
     def abort(self, seq_id: int) -> Optional[Sequence]:
         for seq in list(self.waiting) + self.running:
             if seq.seq_id == seq_id:

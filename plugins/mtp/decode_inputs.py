@@ -36,9 +36,14 @@ class DecodeLayout:
     sub_lm_rows: np.ndarray  # [B] flat row of each sequence's lm_head entry (n-2)
 
 
-def decode_layout(num_tokens: np.ndarray, last_accepted: np.ndarray, k: int, mode: str) -> DecodeLayout:
+def decode_layout(
+    num_tokens: np.ndarray, last_accepted: np.ndarray, k: int, mode: str, hidden_from: np.ndarray | None = None
+) -> DecodeLayout:
+    """hidden_from [B]: first position whose main hidden state this node has (0, or the hand-off
+    point of a sequence prefilled on another node); history never reaches before it."""
     base = num_tokens - last_accepted - 1  # entry of the first newly valid row
-    history = np.minimum(k - 1, base) if mode == "vanilla" else np.zeros_like(base)
+    floor = np.zeros_like(base) if hidden_from is None else hidden_from
+    history = np.clip(np.minimum(k - 1, base - floor), 0, None) if mode == "vanilla" else np.zeros_like(base)
     sub_q = history + k + 1
     offsets = np.cumsum(sub_q) - sub_q
     return DecodeLayout(
@@ -70,10 +75,21 @@ def main_inputs(last_tokens: np.ndarray, num_tokens: np.ndarray, tables: np.ndar
 
 
 def sub_inputs(
-    token_ids: list[list[int]], layout: DecodeLayout, tables: np.ndarray, block_size: int, k: int, mode: str
+    token_ids: list[list[int]],
+    layout: DecodeLayout,
+    tables: np.ndarray,
+    block_size: int,
+    k: int,
+    mode: str,
+    hidden_from: np.ndarray | None = None,
+    dummy_block_id: int | None = None,
 ) -> list[ModelInputs]:
     """One ModelInputs per MTP step; step 0 carries the tokens, later steps' tokens come from the
-    device-side roll."""
+    device-side roll.
+
+    Rows whose hidden state this node does not have (positions before ``hidden_from``: the first
+    decode of a sequence prefilled on another node, fed zeros) write to the dummy block, so the MTP
+    KV received from the prefill node is not overwritten (seed 000, PD disaggregation)."""
     q_lens = layout.sub_q_lens
     seq_idx, positions = token_positions(layout.start, q_lens)
     row_in_seq = positions - np.repeat(layout.start, q_lens)
@@ -84,6 +100,9 @@ def sub_inputs(
         rows = np.flatnonzero((seq_idx == b) & valid)
         ids[rows] = toks[len(toks) - len(rows):]
     slots = np.where(valid, slots_for(tables, seq_idx, np.maximum(positions, 0), block_size), -1)
+    if hidden_from is not None and dummy_block_id is not None:
+        blind = valid & (positions < np.repeat(hidden_from, q_lens))
+        slots = np.where(blind, dummy_block_id * block_size + positions % block_size, slots)
     seq_lens = (layout.start + q_lens).astype(np.int32)
     # Eagle's later steps see up to K-1 positions past the main model's last one, on padding rows
     # only (causal: the lm_head rows never look there); widen the table so every op can index them.

@@ -34,6 +34,7 @@ class MtpSeqState:
     hidden_end: int
     last_accepted: int  # tokens accepted by the last step (1 after prefill)
     in_think: bool = False
+    hidden_from: int = 0  # first position with a real hidden state (> 0 after a PD hand-off)
 
 
 class MtpPlugin(Plugin):
@@ -54,6 +55,7 @@ class MtpPlugin(Plugin):
         self.mode = self.params.resolved_mode(model.num_mtp_modules)
         self.modules = list(range(self.k)) if self.mode == "vanilla" else [0] * self.k
         self.block_size = cache_config.block_size
+        self.dummy_block_id = cache_config.dummy_block_id
         self.num_lookahead_tokens = self.k  # the main model writes K draft positions past the last token
         self.keep_hidden = 2 * self.k
         self.states: dict[int, MtpSeqState] = {}
@@ -67,11 +69,15 @@ class MtpPlugin(Plugin):
         num_tokens = np.array([s.num_tokens for s in seqs], dtype=np.int64)
         last_accepted = np.array([self.states[s.seq_id].last_accepted for s in seqs], dtype=np.int64)
         tables = di.block_tables([s.block_table for s in seqs])
-        layout = di.decode_layout(num_tokens, last_accepted, self.k, self.mode)
+        hidden_from = np.array([self.states[s.seq_id].hidden_from for s in seqs], dtype=np.int64)
+        layout = di.decode_layout(num_tokens, last_accepted, self.k, self.mode, hidden_from)
         inputs.model_inputs = di.main_inputs(
             np.array([s.last_token_id for s in seqs]), num_tokens, tables, self.block_size, self.k
         )
-        inputs.sub_model_inputs = di.sub_inputs([s.token_ids for s in seqs], layout, tables, self.block_size, self.k, self.mode)
+        inputs.sub_model_inputs = di.sub_inputs(
+            [s.token_ids for s in seqs], layout, tables, self.block_size, self.k, self.mode,
+            hidden_from, self.dummy_block_id,
+        )
         inputs.hidden_states = self._gather_hidden(seqs, layout)
         inputs.q_lens = inputs.model_inputs.q_lens
         inputs.extra["mtp_modules"] = self.modules
@@ -129,6 +135,16 @@ class MtpPlugin(Plugin):
                     np.array([state.in_think]), [outputs.accepted[b]],
                     self.params.think_start_token_id, self.params.think_end_token_id,
                 )[0])
+
+    def adopt_prefilled(self, seq, hidden_size: int, dtype: torch.dtype, device) -> None:
+        """A sequence prefilled on another node (PD disaggregation): its KV arrived, its hidden
+        states did not. Zeros stand in for the one hidden state the first decode needs, and rows
+        fed from it write to the dummy block (see decode_inputs.sub_inputs)."""
+        n_prompt = seq.num_prompt_tokens
+        self.states[seq.seq_id] = MtpSeqState(
+            hidden=torch.zeros(1, hidden_size, dtype=dtype, device=device), hidden_end=n_prompt,
+            last_accepted=1, in_think=self._prompt_in_think(seq.prompt_token_ids), hidden_from=n_prompt,
+        )
 
     def plugin_cache_clear(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:

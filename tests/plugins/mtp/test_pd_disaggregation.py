@@ -1,0 +1,59 @@
+"""PD disaggregation: a decode-only engine adopts requests prefilled by another engine (their KV
+copied over, their hidden states not) and produces the same greedy output as one engine."""
+import numpy as np
+import pytest
+import torch
+
+from mindspec import LLM, SamplingParams
+from mindspec.engine.errors import EngineError
+from tests.support.checkpoints import make_self_predicting_checkpoint, tiny_v3_config
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    cfg = tiny_v3_config(initializer_range=0.2, num_nextn_predict_layers=2)
+    return make_self_predicting_checkpoint(tmp_path_factory.mktemp("pd"), cfg, seed=11, residual_scale=0.005)
+
+
+def _llm(path, **mtp):
+    pp = {"plugin_type": "mtp", "num_speculative_tokens": 2, **mtp}
+    return LLM(model=str(path), dtype="float32", cache_block_size=4, num_blocks=128, progress=False, plugin_params=pp)
+
+
+@pytest.mark.parametrize("mode", ["eagle", "vanilla"])
+def test_decode_node_matches_a_single_engine(checkpoint, mode):
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(2, 250, int(n)).tolist() for n in (3, 11, 6, 17)]
+    expected = [o.token_ids for o in _llm(checkpoint, mtp_mode=mode).generate(prompts, GREEDY)]
+
+    prefill_node = _llm(checkpoint, mtp_mode=mode, pd_role="prefill")
+    decode_node = _llm(checkpoint, mtp_mode=mode, pd_role="decode")
+    handoffs = [prefill_node.engine.prefill_for_handoff(p, GREEDY) for p in prompts]
+    assert len(handoffs[0].kv) == decode_node.engine.model_wrapper.model.num_cache_layers
+    states = [decode_node.engine.add_prefilled_request(h, GREEDY) for h in handoffs]
+
+    # After the first decode step the MTP KV received from the prefill node is intact.
+    engine = decode_node.engine
+    mtp_cache = engine.model_wrapper.caches[engine.model_wrapper.model.cfg.num_hidden_layers]
+    bs = engine.block_manager.block_size
+
+    def mtp_rows(state):
+        slots = torch.from_numpy(engine.block_manager.slots(state.seq, 0, state.seq.num_prompt_tokens))
+        return mtp_cache.c_kv[slots // bs, slots % bs].clone()
+
+    before = [mtp_rows(s) for s in states]
+    engine.step()
+    assert all(torch.equal(b, mtp_rows(s)) for b, s in zip(before, states))
+
+    outs = engine.run(states)
+    assert [o.token_ids for o in outs] == expected
+    assert sum(o.spec_decode.num_accepted_tokens for o in outs) > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+
+
+def test_adopting_needs_the_decode_role(checkpoint):
+    handoff = _llm(checkpoint, pd_role="prefill").engine.prefill_for_handoff([5, 6, 7], GREEDY)
+    with pytest.raises(EngineError, match="pd_role 'decode'"):
+        _llm(checkpoint).engine.add_prefilled_request(handoff, GREEDY)
