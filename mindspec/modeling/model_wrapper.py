@@ -94,7 +94,12 @@ class ModelWrapper:
         )
 
     def forward_speculative(
-        self, inputs: DeviceInputs, sub_steps: list[DeviceInputs], mtp_modules: list[int], hidden_states: torch.Tensor
+        self,
+        inputs: DeviceInputs,
+        sub_steps: list[DeviceInputs],
+        mtp_modules: list[int],
+        hidden_states: torch.Tensor,
+        lm_head_local_dp: torch.Tensor,
     ):
         from mindspec.models.deepseekv2.flash_causal_deepseekv2 import DraftStep
 
@@ -102,7 +107,7 @@ class ModelWrapper:
         steps = [DraftStep(m, d.positions, d.meta) for m, d in zip(mtp_modules, sub_steps)]
         return self.model.forward_speculative(
             inputs.input_ids, inputs.positions, inputs.meta, inputs.lm_head_indices,
-            first.input_ids, hidden_states, first.lm_head_indices, steps, self.caches,
+            first.input_ids, hidden_states, lm_head_local_dp, steps, self.caches,
         )
 
     @torch.inference_mode()

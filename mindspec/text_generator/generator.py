@@ -55,7 +55,11 @@ class Generator:
         inputs = to_device(local, self.device)
         if sub_model_inputs is not None:
             subs = [to_device(self.dp_partition(s), self.device) for s in sub_model_inputs]
-            out = self.model_wrapper.forward_speculative(inputs, subs, mtp_modules, hidden_states.to(self.device))
+            # The drafter's lm_head rows rebased to this rank's share of the batch (dp = 1: as is).
+            lm_head_local_dp = subs[0].lm_head_indices
+            out = self.model_wrapper.forward_speculative(
+                inputs, subs, mtp_modules, hidden_states.to(self.device), lm_head_local_dp
+            )
         elif mtp_modules:
             out = self.model_wrapper.forward_prefill_mtp(inputs, mtp_modules)
         else:

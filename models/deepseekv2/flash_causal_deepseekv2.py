@@ -194,13 +194,13 @@ class FlashCausalDeepseekV2:
         lm_head_indices: torch.Tensor,  # [B * (K + 1)] every row is verified
         sub_input_ids: torch.Tensor,
         sub_hidden_states: torch.Tensor,
-        sub_lm_head_indices: torch.Tensor,
+        lm_head_local_dp: torch.Tensor,  # [B] drafter lm_head rows on this dp rank (seed 000's name)
         steps: list[DraftStep],
         caches: list[LatentCache],
     ) -> ModelOutput:
         """Decode with MTP in one call: draft K tokens, then the main model verifies
         [last token, d1..dK] per sequence (seed 000: drafts fill input_ids.view(B, K+1)[:, 1:])."""
-        draft_tokens = self.draft(sub_input_ids, sub_hidden_states, sub_lm_head_indices, steps, caches)
+        draft_tokens = self.draft(sub_input_ids, sub_hidden_states, lm_head_local_dp, steps, caches)
         num_seqs, k = draft_tokens.shape
         ids = input_ids.clone().view(num_seqs, k + 1)
         ids[:, 1:] = draft_tokens
