@@ -21,8 +21,8 @@ USER_ERRORS = (
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="checkpoint directory (Hugging Face layout, safetensors)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="checkpoint directory (Hugging Face layout, safetensors); default: the shipped model")
     src.add_argument("--config", help="MindIE-style config.json (or .yaml)")
     p.add_argument("--backend", default="cpu", help="cpu | cuda | npu | auto (with --model)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (with --model)")
@@ -56,6 +56,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     )
     if args.config:
         llm = LLM(config=args.config)
+    elif args.model is None:
+        llm = LLM()  # the shipped default model with MTP on
     else:
         llm = LLM(
             model=args.model, backend=args.backend, dtype=args.dtype, plugin_params=args.plugin_params,
@@ -80,11 +82,25 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve OpenAI, MindIE and TGI routes from a MindIE-style config.json")
+    p.add_argument("--config", default=None, help="config.json / .yaml (default: $MIES_CONFIG_JSON_PATH, else the shipped model)")
+    p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (also $MINDSPEC_API_KEY)")
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from mindspec.service.server import run
+
+    return run(args.config, args.api_key)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mindspec", description="DeepSeek inference with speculative decoding")
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _serve_parser(sub)
     return parser
 
 

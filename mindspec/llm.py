@@ -12,7 +12,8 @@ from mindspec.text_generator.sampling.params import SamplingParams
 
 
 class LLM:
-    """Offline generation.
+    """Offline generation. With neither ``model`` nor ``config`` it runs the shipped default model
+    with MTP (num_speculative_tokens 3).
 
     >>> llm = LLM(model="path/to/deepseek", backend="cpu", dtype="float32")
     >>> llm.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=32))[0].text
@@ -33,9 +34,13 @@ class LLM:
         progress: bool = True,
         **scheduler_limits,
     ):
-        if (model is None) == (config is None):
-            raise ValueError("pass exactly one of model=DIR or config=PATH_TO_CONFIG_JSON")
-        if config is not None:
+        if model is not None and config is not None:
+            raise ValueError("pass model=DIR or config=PATH_TO_CONFIG_JSON, not both")
+        if model is None and config is None:  # the shipped default model, MTP on (K = 3)
+            from mindspec.config.defaults import default_config
+
+            args = EngineArgs.from_mindie_config(default_config(), progress=progress)
+        elif config is not None:
             from mindspec.config.mindie_config import load_config
 
             args = EngineArgs.from_mindie_config(load_config(config), progress=progress)

@@ -36,6 +36,11 @@ class ServerConfig:
     token_timeout: int = 600
     e2e_timeout: int = 600
     allow_all_zero_ip_listening: bool = False
+    max_request_length: int = 40  # MB (MindIE's maxRequestLength)
+
+    @property
+    def max_request_length_bytes(self) -> int:
+        return self.max_request_length * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,7 @@ def _server(s: _Section) -> ServerConfig:
         token_timeout=s.int("tokenTimeout", 600, 1),
         e2e_timeout=s.int("e2eTimeout", 600, 1),
         allow_all_zero_ip_listening=s.bool("allowAllZeroIpListening", False),
+        max_request_length=s.int("maxRequestLength", 40, 1),
     )
 
 

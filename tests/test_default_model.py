@@ -1,0 +1,55 @@
+"""The shipped default model: loads in transformers with identical greedy output, MTP (K = 3) on
+held-out code is lossless and accepts >= 2.4 tokens per step, and a new user's first command works."""
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mindspec import LLM, SamplingParams
+from mindspec.config.defaults import DEFAULT_MODEL_DIR
+
+sys.path.insert(0, str(DEFAULT_MODEL_DIR.parents[2] / "benchmarks"))
+from bench_mtp import heldout_prompts  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    llm = LLM(model=str(DEFAULT_MODEL_DIR), dtype="float32", num_blocks=256, cache_block_size=16, progress=False)
+    return heldout_prompts(llm.tokenizer.hf_tokenizer, 8, 64), llm
+
+
+def test_shipped_model_matches_transformers_greedy(prompts):
+    from transformers import AutoModelForCausalLM
+
+    ps, llm = prompts
+    hf = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32, experts_implementation="eager").eval()
+    outs = llm.generate(ps[:5], GREEDY)
+    for p, o in zip(ps[:5], outs):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=64, do_sample=False, eos_token_id=None)
+        assert ref[0, len(p):].tolist() == o.token_ids
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "eagle"])
+def test_mtp_k3_is_lossless_and_accepts_well(prompts, mode):
+    ps, llm = prompts
+    expected = [o.token_ids for o in llm.generate(ps, GREEDY)]
+    mtp = LLM(model=str(DEFAULT_MODEL_DIR), dtype="float32", num_blocks=256, cache_block_size=16, progress=False,
+              plugin_params={"plugin_type": "mtp", "num_speculative_tokens": 3, "mtp_mode": mode})
+    outs = mtp.generate(ps, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    stats = mtp.engine.spec_stats
+    if mode == "vanilla":
+        assert stats.mean_accepted_length >= 2.4
+
+
+def test_first_command_prints_python():
+    exe = shutil.which("mindspec")
+    cmd = [exe] if exe else [sys.executable, "-m", "mindspec.cli"]
+    res = subprocess.run(cmd + ["generate", "--prompt", "def fibonacci(n):"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    text = res.stdout
+    assert len(text.strip()) > 20 and any(s in text for s in ("return", "if ", "=", "(")), text
