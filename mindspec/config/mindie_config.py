@@ -8,11 +8,39 @@ Every bad value is one ConfigError naming its JSON path.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
 from mindspec.config.plugin_params import PluginParamsError, parse_plugin_params
+
+
+logger = logging.getLogger(__name__)
+
+# Keys mindspec reads, per section; MindIE's other keys (TLS files, PD timeouts, ...) are accepted
+# and reported once as ignored, so a MindIE config.json loads unchanged.
+USED_KEYS = {
+    "": {"Version", "ServerConfig", "BackendConfig", "LogConfig"},
+    "ServerConfig": {"ipAddress", "port", "managementPort", "metricsPort", "maxLinkNum", "tokenTimeout", "e2eTimeout",
+                     "allowAllZeroIpListening", "httpsEnabled", "maxRequestLength"},
+    "BackendConfig": {"backendName", "ModelDeployConfig", "ScheduleConfig"},
+    "BackendConfig.ModelDeployConfig": {"maxSeqLen", "maxInputTokenLen", "truncation", "ModelConfig"},
+    "BackendConfig.ScheduleConfig": {"cacheBlockSize", "maxPrefillBatchSize", "maxPrefillTokens", "maxBatchSize",
+                                     "maxIterTimes", "numBlocks", "templateType"},
+}
+
+
+def ignored_keys(obj: dict) -> list[str]:
+    """JSON paths of keys this build does not use."""
+    out = []
+    for section, used in USED_KEYS.items():
+        node = obj
+        for part in section.split(".") if section else []:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            out += [f"{section + '.' if section else ''}{k}" for k in node if k not in used]
+    return out
 
 
 class ConfigError(ValueError):
@@ -221,6 +249,8 @@ def _schedule(s: _Section, max_input: int) -> ScheduleConfig:
 
 def parse_config(obj: Any, source: str = "<dict>", base_dir: Union[str, Path] = ".") -> MindieConfig:
     root = _Section(obj, "")
+    for key in ignored_keys(root.data):
+        logger.warning("%s: %s is not used by mindspec (ignored)", source, key)
     backend = _Section(root.data.get("BackendConfig"), "BackendConfig")
     deploy = _deploy(_Section(backend.data.get("ModelDeployConfig"), "BackendConfig.ModelDeployConfig"), Path(base_dir))
     effective_input = min(deploy.max_input_token_len, deploy.max_seq_len - 1)

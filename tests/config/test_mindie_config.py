@@ -15,10 +15,17 @@ def _sample() -> dict:
 
 
 def test_shipped_config_parses_with_mindie_defaults():
+    from mindspec.config.defaults import DEFAULT_MODEL_DIR, default_config_dict
+
     cfg = load_config(SHIPPED)
-    assert cfg.server.port == 1025 and cfg.backend.schedule.cache_block_size == 128
+    assert cfg.server.port == 1025 and cfg.backend.schedule.max_batch_size == 32
     assert cfg.model.backend_type == "cpu" and cfg.backend.model_deploy.truncation == "reject"
-    assert "mtp" in cfg.model.plugin_params
+    assert json.loads(cfg.model.plugin_params) == {"plugin_type": "mtp", "num_speculative_tokens": 3}
+    # configs/config.json is the built-in default written out, pointing at the shipped model
+    assert Path(cfg.model.model_weight_path) == DEFAULT_MODEL_DIR
+    raw = _sample()
+    raw["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelWeightPath"] = "X"
+    assert raw == default_config_dict("X")
 
 
 def test_minimal_config_and_relative_path(tmp_path):
@@ -30,8 +37,11 @@ def test_minimal_config_and_relative_path(tmp_path):
 
 
 def test_yaml_equals_json(tmp_path):
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(_sample()))
-    assert load_config(tmp_path / "c.yaml").backend == load_config(SHIPPED).backend
+    d = _sample()
+    d["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelWeightPath"] = "/abs/model"
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(d))
+    (tmp_path / "c.json").write_text(json.dumps(d))
+    assert load_config(tmp_path / "c.yaml").backend == load_config(tmp_path / "c.json").backend
 
 
 def test_plugin_params_as_object():
@@ -90,3 +100,18 @@ def test_unreadable_files(tmp_path):
     (tmp_path / "bad.json").write_text('{"a": 1,,}')
     with pytest.raises(ConfigError, match="invalid JSON at line 1"):
         load_config(tmp_path / "bad.json")
+
+
+def test_unknown_keys_warn_not_fail(caplog):
+    d = _sample()
+    d["ServerConfig"]["tlsCaPath"] = "/x"
+    d["BackendConfig"]["ScheduleConfig"]["prefillTimeMsPerReq"] = 150
+    with caplog.at_level("WARNING"):
+        parse_config(d)
+    assert "ServerConfig.tlsCaPath" in caplog.text and "BackendConfig.ScheduleConfig.prefillTimeMsPerReq" in caplog.text
+
+
+@pytest.mark.parametrize("name", ["config.json", "config_cpu_no_mtp.json", "config_cuda.json", "config_npu.json"])
+def test_ready_made_configs_parse(name):
+    cfg = load_config(SHIPPED.parent / name)
+    assert cfg.model.backend_type in ("cpu", "cuda", "npu")

@@ -1,0 +1,87 @@
+"""Bad HTTP requests and bad configs: each gets its documented error; the server stays healthy."""
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from tests.service.conftest import Server, free_port, write_config
+
+LONG_PROMPT = "x " * 400  # over maxInputTokenLen 128 tokens
+
+# (route, body or raw bytes, status, substring of the error message)
+HTTP_CASES = [
+    ("/v1/completions", b"{bad json", 400, "not valid JSON"),
+    ("/v1/completions", b"[1, 2]", 400, "JSON object"),
+    ("/v1/completions", {"model": "tiny"}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "a", "top_p": 2}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "a", "n": 2}, 400, "n=1"),
+    ("/v1/completions", {"prompt": "a", "model": "gpt-4"}, 404, "does not exist"),
+    ("/v1/completions", {"prompt": LONG_PROMPT}, 400, "maxInputTokenLen"),
+    ("/v1/completions", {"prompt": LONG_PROMPT, "stream": True}, 400, "maxInputTokenLen"),
+    ("/v1/completions", {"prompt": [1, 2, 99999]}, 400, "vocabulary"),
+    ("/v1/completions", {"prompt": "a", "stop": 5}, 400, "stop"),
+    ("/v1/completions", {"prompt": "a", "seed": -3}, 400, "seed"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 50}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "a", "presence_penalty": 5}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "a", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "one prompt"),
+    ("/v1/completions", {"prompt": "a" * 1_200_000}, 413, "maxRequestLength"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+    ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+    ("/generate", {"text": "hi"}, 422, "'inputs'"),
+    ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": -1}}, 400, "max_tokens"),
+    ("/generate", {"inputs": 5}, 422, "inputs"),
+    ("/generate_stream", {"inputs": "hi", "parameters": {"temperature": -2, "do_sample": True}}, 400, "temperature"),
+    ("/infer", {"inputs": ["a"]}, 422, "inputs"),
+    ("/v1/nothing", {"prompt": "a"}, 404, ""),
+]
+
+
+@pytest.mark.parametrize("route, body, status, message", HTTP_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(HTTP_CASES)])
+def test_bad_request_gets_its_error_and_server_stays_healthy(server, route, body, status, message):
+    if isinstance(body, bytes):
+        r = httpx.post(server.base + route, content=body, headers={"content-type": "application/json"}, timeout=60)
+    else:
+        r = httpx.post(server.base + route, json=body, timeout=60)
+    assert r.status_code == status, r.text
+    if message:
+        error = r.json()["error"]
+        assert message in error["message"] and error["code"] == status
+        assert "Traceback" not in r.text
+    assert server.healthy()
+
+
+def test_api_key(tiny_model, tmp_path):
+    ports = (free_port(), free_port(), free_port())
+    srv = Server(write_config(tmp_path / "c.json", tiny_model, ports), ports, api_key="sekret")
+    try:
+        body = {"prompt": "a", "max_tokens": 2}
+        assert httpx.post(srv.base + "/v1/completions", json=body).status_code == 401
+        assert httpx.post(srv.base + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
+        ok = httpx.post(srv.base + "/v1/completions", json=body, headers={"Authorization": "Bearer sekret"}, timeout=60)
+        assert ok.status_code == 200 and srv.healthy()
+    finally:
+        assert srv.stop() == 0
+
+
+CONFIG_CASES = [
+    ({"ServerConfig.port": 70000}, "ServerConfig.port"),
+    ({"ServerConfig.ipAddress": "0.0.0.0"}, "allowAllZeroIpListening"),
+    ({"BackendConfig.ModelDeployConfig.ModelConfig.0.plugin_params": "{oops"}, "plugin_params"),
+    ({"BackendConfig.ModelDeployConfig.ModelConfig.0.modelWeightPath": "/no/such/model"}, "does not exist"),
+    ({"BackendConfig.ScheduleConfig.cacheBlockSize": 0}, "cacheBlockSize"),
+    ({"BackendConfig.ModelDeployConfig.ModelConfig.0.backendType": "tpu"}, "backendType"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", CONFIG_CASES, ids=[m for _, m in CONFIG_CASES])
+def test_bad_config_is_one_clear_error(tiny_model, tmp_path, overrides, message):
+    cfg = write_config(tmp_path / "c.json", tiny_model, (free_port(), free_port(), free_port()), **overrides)
+    res = subprocess.run([sys.executable, "-m", "mindspec.cli", "serve", "--config", str(cfg)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
