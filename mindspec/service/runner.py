@@ -42,6 +42,8 @@ class RequestRunner:
                 except StopAsyncIteration:
                     break
                 except asyncio.TimeoutError:
+                    if remaining < self.timeouts.token:
+                        raise ApiError(408, f"request exceeded e2eTimeout ({self.timeouts.e2e:g} s)") from None
                     raise ApiError(408, f"no tokens within tokenTimeout ({self.timeouts.token:g} s)") from None
                 except RequestError as exc:
                     raise ApiError(400, str(exc)) from None

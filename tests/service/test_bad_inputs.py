@@ -85,3 +85,24 @@ def test_bad_config_is_one_clear_error(tiny_model, tmp_path, overrides, message)
     res = subprocess.run([sys.executable, "-m", "mindspec.cli", "serve", "--config", str(cfg)],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_e2e_timeout_ends_a_long_request(tiny_model, tmp_path):
+    ports = (free_port(), free_port(), free_port())
+    cfg = write_config(tmp_path / "c.json", tiny_model, ports, **{"ServerConfig.e2eTimeout": 1,
+                                                                   "BackendConfig.ModelDeployConfig.maxSeqLen": 4096,
+                                                                   "BackendConfig.ScheduleConfig.numBlocks": 600})
+    srv = Server(cfg, ports)
+    try:
+        body = {"prompt": "a", "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(srv.base + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 408 and "e2eTimeout" in r.json()["error"]["message"]
+        for _ in range(50):
+            if srv.metric("mindspec_kv_blocks_used") == 0:
+                break
+            import time
+
+            time.sleep(0.1)
+        assert srv.metric("mindspec_kv_blocks_used") == 0 and srv.healthy()
+    finally:
+        assert srv.stop() == 0
