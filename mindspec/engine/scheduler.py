@@ -10,26 +10,57 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional, Union
 
 from .block_manager import BlockManager
-from .errors import RequestRejected
+from .errors import CapacityExceeded, EngineError, RequestRejected
 from .sequence import FinishReason, Sequence, SequenceStatus
 
 StopCheck = Callable[[Sequence, int], Optional[FinishReason]]
 
 
+# MindIE's truncation codes (ModelDeployConfig.truncation): 0/false reject, 1 cut from the left
+# (keep the last tokens), -1/true cut from the right (keep the first tokens); same table as
+# mindspec.config.mindie_config.
+_TRUNCATION_CODES = {0: "reject", 1: "left", -1: "right"}
+TRUNCATION_MODES = ("reject", "left", "right")
+
+
 @dataclass
 class SchedulerConfig:
-    max_batch_size: int = 200
-    max_prefill_batch_size: int = 50
-    max_prefill_tokens: int = 8192
-    max_seq_len: int = 2560
-    max_input_token_len: int = 2048
-    max_iter_times: int = 512
-    truncation: str = "reject"  # MindIE truncation: "reject" | "left" (keep the last tokens) | "right"
+    max_batch_size: int = 200  # maxBatchSize: running sequences
+    max_prefill_batch_size: int = 50  # maxPrefillBatchSize
+    max_prefill_tokens: int = 8192  # maxPrefillTokens (a longer single prompt still runs alone)
+    max_seq_len: int = 2560  # maxSeqLen: prompt + output
+    max_input_token_len: int = 2048  # maxInputTokenLen (effective: min(it, maxSeqLen - 1))
+    max_iter_times: int = 512  # maxIterTimes: output tokens
+    # "reject" | "left" (keep the last tokens) | "right" (keep the first); MindIE's codes
+    # 0/1/-1 and booleans are accepted and normalised.
+    truncation: Union[str, int, bool] = "reject"
+    # cacheBlockSize; None takes the block manager's. Informational: the block manager's value rules.
+    block_size: Optional[int] = None
     # KV positions a decode step writes beyond the real tokens (drafts); set from the plugins.
     num_lookahead_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        t = self.truncation
+        if isinstance(t, bool):
+            t = -1 if t else 0
+        if isinstance(t, int):
+            if t not in _TRUNCATION_CODES:
+                raise EngineError(f"truncation must be 0 (reject), 1 (cut left) or -1 (cut right), got {t}")
+            t = _TRUNCATION_CODES[t]
+        if t not in TRUNCATION_MODES:
+            raise EngineError(f"truncation must be one of {TRUNCATION_MODES}, got {self.truncation!r}")
+        self.truncation = t
+        for name in ("max_batch_size", "max_prefill_batch_size", "max_prefill_tokens", "max_input_token_len",
+                     "max_iter_times"):
+            if getattr(self, name) < 1:
+                raise EngineError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_seq_len < 2:
+            raise EngineError(f"max_seq_len must be >= 2 (one prompt and one output token), got {self.max_seq_len}")
+        if self.num_lookahead_tokens < 0:
+            raise EngineError(f"num_lookahead_tokens must be >= 0, got {self.num_lookahead_tokens}")
 
     @property
     def effective_max_input_len(self) -> int:
@@ -42,8 +73,9 @@ class ScheduledBatch:
     is_prefill: bool
 
 
-@dataclass
-class SeqUpdate:
+class SeqUpdate(NamedTuple):
+    """One sequence's result of a step; unpacks as (seq, new_token_ids, finished)."""
+
     seq: Sequence
     new_token_ids: list[int]  # appended this step (stops early at a finishing token)
     finished: bool
@@ -51,47 +83,85 @@ class SeqUpdate:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        if config.block_size is None:
+            config.block_size = block_manager.block_size
+        elif config.block_size != block_manager.block_size:
+            raise EngineError(
+                f"SchedulerConfig.block_size={config.block_size} but the block manager uses "
+                f"{block_manager.block_size}-token blocks"
+            )
         self.config = config
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
     # ---- admission ---------------------------------------------------------------------------
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Longest sequence (tokens, drafts excluded) the whole cache can hold in one decode step."""
+        bm = self.block_manager
+        return bm.num_usable_blocks * bm.block_size - self.config.num_lookahead_tokens
+
     def add(self, seq: Sequence) -> None:
-        """Validate limits (may truncate the prompt or clip max_tokens) and queue the sequence."""
+        """Validate limits (may truncate the prompt or clip max_tokens) and queue the sequence.
+
+        Raises RequestRejected for a request that could never run; the sequence is then not queued.
+        """
+        self._validate(seq, allow_truncation=True)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def _validate(self, seq: Sequence, allow_truncation: bool) -> None:
         cfg = self.config
         if not seq.prompt_token_ids:
             raise RequestRejected("the prompt is empty")
         limit = cfg.effective_max_input_len
         n = len(seq.prompt_token_ids)
         if n > limit:
-            if cfg.truncation == "reject":
+            if cfg.truncation == "reject" or not allow_truncation:
                 raise RequestRejected(
                     f"the prompt has {n} tokens, more than maxInputTokenLen={limit} "
-                    f"(min of maxInputTokenLen and maxSeqLen-1)"
+                    f"(min of maxInputTokenLen={cfg.max_input_token_len} and maxSeqLen-1={cfg.max_seq_len - 1})"
                 )
             keep = seq.prompt_token_ids[-limit:] if cfg.truncation == "left" else seq.prompt_token_ids[:limit]
             seq.prompt_token_ids = list(keep)
             n = limit
-        capacity = self.block_manager.num_usable_blocks * self.block_manager.block_size - cfg.num_lookahead_tokens
-        if n >= capacity:
-            raise RequestRejected(f"the prompt has {n} tokens but the whole KV cache holds {capacity}")
-        # A sequence that could outgrow the whole cache would preempt itself forever: clip instead.
-        seq.max_tokens = max(1, min(seq.max_tokens, cfg.max_iter_times, cfg.max_seq_len - n, capacity - n))
-        seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        capacity = self.kv_capacity_tokens
+        if n > capacity:
+            bm = self.block_manager
+            raise RequestRejected(
+                f"the prompt has {n} tokens but the whole KV cache holds {capacity} "
+                f"({bm.num_usable_blocks} usable blocks x {bm.block_size} tokens"
+                + (f", minus {cfg.num_lookahead_tokens} draft positions" if cfg.num_lookahead_tokens else "")
+                + ")"
+            )
+        # Output limit: min(maxIterTimes, max_tokens), prompt + output <= maxSeqLen, and the last
+        # decode step (num_tokens = n + max_tokens - 1, plus drafts) must fit the whole cache: a
+        # sequence that could outgrow it would preempt itself forever.
+        seq.max_tokens = max(
+            1, min(seq.max_tokens, cfg.max_iter_times, cfg.max_seq_len - n, capacity - n + 1)
+        )
 
     def add_prefilled(self, seq: Sequence) -> None:
         """A sequence whose prompt KV was computed elsewhere (PD disaggregation): it skips prefill
-        and runs from the next decode step. Its blocks are allocated now."""
-        self.add(seq)
-        self.waiting.remove(seq)
-        if not self.block_manager.can_allocate(seq):
-            raise RequestRejected(
-                f"no free KV blocks for a prefilled request of {seq.num_tokens} tokens "
-                f"({self.block_manager.num_free_blocks} free)"
+        and runs from the next decode step. Its blocks are allocated now, since the caller writes
+        the handed-off KV into them at once; so it cannot wait: when the batch is full
+        (maxBatchSize) or blocks are short it raises CapacityExceeded and nothing changes. The
+        prompt is never truncated here: the KV handed off is that of the whole prompt."""
+        self._validate(seq, allow_truncation=False)
+        cfg, bm = self.config, self.block_manager
+        if len(self.running) >= cfg.max_batch_size:
+            raise CapacityExceeded(
+                f"cannot adopt a prefilled request: {len(self.running)} sequences already run "
+                f"(maxBatchSize={cfg.max_batch_size})"
             )
-        self.block_manager.allocate(seq)
+        # Its tokens only: the drafts' positions are added by the first decode (which may preempt).
+        if not bm.can_allocate(seq):
+            raise CapacityExceeded(
+                f"cannot adopt a prefilled request of {seq.num_tokens} tokens: it needs "
+                f"{bm.blocks_for_tokens(seq.num_tokens)} KV blocks, {bm.num_free_blocks} free"
+            )
+        bm.allocate(seq)
         seq.num_cached_tokens = seq.num_prompt_tokens
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
@@ -100,6 +170,7 @@ class Scheduler:
         self._finish(seq, reason)
 
     def abort(self, seq_id: int) -> Optional[Sequence]:
+        """Finish a waiting or running sequence with reason "abort" and free its blocks."""
         for seq in list(self.waiting) + self.running:
             if seq.seq_id == seq_id:
                 self._finish(seq, FinishReason.ABORT)
@@ -119,6 +190,8 @@ class Scheduler:
 
     # ---- scheduling --------------------------------------------------------------------------
     def schedule(self) -> Optional[ScheduledBatch]:
+        """A prefill batch if any waiting sequence can start, else a decode batch of the running
+        ones; None when there is nothing to run."""
         batch = self._schedule_prefill()
         if batch is not None:
             return batch
@@ -126,8 +199,10 @@ class Scheduler:
 
     def _schedule_prefill(self) -> Optional[ScheduledBatch]:
         cfg, bm = self.config, self.block_manager
+        lookahead = cfg.num_lookahead_tokens
         seqs: list[Sequence] = []
         tokens = 0
+        # FCFS: the head of the queue blocks the rest, so a long prompt is never starved.
         while self.waiting and len(seqs) < cfg.max_prefill_batch_size:
             if len(self.running) + len(seqs) >= cfg.max_batch_size:
                 break
@@ -135,9 +210,10 @@ class Scheduler:
             # A prompt longer than maxPrefillTokens still runs, alone.
             if seqs and tokens + seq.num_tokens > cfg.max_prefill_tokens:
                 break
-            if not bm.can_allocate(seq):
+            # Room for the first decode's drafts too, so a fresh sequence is not preempted at once.
+            if not bm.can_allocate(seq, lookahead):
                 break
-            bm.allocate(seq)
+            bm.allocate(seq, lookahead)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             seqs.append(seq)
@@ -148,8 +224,13 @@ class Scheduler:
         return ScheduledBatch(seqs, is_prefill=True)
 
     def _schedule_decode(self) -> Optional[ScheduledBatch]:
+        """Every running sequence needs its table to cover num_tokens + num_lookahead_tokens
+        positions: the newest token (not yet cached) plus the drafts. When blocks run out the most
+        recently arrived sequence is preempted (recompute), possibly the one being served."""
         bm, lookahead = self.block_manager, self.config.num_lookahead_tokens
-        queue = list(self.running)
+        # Oldest first, so the victims (popped from the end) are the newest arrivals, and a
+        # re-admitted old sequence is not the first to go again.
+        queue = sorted(self.running, key=lambda q: (q.arrival_time, q.seq_id))
         scheduled: list[Sequence] = []
         while queue:
             seq = queue.pop(0)
@@ -166,16 +247,26 @@ class Scheduler:
         return ScheduledBatch(list(scheduled), is_prefill=False) if scheduled else None
 
     def _preempt(self, seq: Sequence) -> None:
-        self.block_manager.free(seq)
+        self.block_manager.free(seq)  # also sets num_cached_tokens = 0: recomputed from its tokens
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     # ---- results -----------------------------------------------------------------------------
     def postprocess(self, batch: ScheduledBatch, new_tokens: list[list[int]], is_stop: StopCheck) -> list[SeqUpdate]:
-        """Append each sequence's accepted tokens one by one, stopping at a finishing token."""
+        """Append each sequence's accepted tokens one by one, stopping at a finishing token
+        (``is_stop`` returns a FinishReason, or max_tokens is reached: "length"). Finished
+        sequences leave the running list and their blocks are freed at once."""
+        if len(new_tokens) != len(batch.seqs):
+            raise EngineError(f"{len(new_tokens)} token lists for a batch of {len(batch.seqs)} sequences")
         updates = []
         for seq, tokens in zip(batch.seqs, new_tokens):
+            if seq.is_finished:  # aborted between schedule() and now: its tokens are dropped
+                updates.append(SeqUpdate(seq, [], True))
+                continue
+            if batch.is_prefill and len(tokens) > 1:
+                # Only the last token is cached next step: more than one here would leave a hole.
+                raise EngineError(f"sequence {seq.seq_id}: a prefill step yields one token, got {len(tokens)}")
             # KV now covers every token fed this step that was accepted (the last token and the
             # accepted drafts); the newest token is fed, and cached, next step.
             seq.num_cached_tokens = seq.num_tokens if batch.is_prefill else seq.num_cached_tokens + len(tokens)
@@ -187,7 +278,7 @@ class Scheduler:
                 if reason is None and seq.num_output_tokens >= seq.max_tokens:
                     reason = FinishReason.LENGTH
                 if reason is not None:
-                    self._finish(seq, reason)
+                    self._finish(seq, FinishReason(reason))
                     break
             updates.append(SeqUpdate(seq, appended, seq.is_finished))
         return updates

@@ -60,3 +60,10 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(int(token_id))
+
+    @staticmethod
+    def num_blocks_needed(num_tokens: int, block_size: int) -> int:
+        """Blocks that hold ``num_tokens`` token positions (ceil division); 0 for 0 tokens."""
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        return -(-max(0, num_tokens) // block_size)

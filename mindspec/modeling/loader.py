@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import re
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from .errors import (
@@ -63,13 +64,17 @@ def read_hf_config(model_dir: str | Path, supported_model_types: Iterable[str] =
 def find_checkpoint_files(model_dir: str | Path) -> tuple[list[Path], dict[str, Path]]:
     """(files, weight_map); weight_map is empty for unindexed checkpoints."""
     path = Path(model_dir)
+    if not path.exists():
+        raise NotACheckpointError(f"model directory {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise NotACheckpointError(f"{str(path)!r} is not a directory; pass the checkpoint directory")
     index = path / INDEX_FILE
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            mapped = {str(name): path / str(file) for name, file in weight_map.items()}
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
             raise NotACheckpointError(f"{index} is not a safetensors index (no valid weight_map): {exc}") from None
-        mapped = {name: path / file for name, file in weight_map.items()}
         files = sorted(set(mapped.values()))
         for f in files:
             if not f.is_file():
@@ -99,9 +104,13 @@ def load_checkpoint(
     ignored = [re.compile(p) for p in ignore]
     loaded: dict[str, torch.Tensor] = {}
     source: dict[str, Path] = {}
-    handles = [(f, safe_open(str(f), framework="pt", device="cpu")) for f in files]
-    total = sum(len(h.keys()) for _, h in handles)
-    with tqdm(total=total, desc=f"Loading {Path(model_dir).name}", unit="tensor", disable=not progress) as bar:
+    with ExitStack() as stack:
+        # Opening reads headers only (the data is memory-mapped), so counting keys up front is cheap.
+        handles = [(f, stack.enter_context(_open(f))) for f in files]
+        total = sum(len(h.keys()) for _, h in handles)
+        bar = stack.enter_context(
+            tqdm(total=total, desc=f"Loading {Path(model_dir).name}", unit="tensor", disable=not progress)
+        )
         for file, handle in handles:
             for name in handle.keys():
                 bar.update(1)
@@ -117,8 +126,15 @@ def load_checkpoint(
     return loaded
 
 
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as exc:
+        raise NotACheckpointError(f"{file} is not a readable safetensors file: {exc}") from None
+
+
 def _check_key(name: str, file: Path, specs: dict[str, WeightSpec], source: dict[str, Path]) -> None:
-    if name.endswith("weight_scale_inv") or name.endswith("_scale"):
+    if name.endswith("weight_scale_inv") or (name.endswith("_scale") and name not in specs):
         raise UnsupportedCheckpointError(
             f"tensor {name!r} in {file.name} is an FP8 scale: FP8 checkpoints need dequantising to bf16 first"
         )
@@ -155,6 +171,6 @@ def checkpoint_keys(model_dir: str | Path) -> set[str]:
         return set(weight_map)
     keys: set[str] = set()
     for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as h:
+        with _open(f) as h:
             keys.update(h.keys())
     return keys
