@@ -25,6 +25,7 @@ from mindspec import LLM, SamplingParams
 from mindspec.config.defaults import default_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
+MIN_PROMPTS = 8
 
 
 def heldout_prompts(tokenizer, count: int, prompt_tokens: int, seed: int = 0) -> list[list[int]]:
@@ -46,17 +47,18 @@ def heldout_prompts(tokenizer, count: int, prompt_tokens: int, seed: int = 0) ->
     return prompts
 
 
-def configs(ks: list[int]) -> list[tuple[str, dict | None]]:
+def configs(ks: list[int], mtp_modules: int) -> list[tuple[str, dict | None]]:
     out = [("mtp off", None)]
     for mode in ("vanilla", "eagle"):
-        for k in ks:
+        # Vanilla runs module k at depth k, so it cannot go deeper than the checkpoint; Eagle can.
+        for k in ks if mode == "eagle" else [k for k in ks if k <= mtp_modules]:
             out.append((f"{mode} K={k}", {"plugin_type": "mtp", "num_speculative_tokens": k, "mtp_mode": mode}))
     return out
 
 
-def run_mindspec(llm: LLM, prompts, params) -> tuple[float, list, dict]:
+def run_mindspec(llm: LLM, groups, params) -> tuple[float, list, dict]:
     start = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = [o for group in groups for o in llm.generate(group, params)]
     seconds = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
     stats = [o.spec_decode for o in outs if o.spec_decode is not None]
@@ -69,10 +71,10 @@ def run_mindspec(llm: LLM, prompts, params) -> tuple[float, list, dict]:
     return tokens / seconds, [o.token_ids for o in outs], spec
 
 
-def run_hf(model, prompts, new_tokens: int) -> float:
+def run_hf(model, groups, new_tokens: int) -> float:
     start = time.perf_counter()
     tokens = 0
-    for p in prompts:  # batch 1 each: HF has no paged batching of ragged prompts
+    for (p,) in groups:  # batch 1 only: HF has no paged batching of ragged prompts
         out = model.generate(torch.tensor([p]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
         tokens += out.shape[1] - len(p)
     return tokens / (time.perf_counter() - start)
@@ -81,7 +83,7 @@ def run_hf(model, prompts, new_tokens: int) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "mtp_cpu"))
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--batches", default="1,8")
@@ -91,26 +93,30 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     model_dir = str(default_model_dir())
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
-    runs = configs([int(k) for k in args.ks.split(",")])
+    mtp_modules = json.loads((Path(model_dir) / "config.json").read_text()).get("num_nextn_predict_layers", 0)
+    runs = configs([int(k) for k in args.ks.split(",")], mtp_modules)
     llms = {name: LLM(model=model_dir, dtype="float32", cache_block_size=16, num_blocks=512, progress=False,
                       plugin_params=pp) for name, pp in runs}
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, experts_implementation="eager").eval()
     batches = [int(b) for b in args.batches.split(",")]
-    prompts_all = heldout_prompts(llms["mtp off"].tokenizer.hf_tokenizer, max(batches), args.prompt_tokens)
+    # At least MIN_PROMPTS prompts per configuration, run `batch` at a time, so that batch 1 is not
+    # one prompt's luck.
+    prompts_all = heldout_prompts(llms["mtp off"].tokenizer.hf_tokenizer, max(batches + [MIN_PROMPTS]), args.prompt_tokens)
     results = {}
     for batch in batches:
-        prompts = prompts_all[:batch]
+        count = max(batch, MIN_PROMPTS)
+        groups = [prompts_all[i : i + batch] for i in range(0, count, batch)]
         speeds = {name: [] for name, _ in runs} | {"transformers generate": []}
         outputs, spec = {}, {}
         for _ in range(args.rounds):
             for name, _ in runs:
-                tps, toks, stats = run_mindspec(llms[name], prompts, params)
+                tps, toks, stats = run_mindspec(llms[name], groups, params)
                 speeds[name].append(tps)
                 outputs[name], spec[name] = toks, stats
             if batch == 1:
-                speeds["transformers generate"].append(run_hf(hf, prompts, args.new_tokens))
+                speeds["transformers generate"].append(run_hf(hf, groups, args.new_tokens))
         base = statistics.median(speeds["mtp off"])
         results[f"batch {batch}"] = {
             name: {
@@ -125,7 +131,7 @@ def main(argv=None) -> int:
         print(json.dumps({f"batch {batch}": {n: round(r["speedup_vs_mtp_off"], 2) for n, r in results[f"batch {batch}"].items()}}))
     report = {
         "model": model_dir, "device": "cpu", "threads": args.threads, "rounds": args.rounds,
-        "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens, "results": results,
+        "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens, "prompts": max(batches + [MIN_PROMPTS]), "results": results,
         "command": "python " + " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
     }
     out = Path(args.out)

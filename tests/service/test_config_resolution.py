@@ -1,0 +1,34 @@
+"""Where `mindspec serve` gets its config: --config, else $MIES_CONFIG_JSON_PATH, else the default."""
+import httpx
+
+from mindspec.config.defaults import DEFAULT_MODEL_DIR
+from mindspec.service.server import CONFIG_ENV, resolve_config
+from tests.service.conftest import Server, free_port, write_config
+
+
+def test_default_is_the_shipped_model(monkeypatch):
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    cfg = resolve_config(None)
+    assert cfg.model.model_weight_path == str(DEFAULT_MODEL_DIR) and "mtp" in cfg.model.plugin_params
+
+
+def test_environment_variable_is_used(monkeypatch, tiny_model, tmp_path):
+    path = write_config(tmp_path / "c.json", tiny_model, (1, 2, 3))
+    monkeypatch.setenv(CONFIG_ENV, str(path))
+    assert resolve_config(None).model.model_name == "tiny"
+    assert resolve_config(str(path)).server.port == 1
+
+
+def test_serve_default_model_from_environment(tmp_path):
+    """The shipped model behind a real server, as the README's curl shows it."""
+    ports = (free_port(), free_port(), free_port())
+    cfg = write_config(tmp_path / "c.json", DEFAULT_MODEL_DIR, ports, **{
+        "BackendConfig.ModelDeployConfig.ModelConfig.0.plugin_params": {"plugin_type": "mtp", "num_speculative_tokens": 3}})
+    srv = Server(cfg, ports)
+    try:
+        r = httpx.post(srv.base + "/v1/completions", timeout=120,
+                       json={"prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0})
+        assert r.status_code == 200 and len(r.json()["choices"][0]["text"]) > 10
+        assert srv.metric("mindspec_spec_accepted_tokens_total") > 0
+    finally:
+        assert srv.stop() == 0
