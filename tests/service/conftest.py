@@ -84,8 +84,8 @@ class Server:
                     total += sample.value
         return total
 
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
+    def stop(self, sig=signal.SIGTERM) -> int:
+        self.proc.send_signal(sig)
         try:
             return self.proc.wait(30)
         except subprocess.TimeoutExpired:

@@ -1,4 +1,6 @@
 """Where `mindspec serve` gets its config: --config, else $MIES_CONFIG_JSON_PATH, else the default."""
+import signal
+
 import httpx
 
 from mindspec.config.defaults import DEFAULT_MODEL_DIR
@@ -19,8 +21,8 @@ def test_environment_variable_is_used(monkeypatch, tiny_model, tmp_path):
     assert resolve_config(str(path)).server.port == 1
 
 
-def test_serve_default_model_from_environment(tmp_path):
-    """The shipped model behind a real server, as the README's curl shows it."""
+def test_serve_default_model(tmp_path):
+    """The shipped model behind a real server, as the README's curl shows it; Ctrl-C stops it cleanly."""
     ports = (free_port(), free_port(), free_port())
     cfg = write_config(tmp_path / "c.json", DEFAULT_MODEL_DIR, ports, **{
         "BackendConfig.ModelDeployConfig.ModelConfig.0.plugin_params": {"plugin_type": "mtp", "num_speculative_tokens": 3}})
@@ -31,4 +33,7 @@ def test_serve_default_model_from_environment(tmp_path):
         assert r.status_code == 200 and len(r.json()["choices"][0]["text"]) > 10
         assert srv.metric("mindspec_spec_accepted_tokens_total") > 0
     finally:
-        assert srv.stop() == 0
+        assert srv.stop(signal.SIGINT) == 0
+    banner = srv.proc.stdout.read()
+    assert f"listening on http://127.0.0.1:{ports[0]}" in banner and "backend cpu" in banner, banner
+    assert "mtp" in banner and "mindspec stopped" in banner, banner
