@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Callable, Optional
 
@@ -69,6 +69,9 @@ class AttentionMetadata:
     # Optional tree verification: tree_mask[b, i, j] says new token i of sequence b may attend new
     # token j (j, i < max_q_len); the causal mask among new tokens is replaced by it.
     tree_mask: Optional[torch.Tensor] = None  # [B, max_q_len, max_q_len] bool
+    # Per-forward memo for backends: tensors derived from this metadata once (gather indices,
+    # masks, cos/sin rows, host argument lists) and reused by every layer of the forward.
+    scratch: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -106,10 +109,31 @@ class ExpertWeights:
 
 @dataclass
 class RotaryEmbedding:
-    """DeepSeek rope (optionally YaRN-scaled): cos/sin follow from positions and inv_freq."""
+    """DeepSeek rope (optionally YaRN-scaled): cos/sin follow from positions and inv_freq.
+
+    ``cos_sin_cache`` holds the table for every position up to max_position_embeddings, computed
+    once exactly as transformers computes cos/sin per step (float32 positions * inv_freq, times
+    attention_factor), so ops look rows up instead of recomputing them in every layer.
+    """
 
     inv_freq: torch.Tensor  # [rope_dim // 2] float32
     attention_factor: float  # multiplies cos and sin (YaRN mscale ratio; 1.0 for released configs)
+    cos_sin_cache: Optional[torch.Tensor] = None  # [max_positions, rope_dim] float32: [cos | sin]
+
+    def build_cache(self, max_positions: int, device: Optional[torch.device] = None) -> None:
+        inv_freq = self.inv_freq.to(device=device, dtype=torch.float32)
+        positions = torch.arange(max_positions, device=device, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, rope_dim // 2]
+        af = self.attention_factor
+        self.inv_freq = inv_freq
+        self.cos_sin_cache = torch.cat([freqs.cos() * af, freqs.sin() * af], dim=-1)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [T, rope_dim // 2] float32, for positions [T]."""
+        if self.cos_sin_cache is None:
+            freqs = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
+            return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+        return self.cos_sin_cache[positions].chunk(2, dim=-1)
 
 
 # --------------------------------------------------------------------------------------------

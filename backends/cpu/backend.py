@@ -94,10 +94,8 @@ class CpuBackend(Backend):
 
     # ---- rope ----------------------------------------------------------------------------
     def rope(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
-        inv_freq = rotary.inv_freq.to(device=x.device, dtype=torch.float32)
-        freqs = positions.to(device=x.device, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [T, P/2]
-        cos = (freqs.cos() * rotary.attention_factor).to(x.dtype)[:, None, :]
-        sin = (freqs.sin() * rotary.attention_factor).to(x.dtype)[:, None, :]
+        cos, sin = rotary.cos_sin(positions.to(x.device))  # [T, P/2] float32 each
+        cos, sin = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]
         x0, x1 = x[..., 0::2], x[..., 1::2]
         out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
         return out.flatten(-2)

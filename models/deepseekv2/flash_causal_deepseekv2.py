@@ -59,7 +59,7 @@ class FlashCausalDeepseekV2:
         self.num_mtp_modules = num_mtp_modules
         self.dtype = tensors["model.embed_tokens.weight"].dtype
         self.rotary = build_rotary(cfg.qk_rope_head_dim, cfg.rope, cfg.max_position_embeddings)
-        self.rotary.inv_freq = self.rotary.inv_freq.to(backend.device)
+        self.rotary.build_cache(cfg.max_position_embeddings, backend.device)
         scale = softmax_scale(cfg.qk_head_dim, cfg.rope)
         bag = TensorBag(tensors)
         self.embed = bag.take("model.embed_tokens.weight")  # [vocab, hidden]
