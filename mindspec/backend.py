@@ -38,6 +38,9 @@ class LatentCache:
 
     c_kv: torch.Tensor  # [num_blocks, block_size, kv_lora_rank]   normalised latent
     k_pe: torch.Tensor  # [num_blocks, block_size, qk_rope_head_dim] roped key part
+    # When both parts live in one buffer (c_kv and k_pe are views of it), the buffer itself, so
+    # a backend can write and gather a token's whole latent row at once.
+    latent: Optional[torch.Tensor] = None  # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
 
     @property
     def num_blocks(self) -> int:
@@ -169,7 +172,14 @@ class Backend(ABC):
         self, num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype
     ) -> LatentCache:
         buf = torch.zeros(num_blocks, block_size, kv_lora_rank + rope_dim, dtype=dtype, device=self.device)
-        return LatentCache(c_kv=buf[..., :kv_lora_rank], k_pe=buf[..., kv_lora_rank:])
+        return LatentCache(c_kv=buf[..., :kv_lora_rank], k_pe=buf[..., kv_lora_rank:], latent=buf)
+
+    # ---- per-forward preparation ---------------------------------------------------------------
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Called once per forward (per AttentionMetadata) before any layer runs: derive what every
+        layer would otherwise recompute (gather plans, masks, host argument lists) into
+        ``meta.scratch``. Keeps host work out of the layers, and out of captured/compiled
+        regions, which may then read only tensors. Default: nothing to prepare."""
 
     @abstractmethod
     def write_latent_cache(

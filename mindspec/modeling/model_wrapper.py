@@ -80,15 +80,22 @@ class ModelWrapper:
         return self.cache_config
 
     # ---- forward -------------------------------------------------------------------------------
+    def _prepare(self, *inputs: DeviceInputs) -> None:
+        for x in inputs:
+            self.backend.prepare(x.meta)
+
     def forward(self, inputs: DeviceInputs):
+        self._prepare(inputs)
         return self.model.forward(inputs.input_ids, inputs.positions, self.caches, inputs.meta, inputs.lm_head_indices)
 
     def forward_mtp(self, module_idx: int, inputs: DeviceInputs, hidden_states: torch.Tensor):
+        self._prepare(inputs)
         return self.model.forward_mtp(
             module_idx, inputs.input_ids, hidden_states, inputs.positions, self.caches, inputs.meta, inputs.lm_head_indices
         )
 
     def forward_prefill_mtp(self, inputs: DeviceInputs, mtp_modules: list[int]):
+        self._prepare(inputs)
         return self.model.forward_prefill_mtp(
             inputs.input_ids, inputs.positions, inputs.meta, inputs.lm_head_indices, mtp_modules, self.caches
         )
@@ -103,6 +110,7 @@ class ModelWrapper:
     ):
         from mindspec.models.deepseekv2.flash_causal_deepseekv2 import DraftStep
 
+        self._prepare(inputs, *sub_steps)
         first = sub_steps[0]
         steps = [DraftStep(m, d.positions, d.meta) for m, d in zip(mtp_modules, sub_steps)]
         return self.model.forward_speculative(
