@@ -278,6 +278,21 @@ class Backend(ABC):
     ) -> torch.Tensor:
         """sum_k w[t, k] * down(silu(gate(x)) * up(x)) over the chosen experts -> [T, H]."""
 
+    # ---- sampling (optional; Ascend fuses it as npu_top_k_top_p) --------------------------------
+    def top_k_top_p(self, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        """logits [N, V]; top_k [N] int in [1, V] (V = off); top_p [N] (1.0 = off) -> logits with
+        removed tokens at -inf. Keeps tokens >= the k-th largest logit, then those whose strictly
+        larger mass under the top-k renormalised softmax is < top_p (threshold based: ties kept)."""
+        sorted_l = logits.sort(dim=-1, descending=True).values  # [N, V]
+        kth = sorted_l.gather(1, (top_k.to(torch.int64) - 1).clamp(min=0)[:, None])
+        sorted_l = sorted_l.masked_fill(sorted_l < kth, float("-inf"))
+        probs = sorted_l.float().softmax(dim=-1)
+        keep = (probs.cumsum(dim=-1) - probs) < top_p.to(probs.dtype)[:, None]  # mass ranked before
+        keep[:, 0] = True
+        p_thr = sorted_l.gather(1, keep.sum(dim=-1, keepdim=True) - 1)
+        thr = torch.where(top_p[:, None] < 1.0, torch.maximum(kth, p_thr), kth)
+        return logits.masked_fill(logits < thr, float("-inf"))
+
 
 # --------------------------------------------------------------------------------------------
 # Registry
