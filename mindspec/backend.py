@@ -167,6 +167,17 @@ class Backend(ABC):
     def to_device(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.device, non_blocking=True)
 
+    # ---- graph capture (used by mindspec/modeling/graph_runner.py) ---------------------------
+    @property
+    def supports_graph_capture(self) -> bool:
+        """Whether ``capture_graph`` works here (CUDA graphs on the cuda backend). Default: no."""
+        return False
+
+    def capture_graph(self, fn: Callable[[], object]):
+        """Record the device work of ``fn`` once -> an object with ``replay()`` and ``outputs``
+        (what fn returned: static tensors that each replay rewrites)."""
+        raise BackendError(f"backend {self.name!r} cannot capture graphs")
+
     # ---- cache -----------------------------------------------------------------------------
     def allocate_latent_cache(
         self, num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype
@@ -286,8 +297,9 @@ class Backend(ABC):
         sorted_l = logits.sort(dim=-1, descending=True).values  # [N, V]
         kth = sorted_l.gather(1, (top_k.to(torch.int64) - 1).clamp(min=0)[:, None])
         sorted_l = sorted_l.masked_fill(sorted_l < kth, float("-inf"))
-        probs = sorted_l.float().softmax(dim=-1)
-        keep = (probs.cumsum(dim=-1) - probs) < top_p.to(probs.dtype)[:, None]  # mass ranked before
+        csum = sorted_l.float().softmax(dim=-1).cumsum(dim=-1)
+        before = torch.cat([torch.zeros_like(csum[:, :1]), csum[:, :-1]], dim=1)  # mass ranked before
+        keep = before < top_p.to(csum.dtype)[:, None]
         keep[:, 0] = True
         p_thr = sorted_l.gather(1, keep.sum(dim=-1, keepdim=True) - 1)
         thr = torch.where(top_p[:, None] < 1.0, torch.maximum(kth, p_thr), kth)
