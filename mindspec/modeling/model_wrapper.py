@@ -13,6 +13,7 @@ import torch
 
 from mindspec.backend import Backend, LatentCache, get_backend
 from mindspec.modeling.forward_metadata import DeviceInputs, build_model_inputs, to_device
+from mindspec.modeling.graph_runner import maybe_graph_runner
 from mindspec.modeling.loader import read_hf_config
 from mindspec.modeling.registry import model_class, supported_model_types
 
@@ -56,6 +57,7 @@ class ModelWrapper:
         self.model = cls.load(model_dir, self.backend, self.dtype, num_mtp_modules=num_mtp_modules, progress=progress)
         self.caches: list[LatentCache] = []
         self.cache_config: Optional[CacheConfig] = None
+        self.graph_runner = None  # decode-step graphs (graph_runner.py), set up with the cache
 
     @property
     def config(self):
@@ -77,6 +79,7 @@ class ModelWrapper:
             raise ValueError(f"the KV cache needs at least 2 blocks (one is reserved), got {num_blocks}")
         self.caches = self.model.allocate_caches(num_blocks, block_size)
         self.cache_config = CacheConfig(num_blocks, block_size)
+        self.graph_runner = maybe_graph_runner(self)  # None unless the backend captures graphs
         return self.cache_config
 
     # ---- forward -------------------------------------------------------------------------------
@@ -85,6 +88,8 @@ class ModelWrapper:
             self.backend.prepare(x.meta)
 
     def forward(self, inputs: DeviceInputs):
+        if self.graph_runner is not None and self.graph_runner.accepts(inputs):  # padded, replayed decode
+            return self.graph_runner.forward(inputs)
         self._prepare(inputs)
         return self.model.forward(inputs.input_ids, inputs.positions, self.caches, inputs.meta, inputs.lm_head_indices)
 
@@ -110,6 +115,8 @@ class ModelWrapper:
     ):
         from mindspec.models.deepseekv2.flash_causal_deepseekv2 import DraftStep
 
+        if self.graph_runner is not None and self.graph_runner.accepts(inputs, sub_steps):  # padded, replayed decode
+            return self.graph_runner.forward_speculative(inputs, sub_steps, mtp_modules, hidden_states, lm_head_local_dp)
         self._prepare(inputs, *sub_steps)
         first = sub_steps[0]
         steps = [DraftStep(m, d.positions, d.meta) for m, d in zip(mtp_modules, sub_steps)]
