@@ -1,0 +1,107 @@
+"""CudaBackend: the Backend interface on Triton kernels (one file per kernel family).
+
+Dense GEMMs (projections, lm_head, the router's [T, H] x [H, E] logits, the per-head absorb
+matmuls) stay in torch: cuBLAS is already at the roofline there, and the model calls them as
+plain torch. Everything else runs in the Triton kernels of this package.
+
+The kernels are imported only after ``choose_device`` has checked that triton and a CUDA device
+(or Triton's interpreter, for tests on CPU tensors) are there.
+"""
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+from typing import Callable, Optional
+
+import torch
+
+from mindspec.backend import (
+    AttentionMetadata,
+    Backend,
+    ExpertWeights,
+    LatentCache,
+    RotaryEmbedding,
+    RouterConfig,
+)
+from mindspec.backends.cuda.availability import choose_device, current_environment
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+    dist_backend = "nccl"
+
+    def __init__(self, device: Optional[str] = None, num_kv_splits: Optional[int] = None):
+        self._device = choose_device(device, current_environment())
+        super().__init__(str(self._device))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        # Imported here, not at module top: choosing another backend never imports triton.
+        from mindspec.backends.cuda import activation, fused_moe, latent_cache, mla_attention, moe_gate, norm, rope
+
+        self._k = SimpleNamespace(
+            activation=activation, fused_moe=fused_moe, latent_cache=latent_cache, mla_attention=mla_attention,
+            moe_gate=moe_gate, norm=norm, rope=rope,
+        )
+        self.num_kv_splits = num_kv_splits  # None: chosen per launch from the device (tests force > 1)
+
+    def default_device(self) -> str:
+        return str(self._device)
+
+    # ---- device services -----------------------------------------------------------------
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def mem_get_info(self) -> tuple[int, int]:
+        if self.device.type == "cuda":
+            return torch.cuda.mem_get_info(self.device)
+        page = os.sysconf("SC_PAGE_SIZE")  # the interpreter runs on host memory
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+    @property
+    def supports_graph_capture(self) -> bool:
+        return self.device.type == "cuda"
+
+    def capture_graph(self, fn: Callable[[], object]):
+        from mindspec.backends.cuda.graphs import capture_cuda_graph
+
+        return capture_cuda_graph(fn, self.device)
+
+    # ---- cache ---------------------------------------------------------------------------
+    def write_latent_cache(self, cache: LatentCache, c_kv: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor) -> None:
+        self._k.latent_cache.write_latent_cache(cache, c_kv, k_pe, slots)
+
+    def latent_norm_rope_cache(
+        self, kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, positions: torch.Tensor,
+        rotary: RotaryEmbedding, cache: LatentCache, slots: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._k.latent_cache.latent_norm_rope_cache(kv_a, norm_weight, eps, positions, rotary, cache, slots)
+
+    # ---- norms and activations -----------------------------------------------------------
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._k.norm.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+        return self._k.norm.add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._k.activation.silu_and_mul(x)
+
+    # ---- rope ------------------------------------------------------------------------------
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+        return self._k.rope.rope(x, positions, rotary)
+
+    # ---- attention ---------------------------------------------------------------------------
+    def mla_attention(self, q_lat, q_pe, cache: LatentCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self._k.mla_attention.mla_decode(q_lat, q_pe, cache, meta, scale, num_splits=self.num_kv_splits)
+
+    def mla_prefill(self, q_nope, q_pe, k_nope, k_pe, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self._k.mla_attention.mla_prefill(q_nope, q_pe, k_nope, k_pe, v, meta, scale)
+
+    # ---- MoE ---------------------------------------------------------------------------------
+    def moe_gate(self, x, gate_weight, correction_bias, router: RouterConfig):
+        return self._k.moe_gate.moe_gate(x, gate_weight, correction_bias, router)
+
+    def moe_experts(self, x, topk_weights, topk_ids, experts: ExpertWeights) -> torch.Tensor:
+        return self._k.fused_moe.moe_experts(x, topk_weights, topk_ids, experts)
+

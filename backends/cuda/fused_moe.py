@@ -1,0 +1,186 @@
+"""Routed experts as two grouped GEMMs over the (token, expert) pairs, with SwiGLU fused in.
+
+1. ``align_routes`` (torch ops on the device, no host sync, static shapes): sort the T*k pairs by
+   expert and pad each expert's run to a multiple of BLOCK_M, so every M-block of rows belongs to
+   one expert. Ids outside [0, E) (experts of another rank) are given no row: they are skipped,
+   as in the cpu backend.
+2. ``_gate_up_silu_kernel``: per M-block and N-tile of the intermediate size, x[token] @ w13[e]^T
+   for the gate and the up rows at once, then silu(gate) * up -> act [T*k, I].
+3. ``_down_kernel``: act @ w2[e]^T, times the pair's routing weight (float32, then cast as the
+   reference does) -> per-pair rows [T*k, H]; the k rows of a token are summed in float32.
+Each expert's weights are read once per M-block of its rows: in decode (few tokens per expert)
+that is once per step, which is what the bandwidth benchmark measures.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from mindspec.backend import ExpertWeights
+from mindspec.backends.cuda.activation import _silu_f32
+from mindspec.backends.cuda.availability import interpreting
+from mindspec.backends.cuda.launch import MIN_DOT, dot_precision, pow2
+
+
+@dataclass
+class RoutePlan:
+    sorted_pairs: torch.Tensor  # [max_rows] int32 pair index (token * k + j); num_pairs = padding
+    block_expert: torch.Tensor  # [max_blocks] int32 expert of each M-block
+    num_rows: torch.Tensor  # [1] int32 padded rows in use; blocks at or past it exit
+    block_m: int
+
+    @property
+    def max_blocks(self) -> int:
+        return self.block_expert.shape[0]
+
+
+def align_routes(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> RoutePlan:
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)  # [P] pairs
+    num_pairs = flat.shape[0]
+    valid = (flat >= 0) & (flat < num_experts)
+    key = torch.where(valid, flat, num_experts)  # skipped ids sort last, into bucket E
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded[num_experts] = 0  # the skipped bucket gets no rows
+    pad_end = torch.cumsum(padded, 0)  # [E + 1]
+    pad_start = pad_end - padded
+    order = torch.argsort(key, stable=True)  # [P] pairs grouped by expert
+    sorted_key = key[order]
+    cnt_start = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(num_pairs, device=device) - cnt_start[sorted_key]
+    # At most min(E, P) experts are non-empty, each wasting < block_m rows.
+    max_rows = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    max_rows = triton.cdiv(max_rows, block_m) * block_m
+    dest = torch.where(sorted_key < num_experts, pad_start[sorted_key] + rank, max_rows)  # skipped -> spill row
+    sorted_pairs = torch.full((max_rows + 1,), num_pairs, dtype=torch.int64, device=device)
+    sorted_pairs.scatter_(0, dest, order)
+    block_start = torch.arange(max_rows // block_m, device=device) * block_m
+    block_expert = torch.searchsorted(pad_end[:num_experts], block_start, right=True)
+    return RoutePlan(
+        sorted_pairs=sorted_pairs[:max_rows].to(torch.int32),
+        block_expert=block_expert.clamp(max=num_experts - 1).to(torch.int32),
+        num_rows=pad_end[num_experts - 1 : num_experts].to(torch.int32),
+        block_m=block_m,
+    )
+
+
+@triton.jit
+def _gate_up_silu_kernel(
+    x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_expert_ptr, num_rows_ptr,
+    num_pairs, top_k, hidden, inter,
+    stride_xt, stride_we, stride_wn, stride_act,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    pair = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [M]
+    row_ok = pair < num_pairs
+    tok = (pair // top_k).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < inter
+    kk = tl.arange(0, BLOCK_K)
+    w_gate = w13_ptr + e * stride_we + n[None, :].to(tl.int64) * stride_wn  # rows [0, I) gate, [I, 2I) up
+    w_up = w_gate + inter * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k = k0 + kk
+        k_ok = k < hidden
+        a = tl.load(x_ptr + tok[:, None] * stride_xt + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        wg = tl.load(w_gate + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [K, N]
+        wu = tl.load(w_up + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc_g += tl.dot(a, wg, input_precision=PRECISION)
+        acc_u += tl.dot(a, wu, input_precision=PRECISION)
+    dtype = act_ptr.dtype.element_ty
+    # The reference rounds the GEMM output, then silu, then the product, to the activation dtype.
+    gate = acc_g.to(dtype).to(tl.float32)
+    up = acc_u.to(dtype).to(tl.float32)
+    act = _silu_f32(gate).to(dtype).to(tl.float32) * up
+    tl.store(act_ptr + pair.to(tl.int64)[:, None] * stride_act + n[None, :], act.to(dtype), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr, w2_ptr, weights_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_rows_ptr,
+    num_pairs, hidden, inter,
+    stride_act, stride_we, stride_wn, stride_out,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    pair = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [M]
+    row_ok = pair < num_pairs
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < hidden
+    kk = tl.arange(0, BLOCK_K)
+    w_rows = w2_ptr + e * stride_we + n[None, :].to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k = k0 + kk
+        k_ok = k < inter
+        a = tl.load(act_ptr + pair[:, None] * stride_act + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc += tl.dot(a, w, input_precision=PRECISION)
+    dtype = out_ptr.dtype.element_ty
+    route_w = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)  # float32
+    out = acc.to(dtype).to(tl.float32) * route_w[:, None]
+    tl.store(out_ptr + pair[:, None] * stride_out + n[None, :], out.to(dtype), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def _tiles(num_pairs: int, hidden: int, inter: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K)."""
+    if interpreting():
+        return MIN_DOT, min(pow2(max(hidden, inter), MIN_DOT), 128), min(pow2(max(hidden, inter), MIN_DOT), 128)
+    block_m = 16 if num_pairs <= 64 else 32 if num_pairs <= 512 else 64
+    return block_m, 64, 64
+
+
+def moe_experts(
+    x: torch.Tensor,  # [T, H]
+    topk_weights: torch.Tensor,  # [T, k] float32
+    topk_ids: torch.Tensor,  # [T, k]
+    experts: ExpertWeights,
+) -> torch.Tensor:
+    """sum_k w[t, k] * down(silu(gate(x)) * up(x)) over the chosen experts -> [T, H]."""
+    num_tokens, hidden = x.shape
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != num_tokens:
+        raise ValueError(f"moe_experts: topk_ids {tuple(topk_ids.shape)} / topk_weights {tuple(topk_weights.shape)} "
+                         f"do not match {num_tokens} tokens")
+    w13, w2 = experts.w13, experts.w2
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    if w13.shape[2] != hidden or w2.shape != (num_experts, hidden, inter):
+        raise ValueError(f"moe_experts: w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit hidden {hidden}")
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    x = x.contiguous()
+    w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
+    w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    block_m, block_n, block_k = _tiles(num_pairs, hidden, inter)
+    plan = align_routes(topk_ids, num_experts, block_m)
+    act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
+    pair_out = torch.zeros((num_pairs, hidden), dtype=x.dtype, device=x.device)  # skipped pairs stay 0
+    route_w = topk_weights.to(torch.float32).reshape(-1).contiguous()
+    precision = dot_precision(x.dtype)
+    _gate_up_silu_kernel[(plan.max_blocks, triton.cdiv(inter, block_n))](
+        x, w13, act, plan.sorted_pairs, plan.block_expert, plan.num_rows,
+        num_pairs, top_k, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
+    )
+    _down_kernel[(plan.max_blocks, triton.cdiv(hidden, block_n))](
+        act, w2, route_w, pair_out, plan.sorted_pairs, plan.block_expert, plan.num_rows,
+        num_pairs, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
+    )
+    return pair_out.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)

@@ -1,0 +1,153 @@
+"""DeepSeekMoE routers: logits -> (topk_weights [T, k] float32, topk_ids [T, k] int64).
+
+The gate GEMM runs in torch (float32, as transformers: cuBLAS is as fast as a hand-written GEMM
+for [T, H] x [H, E]); one Triton program per tile of tokens then does the routing in float32:
+- V2 ("softmax"): softmax; "greedy" top-k, or "group_limited_greedy": groups scored by their max,
+  the top ``topk_group`` groups kept, the rest set to 0, then top-k;
+- V3 ("sigmoid", "noaux_tc"): sigmoid; for choosing only, + e_score_correction_bias; groups scored
+  by the sum of their top-2; the top ``topk_group`` groups kept, the rest -inf; top-k; weights are
+  the unbiased sigmoid scores.
+Then optional renormalisation (sum + 1e-20) and routed_scaling_factor. Top-k is k rounds of argmax
+(ties go to the lower expert id); ids come out ordered by descending choice score.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from mindspec.backend import RouterConfig
+from mindspec.backends.cuda.availability import interpreting
+from mindspec.backends.cuda.launch import pow2
+
+SCORINGS = {"softmax": 0, "sigmoid": 1}
+
+
+@triton.jit
+def _router_kernel(
+    logits_ptr, bias_ptr, w_out_ptr, id_out_ptr,
+    num_tokens, num_experts, per_group, n_group, stride_l, stride_w, stride_id, scaling,
+    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, GROUPED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_EPG: tl.constexpr,
+):
+    NEG: tl.constexpr = float("-inf")
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < num_tokens
+    rows64 = rows.to(tl.int64)
+    g = tl.arange(0, BLOCK_G)
+    j = tl.arange(0, BLOCK_EPG)
+    expert = g[:, None] * per_group + j[None, :]  # [G, EPG] expert id of each lane
+    lane_ok = (g[:, None] < n_group) & (j[None, :] < per_group)
+    ok = row_ok[:, None, None] & lane_ok[None, :, :]  # [BT, G, EPG]
+    logit = tl.load(logits_ptr + rows64[:, None, None] * stride_l + expert[None, :, :], mask=ok, other=NEG)
+
+    if SIGMOID:
+        score = tl.where(ok, 1.0 / (1.0 + tl.exp(-logit)), 0.0)
+        choice = score
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + expert, mask=lane_ok, other=0.0)
+            choice = score + bias[None, :, :]
+        choice = tl.where(ok, choice, NEG)
+    else:
+        top = tl.max(tl.max(logit, 2), 1)  # [BT]
+        top = tl.where(row_ok, top, 0.0)
+        e = tl.where(ok, tl.exp(logit - top[:, None, None]), 0.0)
+        denom = tl.sum(tl.sum(e, 2), 1)
+        score = e / tl.where(row_ok, denom, 1.0)[:, None, None]
+        choice = tl.where(ok, score, NEG)
+
+    if GROUPED:
+        if SIGMOID:  # a group's score is the sum of its two best experts
+            best = tl.max(choice, 2)  # [BT, G]
+            first = tl.argmax(choice, 2)
+            rest = tl.where(j[None, None, :] == first[:, :, None], NEG, choice)
+            group_score = best + tl.max(rest, 2)
+        else:  # V2 group_limited_greedy: a group's score is its best expert
+            group_score = tl.max(choice, 2)
+        group_score = tl.where(g[None, :] < n_group, group_score, NEG)
+        keep = tl.zeros([BLOCK_T, BLOCK_G], tl.int1)
+        for _ in tl.static_range(TOPK_GROUP):
+            pick = tl.argmax(group_score, 1)  # [BT]
+            chosen = g[None, :] == pick[:, None]
+            keep = keep | chosen
+            group_score = tl.where(chosen, NEG, group_score)
+        dropped = ok & ~keep[:, :, None]
+        # V3 masks dropped groups to -inf; V2 sets their scores to 0 (transformers' masked_fill)
+        choice = tl.where(dropped, NEG if SIGMOID else 0.0, choice)
+
+    flat_choice = tl.reshape(choice, [BLOCK_T, BLOCK_G * BLOCK_EPG])
+    flat_score = tl.reshape(tl.where(ok, score, 0.0), [BLOCK_T, BLOCK_G * BLOCK_EPG])
+    flat_expert = tl.reshape(expert, [BLOCK_G * BLOCK_EPG])
+    lane = tl.arange(0, BLOCK_G * BLOCK_EPG)
+    k_idx = tl.arange(0, BLOCK_K)
+    weights = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+    ids = tl.zeros([BLOCK_T, BLOCK_K], tl.int64)
+    for k in tl.static_range(TOP_K):
+        pick = tl.argmax(flat_choice, 1)  # [BT] lane of the best remaining expert
+        hit = lane[None, :] == pick[:, None]
+        w = tl.sum(tl.where(hit, flat_score, 0.0), 1)
+        eid = tl.sum(tl.where(hit, flat_expert[None, :], 0), 1)
+        weights = tl.where(k_idx[None, :] == k, w[:, None], weights)
+        ids = tl.where(k_idx[None, :] == k, eid.to(tl.int64)[:, None], ids)
+        flat_choice = tl.where(hit, NEG, flat_choice)
+    if NORMALIZE:
+        weights = weights / (tl.sum(weights, 1)[:, None] + 1e-20)
+    weights = weights * scaling
+    out_ok = row_ok[:, None] & (k_idx[None, :] < TOP_K)
+    tl.store(w_out_ptr + rows64[:, None] * stride_w + k_idx[None, :], weights, mask=out_ok)
+    tl.store(id_out_ptr + rows64[:, None] * stride_id + k_idx[None, :], ids, mask=out_ok)
+
+
+def _check_router(router: RouterConfig, num_experts: int) -> tuple[bool, int]:
+    """(grouped, number of groups) or one ValueError naming the bad setting."""
+    if router.scoring not in SCORINGS:
+        raise ValueError(f"unknown router scoring {router.scoring!r}")
+    if router.scoring == "softmax" and router.topk_method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"softmax router does not support topk_method {router.topk_method!r}")
+    grouped = router.scoring == "sigmoid" or router.topk_method == "group_limited_greedy"
+    n_group = router.n_group if grouped else 1
+    if grouped and (n_group < 1 or num_experts % n_group):
+        raise ValueError(f"router n_group={n_group} must divide the {num_experts} experts")
+    if grouped and not 1 <= router.topk_group <= n_group:
+        raise ValueError(f"router topk_group={router.topk_group} must lie in [1, n_group={n_group}]")
+    if router.scoring == "sigmoid" and num_experts // n_group < 2:
+        raise ValueError("sigmoid routing scores groups by their top-2 experts: it needs >= 2 experts per group")
+    if not 1 <= router.top_k <= num_experts:
+        raise ValueError(f"router top_k={router.top_k} must lie in [1, {num_experts}]")
+    return grouped, n_group
+
+
+def moe_gate(
+    x: torch.Tensor,  # [T, H]
+    gate_weight: torch.Tensor,  # [E, H]
+    correction_bias: Optional[torch.Tensor],  # [E] float32 (V3)
+    router: RouterConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    num_experts = gate_weight.shape[0]
+    grouped, n_group = _check_router(router, num_experts)
+    logits = F.linear(x.to(torch.float32), gate_weight.to(torch.float32))  # [T, E]: torch GEMM, fp32
+    num_tokens = logits.shape[0]
+    k = router.top_k
+    weights = torch.empty((num_tokens, k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((num_tokens, k), dtype=torch.int64, device=x.device)
+    if num_tokens == 0:
+        return weights, ids
+    has_bias = router.scoring == "sigmoid" and correction_bias is not None
+    bias = correction_bias.to(device=x.device, dtype=torch.float32).contiguous() if has_bias else logits
+    per_group = num_experts // n_group
+    block_g, block_epg = pow2(n_group), pow2(per_group)
+    lanes = block_g * block_epg
+    block_t = pow2(min(num_tokens, 64)) if interpreting() else max(1, min(16, 4096 // lanes))
+    _router_kernel[(triton.cdiv(num_tokens, block_t),)](
+        logits, bias, weights, ids,
+        num_tokens, num_experts, per_group, n_group, logits.stride(0), weights.stride(0), ids.stride(0),
+        float(router.routed_scaling_factor),
+        TOP_K=k, BLOCK_K=pow2(k), TOPK_GROUP=router.topk_group if grouped else 1, SIGMOID=router.scoring == "sigmoid",
+        GROUPED=grouped, HAS_BIAS=has_bias, NORMALIZE=bool(router.norm_topk_prob),
+        BLOCK_T=block_t, BLOCK_G=block_g, BLOCK_EPG=block_epg,
+    )
+    return weights, ids

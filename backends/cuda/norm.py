@@ -1,0 +1,69 @@
+"""RMSNorm and the fused residual-add + RMSNorm.
+
+Numerics follow transformers' DeepSeek RMSNorm: statistics in float32, the normalised value cast
+to the input dtype, then multiplied by the weight (one rounding, as torch's bf16 multiply).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mindspec.backends.cuda.launch import check_rows, num_warps_for, pow2, row_tile, unit_last_stride
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
+    num_rows, dim, stride_x, stride_res, stride_out, stride_sum, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
+    cols = tl.arange(0, BLOCK_D)  # [BD]
+    ok = (rows[:, None] < num_rows) & (cols[None, :] < dim)
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + rows64[:, None] * stride_res + cols[None, :], mask=ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the sum is rounded like torch's x + r
+        tl.store(sum_ptr + rows64[:, None] * stride_sum + cols[None, :], x, mask=ok)
+    xf = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / dim + eps)  # [BT]
+    h = (xf * inv[:, None]).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows64[:, None] * stride_out + cols[None, :], (h * w[None, :]).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _launch(x: torch.Tensor, residual, weight: torch.Tensor, eps: float):
+    check_rows("rms_norm", x, 2)
+    x = unit_last_stride(x)
+    num_rows, dim = x.shape
+    if weight.shape != (dim,):
+        raise ValueError(f"rms_norm: weight has shape {tuple(weight.shape)}, expected ({dim},)")
+    out = torch.empty((num_rows, dim), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    summed = torch.empty_like(x) if residual is not None else out
+    if residual is not None:
+        residual = unit_last_stride(residual)
+        if residual.shape != x.shape:
+            raise ValueError(f"add_rms_norm: residual {tuple(residual.shape)} != x {tuple(x.shape)}")
+    if num_rows == 0:
+        return out, summed
+    block_d = pow2(dim)
+    block_t = row_tile(num_rows, dim)
+    res = residual if residual is not None else x
+    _rms_norm_kernel[(triton.cdiv(num_rows, block_t),)](
+        x, res, weight, out, summed,
+        num_rows, dim, x.stride(0), res.stride(0), out.stride(0), summed.stride(0), eps,
+        HAS_RESIDUAL=residual is not None, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps_for(block_d),
+    )
+    return out, summed
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, D] -> RMSNorm(x) * weight."""
+    return _launch(x, None, weight, eps)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """-> (RMSNorm(x + residual) * weight, x + residual), one pass over the row."""
+    return _launch(x, residual, weight, eps)
