@@ -1,0 +1,70 @@
+"""The whole model on the cuda backend (under Triton's interpreter on CPU, natively on a GPU)
+gives the same greedy tokens as the cpu backend on random tiny checkpoints, MTP on and off, and
+also when decode steps go through the graph runner's padded buckets (eagerly where no GPU)."""
+import numpy as np
+import pytest
+
+from mindspec import LLM, SamplingParams
+from mindspec.modeling.graph_runner import DecodeGraphRunner
+from tests.support.checkpoints import make_checkpoint, make_self_predicting_checkpoint, tiny_v2_config, tiny_v3_config
+
+NEW_TOKENS = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def v3_checkpoint(tmp_path_factory):
+    # Self-predicting MTP modules: drafts are accepted about half the time, so full hits, partial
+    # hits and rollbacks all occur within a few steps.
+    cfg = tiny_v3_config(initializer_range=0.2, num_nextn_predict_layers=2)
+    path = make_self_predicting_checkpoint(tmp_path_factory.mktemp("v3"), cfg, seed=11, residual_scale=0.005)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(2, cfg.vocab_size, int(n)).tolist() for n in (5, 13, 9)]
+    return path, prompts
+
+
+def _llm(path, backend, device=None, plugin_params=None, block_size=4):
+    return LLM(model=str(path), dtype="float32", cache_block_size=block_size, num_blocks=96, progress=False,
+               plugin_params=plugin_params, backend=backend, device=device)
+
+
+def _tokens(llm, prompts):
+    return [o.token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "eagle"])
+def test_mtp_greedy_equals_cpu(v3_checkpoint, device, mode):
+    path, prompts = v3_checkpoint
+    params = {"plugin_type": "mtp", "num_speculative_tokens": 2, "mtp_mode": mode}
+    expected = _tokens(_llm(path, "cpu", plugin_params=params), prompts)
+    llm = _llm(path, "cuda", device, plugin_params=params)
+    out = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in out] == expected
+    assert sum(o.spec_decode.num_accepted_tokens for o in out) > 0  # the draft-hit paths ran
+
+
+def test_no_speculation_equals_cpu_block_size_16(v3_checkpoint, device):
+    path, prompts = v3_checkpoint
+    assert _tokens(_llm(path, "cuda", device, block_size=16), prompts) == _tokens(_llm(path, "cpu", block_size=16), prompts)
+
+
+def test_v2_checkpoint_equals_cpu(tmp_path, device):
+    cfg = tiny_v2_config(initializer_range=0.2)
+    path = make_checkpoint(tmp_path / "v2", cfg, seed=5)
+    prompts = [[3, 17, 42, 9], list(range(2, 30))]
+    assert _tokens(_llm(path, "cuda", device), prompts) == _tokens(_llm(path, "cpu"), prompts)
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "eagle"])
+def test_padded_decode_buckets_equal_cpu(v3_checkpoint, device, mode):
+    """Decode steps through the graph runner: batches of 3 padded to a bucket of 4 (a padding
+    sequence on the dummy block, and the slack sequence of the draft steps)."""
+    path, prompts = v3_checkpoint
+    params = {"plugin_type": "mtp", "num_speculative_tokens": 2, "mtp_mode": mode}
+    expected = _tokens(_llm(path, "cpu", plugin_params=params), prompts)
+    llm = _llm(path, "cuda", device, plugin_params=params)
+    wrapper = llm.engine.model_wrapper
+    runner = DecodeGraphRunner(wrapper, buckets=(4,), capture=wrapper.backend.supports_graph_capture)
+    wrapper.graph_runner = runner
+    assert _tokens(llm, prompts) == expected
+    assert runner.stats.replays >= NEW_TOKENS // 3

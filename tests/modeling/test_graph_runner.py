@@ -1,0 +1,249 @@
+"""The decode graph runner, run eagerly over its static buffers on the cpu backend (no graphs on
+CPU): padded batches give the unpadded call's outputs, and touch no cache entry but the real
+sequences' slots and the reserved dummy block."""
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from mindspec import LLM, SamplingParams
+from mindspec.backends.cpu import CpuBackend
+from mindspec.modeling.forward_metadata import build_model_inputs, to_device
+from mindspec.modeling.graph_runner import DecodeGraphRunner, EagerStep, PadSpec, maybe_graph_runner, pad_inputs
+from mindspec.modeling.model_wrapper import ModelWrapper
+from mindspec.plugins.mtp import decode_inputs as di
+from tests.support.checkpoints import make_self_predicting_checkpoint, tiny_v3_config
+
+K = 2
+BLOCK_SIZE = 4
+NUM_BLOCKS = 64
+SEQ_LENS = [5, 9, 14]  # tokens per sequence before the decode step
+LAST_ACCEPTED = [1, 3, 2]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    cfg = tiny_v3_config(initializer_range=0.2, num_nextn_predict_layers=K)
+    return make_self_predicting_checkpoint(tmp_path_factory.mktemp("ckpt"), cfg, seed=4, residual_scale=0.01), cfg
+
+
+@pytest.fixture
+def wrapper(checkpoint):
+    path, _ = checkpoint
+    w = ModelWrapper(path, backend="cpu", dtype="float32", num_mtp_modules=K, progress=False)
+    w.allocate_cache(NUM_BLOCKS, BLOCK_SIZE)
+    assert w.graph_runner is None  # the cpu backend captures no graphs
+    return w
+
+
+def _tables(seq_lens, extra):
+    """Block tables over shuffled blocks (never the dummy block, the last one)."""
+    perm = np.random.default_rng(0).permutation(NUM_BLOCKS - 1).tolist()
+    return [[perm.pop() for _ in range(-(-(s + extra) // BLOCK_SIZE))] for s in seq_lens]
+
+
+def _prefill(wrapper, tokens, tables):
+    host = build_model_inputs(tokens, [0] * len(tokens), tables, BLOCK_SIZE)
+    with torch.inference_mode():
+        wrapper.forward_prefill_mtp(to_device(host, "cpu"), list(range(K)))
+
+
+def _snapshot(wrapper):
+    return [c.c_kv.clone() for c in wrapper.caches], [c.k_pe.clone() for c in wrapper.caches]
+
+
+def _restore(wrapper, snap):
+    for c, ckv, kpe in zip(wrapper.caches, *snap):
+        c.c_kv.copy_(ckv)
+        c.k_pe.copy_(kpe)
+
+
+def _written_mask(slot_lists):
+    """[num_blocks * block_size] True at every slot a real sequence writes this step."""
+    mask = torch.zeros(NUM_BLOCKS * BLOCK_SIZE, dtype=torch.bool)
+    for slots in slot_lists:
+        s = torch.as_tensor(slots)
+        mask[s[s >= 0]] = True
+    return mask
+
+
+def _assert_cache_contract(wrapper, before, after_eager, written):
+    """After the padded step: bit for bit the state before the step outside the real sequences'
+    slots and the dummy block; at the real slots, what the unpadded step wrote (equal up to the
+    float32 summation order of a larger batch on the cpu backend)."""
+    dummy = torch.zeros(NUM_BLOCKS * BLOCK_SIZE, dtype=torch.bool)
+    dummy.view(NUM_BLOCKS, BLOCK_SIZE)[wrapper.cache_config.dummy_block_id] = True
+    outside = ~written & ~dummy
+    now_parts = ([c.c_kv for c in wrapper.caches], [c.k_pe for c in wrapper.caches])
+    for now_list, eager_list, old_list in zip(now_parts, after_eager, before):
+        for layer, (now, eager, old) in enumerate(zip(now_list, eager_list, old_list)):
+            now, eager, old = (t.reshape(NUM_BLOCKS * BLOCK_SIZE, -1) for t in (now, eager, old))
+            assert torch.equal(now[outside], old[outside])
+            torch.testing.assert_close(now[written], eager[written], atol=2e-6, rtol=2e-6)
+            if layer == 0:  # the main model's first layer stores the step's new tokens
+                assert torch.count_nonzero(now[written] != old[written]) > 0
+
+
+def _speculative_inputs(checkpoint_cfg, mode, tables):
+    rng = np.random.default_rng(1)
+    tokens = [rng.integers(2, checkpoint_cfg.vocab_size, s).tolist() for s in SEQ_LENS]
+    num_tokens = np.array(SEQ_LENS)
+    layout = di.decode_layout(num_tokens, np.array(LAST_ACCEPTED), K, mode)
+    table_arr = di.block_tables(tables)
+    main = di.main_inputs(np.array([t[-1] for t in tokens]), num_tokens, table_arr, BLOCK_SIZE, K)
+    subs = di.sub_inputs(tokens, layout, table_arr, BLOCK_SIZE, K, mode)
+    hidden = torch.randn(int(layout.sub_q_lens.sum()), checkpoint_cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    return tokens, main, subs, hidden
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "eagle"])
+@pytest.mark.parametrize("buckets", [(3,), (4,), (8,)])
+def test_speculative_step_padded_equals_unpadded(wrapper, checkpoint, mode, buckets):
+    _, cfg = checkpoint
+    tables = _tables(SEQ_LENS, K + 1)
+    tokens, main, subs, hidden = _speculative_inputs(cfg, mode, tables)
+    _prefill(wrapper, tokens, tables)
+    before = _snapshot(wrapper)
+
+    def step():
+        d_main, d_subs = to_device(main, "cpu"), [to_device(s, "cpu") for s in subs]
+        with torch.inference_mode():
+            return wrapper.forward_speculative(d_main, d_subs, list(range(K)) if mode == "vanilla" else [0] * K,
+                                               hidden, d_subs[0].lm_head_indices)
+
+    expected = step()
+    after_eager = _snapshot(wrapper)
+    _restore(wrapper, before)
+    runner = DecodeGraphRunner(wrapper, buckets=buckets, capture=False)
+    wrapper.graph_runner = runner
+    for _ in range(2):  # the second call reuses the bucket's static buffers
+        got = step()
+        assert torch.equal(got.draft_tokens, expected.draft_tokens)
+        torch.testing.assert_close(got.logits, expected.logits, atol=1e-6, rtol=1e-6)
+        assert torch.equal(got.logits.argmax(-1), expected.logits.argmax(-1))
+        torch.testing.assert_close(got.hidden_states, expected.hidden_states, atol=1e-6, rtol=1e-6)
+        _assert_cache_contract(wrapper, before, after_eager, _written_mask([main.slots] + [s.slots for s in subs]))
+    assert runner.stats.replays == 2 and len(runner._entries) == 1
+
+
+def test_plain_decode_padded_equals_unpadded(wrapper, checkpoint):
+    _, cfg = checkpoint
+    tables = _tables(SEQ_LENS, 1)
+    rng = np.random.default_rng(5)
+    tokens = [rng.integers(2, cfg.vocab_size, s).tolist() for s in SEQ_LENS]
+    _prefill(wrapper, tokens, tables)
+    before = _snapshot(wrapper)
+    host = build_model_inputs([[7], [8], [9]], SEQ_LENS, tables, BLOCK_SIZE)
+
+    def step():
+        with torch.inference_mode():
+            return wrapper.forward(to_device(host, "cpu"))
+
+    expected = step()
+    after_eager = _snapshot(wrapper)
+    _restore(wrapper, before)
+    wrapper.graph_runner = DecodeGraphRunner(wrapper, buckets=(1, 2, 4, 8), capture=False)
+    got = step()
+    assert got.logits.shape == expected.logits.shape and got.hidden_states.shape == expected.hidden_states.shape
+    torch.testing.assert_close(got.logits, expected.logits, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got.hidden_states, expected.hidden_states, atol=1e-6, rtol=1e-6)
+    _assert_cache_contract(wrapper, before, after_eager, _written_mask([host.slots]))
+    assert list(wrapper.graph_runner._entries) == [("decode", 4, 1, 1)]
+
+
+def test_padding_rows_live_in_the_dummy_block_only():
+    host = build_model_inputs([[1, 2, 3], [4, 5, 6]], [4, 10], [[3, 7], [1, 2, 5, 6]], BLOCK_SIZE)
+    inputs = to_device(host, "cpu")
+    spec = PadSpec(num_seqs=4, q=3, num_tokens=4 * 3 + 5, width=6, dummy_block=63, block_size=BLOCK_SIZE, slack_seq=True)
+    padded = pad_inputs(inputs, spec, lm_rows_per_seq=1)
+    m = padded.meta
+    assert m.q_lens.tolist() == [3, 3, 3, 3, 5] and m.q_lens_host == [3, 3, 3, 3, 5]
+    assert m.q_start_loc.tolist() == [0, 3, 6, 9, 12, 17]
+    assert m.seq_lens.tolist()[:2] == [7, 13] and min(m.seq_lens.tolist()) >= 1  # never a length-0 row
+    assert torch.all(m.block_tables[2:] == 63)  # padding rows see the dummy block only ...
+    assert torch.all(m.slots[6:] // BLOCK_SIZE == 63)  # ... and write nowhere else
+    assert torch.equal(m.block_tables[:2, :4], inputs.meta.block_tables) and torch.all(m.block_tables[:2, 4:] == 63)
+    assert padded.lm_head_indices.tolist() == [2, 5, 8, 11]  # one row per padding sequence, not the slack one
+    assert torch.equal(padded.input_ids[:6], inputs.input_ids) and torch.equal(padded.positions[:6], inputs.positions)
+    # a slack sequence with no rows still has seq_len 1
+    tight = pad_inputs(inputs, PadSpec(2, 3, 6, 6, 63, BLOCK_SIZE, slack_seq=True), 1).meta
+    assert tight.q_lens.tolist() == [3, 3, 0] and tight.seq_lens.tolist()[-1] == 1
+
+
+def test_pad_refuses_what_does_not_fit():
+    inputs = to_device(build_model_inputs([[1], [2]], [3, 4], [[1], [2, 3]], BLOCK_SIZE), "cpu")
+    with pytest.raises(ValueError, match="do not fit"):
+        pad_inputs(inputs, PadSpec(2, 1, 3, 4, 63, BLOCK_SIZE), 1)  # rows left over, no slack sequence
+    with pytest.raises(ValueError, match="width"):
+        pad_inputs(inputs, PadSpec(2, 1, 2, 1, 63, BLOCK_SIZE), 1)
+
+
+def test_accepts_only_uniform_decode_batches(wrapper):
+    runner = DecodeGraphRunner(wrapper, buckets=(1, 2, 4), capture=False, max_blocks_per_seq=4)
+    decode = to_device(build_model_inputs([[1], [2]], [3, 4], [[1], [2, 3]], BLOCK_SIZE), "cpu")
+    assert runner.accepts(decode)
+    prefill = to_device(build_model_inputs([[1, 2], [3]], [0, 0], [[1], [2]], BLOCK_SIZE), "cpu")
+    assert not runner.accepts(prefill)
+    ragged = to_device(build_model_inputs([[1, 2], [3]], [4, 4], [[1, 4], [2, 5]], BLOCK_SIZE), "cpu")
+    assert not runner.accepts(ragged)
+    too_many = to_device(build_model_inputs([[1]] * 5, [3] * 5, [[b] for b in range(5)], BLOCK_SIZE), "cpu")
+    assert not runner.accepts(too_many)
+    too_wide = to_device(build_model_inputs([[1]], [30], [list(range(8))], BLOCK_SIZE), "cpu")
+    assert not runner.accepts(too_wide)
+    tree = to_device(build_model_inputs([[1, 2]], [3], [[1, 2]], BLOCK_SIZE), "cpu", tree_mask=torch.ones(1, 2, 2, dtype=torch.bool))
+    assert not runner.accepts(tree)
+
+
+class _CapturingCpu(CpuBackend):
+    """A cpu backend that pretends to capture: records captures, replays eagerly."""
+
+    def __init__(self, fail=False):
+        super().__init__()
+        self.captures, self.fail = 0, fail
+
+    @property
+    def supports_graph_capture(self):
+        return True
+
+    def capture_graph(self, fn):
+        self.captures += 1
+        if self.fail:
+            raise RuntimeError("capture not permitted")
+        fn()  # the warm-up run, as the CUDA capture does
+        step = EagerStep(fn)
+        return step
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_capture_once_per_bucket_and_fallback(checkpoint, monkeypatch, fail, caplog):
+    path, cfg = checkpoint
+    params = {"plugin_type": "mtp", "num_speculative_tokens": K, "mtp_mode": "eagle"}
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17]]
+    expected = [o.token_ids for o in LLM(model=str(path), dtype="float32", cache_block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
+                                         progress=False, plugin_params=params).generate(prompts, greedy)]
+    backend = _CapturingCpu(fail)
+    monkeypatch.setattr("mindspec.modeling.model_wrapper.get_backend", lambda name, device=None: backend)
+    llm = LLM(model=str(path), dtype="float32", cache_block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, progress=False,
+              plugin_params=params)
+    runner = llm.engine.model_wrapper.graph_runner
+    assert isinstance(runner, DecodeGraphRunner)
+    with caplog.at_level(logging.WARNING):
+        assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected
+        alone = llm.generate([prompts[0]], greedy)[0].token_ids
+    assert alone == expected[0]
+    buckets_used = {key[1] for key in runner._entries}
+    assert backend.captures == len(runner._entries) and buckets_used <= {1, 2, 4}
+    assert runner.stats.replays > backend.captures  # later steps replay what was captured
+    if fail:
+        assert runner.stats.eager_fallbacks == backend.captures and "capture" in caplog.text
+    else:
+        assert runner.stats.captures == backend.captures
+
+
+def test_environment_switch_turns_graphs_off(wrapper, monkeypatch):
+    monkeypatch.setattr(type(wrapper.backend), "supports_graph_capture", property(lambda self: True), raising=False)
+    assert isinstance(maybe_graph_runner(wrapper), DecodeGraphRunner)
+    monkeypatch.setenv("MINDSPEC_GRAPHS", "0")
+    assert maybe_graph_runner(wrapper) is None
