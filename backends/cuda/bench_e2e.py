@@ -1,0 +1,151 @@
+"""End-to-end benchmarks for ``mindspec bench --backend cuda`` (GPU only): decode-step latency with
+and without CUDA graphs, and tokens/s with MTP on and off (graphs on and off).
+
+Configurations are measured side by side in one process, interleaved round by round (A, B, A,
+B, ...), and medians reported (DESIGN.md section 8).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mindspec.modeling.forward_metadata import build_model_inputs, to_device
+
+
+def _mtp_modules(k: int, mode: str) -> list[int]:
+    return list(range(k)) if mode == "vanilla" else [0] * k
+
+
+def _step_fn(wrapper, batch: int, context: int, k: int, mode: str, block_size: int, seed: int = 0):
+    """Prefill ``batch`` random sequences of ``context`` tokens, then return a callable running one
+    decode step (plain decode when k = 0, else K MTP drafts + verification) from host inputs."""
+    from mindspec.plugins.mtp import decode_inputs as di
+
+    rng = np.random.default_rng(seed)
+    cfg = wrapper.config
+    per_seq = -(-(context + 2 * k + 2) // block_size)
+    tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
+    tokens = [rng.integers(2, cfg.vocab_size, context).tolist() for _ in range(batch)]
+    dev = wrapper.device
+    prefill = to_device(build_model_inputs(tokens, [0] * batch, tables, block_size), dev)
+    modules = _mtp_modules(k, mode)
+    if k:
+        wrapper.forward_prefill_mtp(prefill, sorted(set(modules)))
+    else:
+        wrapper.forward(prefill)
+    if not k:
+        host = build_model_inputs([[t[-1]] for t in tokens], [context] * batch, tables, block_size)
+        return lambda: wrapper.forward(to_device(host, dev))
+    num_tokens = np.full(batch, context)
+    layout = di.decode_layout(num_tokens, np.ones(batch, dtype=np.int64), k, mode)
+    table_arr = di.block_tables(tables)
+    main = di.main_inputs(np.array([t[-1] for t in tokens]), num_tokens, table_arr, block_size, k)
+    subs = di.sub_inputs(tokens, layout, table_arr, block_size, k, mode)
+    hidden = torch.randn(int(layout.sub_q_lens.sum()), cfg.hidden_size, dtype=wrapper.dtype, device=dev)
+
+    def step():
+        d_subs = [to_device(s, dev) for s in subs]
+        return wrapper.forward_speculative(to_device(main, dev), d_subs, modules, hidden, d_subs[0].lm_head_indices)
+
+    return step
+
+
+def _time_ms(fn, iters: int) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / iters
+
+
+@torch.inference_mode()
+def decode_latency(model_dir: str, dtype: str, batch: int, context: int, k: int, mode: str,
+                   rounds: int, iters: int, block_size: int = 64) -> dict:
+    from mindspec.modeling.graph_runner import DecodeGraphRunner
+    from mindspec.modeling.model_wrapper import ModelWrapper
+
+    modules = sorted(set(_mtp_modules(k, mode)))
+    wrapper = ModelWrapper(model_dir, backend="cuda", dtype=dtype, num_mtp_modules=len(modules), progress=False)
+    per_seq = -(-(context + 2 * k + 2) // block_size)
+    wrapper.allocate_cache(batch * per_seq + 2, block_size)
+    runner = wrapper.graph_runner or DecodeGraphRunner(wrapper)
+    step = _step_fn(wrapper, batch, context, k, mode, block_size)
+    times = {"eager": [], "graphs": []}
+    for _ in range(rounds):
+        for name in times:
+            wrapper.graph_runner = runner if name == "graphs" else None
+            step()  # warm-up (first graph call captures)
+            times[name].append(_time_ms(step, iters))
+    eager, graphs = statistics.median(times["eager"]), statistics.median(times["graphs"])
+    return {
+        "batch": batch, "context": context, "num_speculative_tokens": k, "mtp_mode": mode if k else None,
+        "eager_ms": eager, "graphs_ms": graphs, "graph_speedup": eager / graphs,
+        "eager_ms_rounds": times["eager"], "graphs_ms_rounds": times["graphs"],
+        "graph_captures": runner.stats.captures, "graph_capture_failures": runner.stats.eager_fallbacks,
+    }
+
+
+def stdlib_prompts(tokenizer, count: int, prompt_tokens: int, seed: int = 0) -> list[list[int]]:
+    """Token windows cut from this Python's standard-library sources (the shipped model's domain)."""
+    import json as json_mod
+
+    rng = np.random.default_rng(seed)
+    files = sorted(Path(json_mod.__file__).parent.parent.glob("*.py"))
+    prompts = []
+    for path in rng.permutation(len(files)):
+        ids = tokenizer.encode(files[path].read_text(errors="replace"), add_special_tokens=False)
+        if len(ids) < prompt_tokens + 1:
+            continue
+        start = int(rng.integers(0, len(ids) - prompt_tokens))
+        prompts.append(ids[start : start + prompt_tokens])
+        if len(prompts) == count:
+            break
+    return prompts
+
+
+def throughput(model_dir: str, dtype: str, batches: list[int], new_tokens: int, prompt_tokens: int,
+               k: int, mode: str, rounds: int) -> list[dict]:
+    """tokens/s for MTP off/on x graphs on/off, greedy, per batch size."""
+    from mindspec import LLM, SamplingParams
+
+    on = {"plugin_type": "mtp", "num_speculative_tokens": k, "mtp_mode": mode}
+    llms = {
+        "mtp off": LLM(model=model_dir, backend="cuda", dtype=dtype, cache_block_size=64, num_blocks=1024, progress=False),
+        "mtp on": LLM(model=model_dir, backend="cuda", dtype=dtype, cache_block_size=64, num_blocks=1024, progress=False,
+                      plugin_params=on),
+    }
+    runners = {name: llm.engine.model_wrapper.graph_runner for name, llm in llms.items()}
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    prompts = stdlib_prompts(llms["mtp off"].tokenizer, max(batches) * 2, prompt_tokens)
+    results = []
+    for batch in batches:
+        groups = [prompts[i : i + batch] for i in range(0, 2 * batch, batch)]
+        speeds = {(m, g): [] for m in llms for g in ("graphs", "eager")}
+        accepted = {}
+        for _ in range(rounds):
+            for (mtp, graphs), runs in speeds.items():
+                wrapper = llms[mtp].engine.model_wrapper
+                wrapper.graph_runner = runners[mtp] if graphs == "graphs" else None
+                llms[mtp].generate(groups[0][:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                outs = [o for group in groups for o in llms[mtp].generate(group, params)]
+                torch.cuda.synchronize()
+                runs.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start))
+                stats = [o.spec_decode for o in outs if o.spec_decode is not None]
+                if stats:
+                    steps = sum(s.num_steps for s in stats)
+                    accepted[graphs] = (sum(s.num_accepted_tokens for s in stats) + steps) / steps
+        base = statistics.median(speeds[("mtp off", "eager")])
+        for (mtp, graphs), runs in speeds.items():
+            results.append({
+                "batch": batch, "mtp": mtp, "graphs": graphs == "graphs", "tokens_per_s": statistics.median(runs),
+                "tokens_per_s_rounds": runs, "speedup_vs_mtp_off_eager": statistics.median(runs) / base,
+                **({"mean_accepted_length": accepted.get(graphs)} if mtp == "mtp on" else {}),
+            })
+    return results
