@@ -31,10 +31,13 @@ class CudaBackend(Backend):
     dist_backend = "nccl"
 
     def __init__(self, device: Optional[str] = None, num_kv_splits: Optional[int] = None):
-        self._device = choose_device(device, current_environment())
-        super().__init__(str(self._device))
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        chosen = choose_device(device, current_environment())
+        if chosen.type == "cuda" and chosen.index is None:
+            chosen = torch.device("cuda", torch.cuda.current_device())  # kernels launch on one device
+        self._device = chosen
+        super().__init__(str(chosen))
+        if chosen.type == "cuda":
+            torch.cuda.set_device(chosen)
         # Imported here, not at module top: choosing another backend never imports triton.
         from mindspec.backends.cuda import activation, fused_moe, latent_cache, mla_attention, moe_gate, norm, rope
 
