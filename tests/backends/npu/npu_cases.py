@@ -6,6 +6,7 @@ import torch
 
 import op_references as opr
 from mindspec.modeling.rotary import build_rotary
+from tests.support.checkpoints import tiny_v3_config
 
 # The reference ops compute in float32 and round once; the cpu backend rounds some intermediates
 # in the activation dtype (as transformers does), so results differ by a few ulps of the dtype.
@@ -47,3 +48,12 @@ def filled_caches(backends, seq_lens, q_lens, block_size, num_blocks, rank, rope
             be.write_latent_cache(cache, c_kv[: s - q], k_pe[: s - q], torch.tensor(slots[: s - q]))
         latents.append((c_kv, k_pe))
     return meta, caches, latents
+
+
+def ascend_config():
+    """Tiny DeepSeek-V3 config inside every fused op's limits: latent 512 + rope 64, q/k/v head dims
+    128, 4 heads (FIA pads them to 32), 256 experts in 8 groups of which 4 are kept, top-8."""
+    return tiny_v3_config(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                          num_attention_heads=4, num_key_value_heads=4, n_routed_experts=256, n_group=8, topk_group=4,
+                          num_experts_per_tok=8, moe_intermediate_size=8, num_hidden_layers=2, first_k_dense_replace=1,
+                          num_nextn_predict_layers=1, max_position_embeddings=4096, initializer_range=0.2)

@@ -10,8 +10,8 @@ from mindspec.backends.npu.graph import GraphShapeError, NpuDecodeGraph
 from mindspec.modeling.forward_metadata import build_model_inputs, to_device
 from mindspec.modeling.model_wrapper import ModelWrapper
 from tests.support.checkpoints import make_checkpoint
+from npu_cases import ascend_config
 from tests.support.torch_npu_reference import GraphCaptureError
-from test_npu_whole_model import ascend_config
 
 PROMPTS = [[3, 7, 11, 13, 17], [2] * 19, [5, 9, 40, 41, 42, 43, 44, 45, 46]]
 TABLES = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]

@@ -13,6 +13,7 @@ import torch
 from mindspec import LLM, SamplingParams
 from mindspec.modeling.forward_metadata import build_model_inputs, to_device
 from mindspec.modeling.model_wrapper import ModelWrapper
+from npu_cases import ascend_config
 from tests.support.checkpoints import make_checkpoint, make_self_predicting_checkpoint, tiny_v3_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -20,13 +21,6 @@ MTP_K3 = {"plugin_type": "mtp", "num_speculative_tokens": 3, "mtp_mode": "eagle"
 FUSED_OPS = {"npu_fused_infer_attention_score_v2", "npu_kv_rmsnorm_rope_cache", "npu_interleave_rope", "npu_rms_norm",
              "npu_add_rms_norm", "npu_swiglu", "npu_moe_gating_top_k", "npu_moe_init_routing_v2",
              "npu_grouped_matmul", "npu_moe_token_unpermute"}
-
-
-def ascend_config():
-    return tiny_v3_config(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-                          num_attention_heads=4, num_key_value_heads=4, n_routed_experts=256, n_group=8, topk_group=4,
-                          num_experts_per_tok=8, moe_intermediate_size=8, num_hidden_layers=2, first_k_dense_replace=1,
-                          num_nextn_predict_layers=1, max_position_embeddings=4096, initializer_range=0.2)
 
 
 @pytest.fixture(scope="module")
