@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
@@ -344,8 +344,6 @@ class _LazyCapture:
 
 def _sliced(out, num_logits: int, num_rows: int, num_seqs: Optional[int]):
     """The real rows of a padded step's output, copied out of the static buffers."""
-    from dataclasses import replace
-
     return replace(
         out,
         logits=out.logits[:num_logits].clone(),

@@ -1,9 +1,12 @@
 """Paged absorbed MLA (decode / MTP verification) and the prefill attention equal the cpu backend."""
+from dataclasses import replace
+
 import pytest
 import torch
 
 import op_references as ref
 from cuda_support import DTYPES, assert_close
+from mindspec.backend import LatentCache
 from mindspec.backends.cuda.mla_attention import mla_decode
 
 H, R, P, NB = 3, 24, 8, 48
@@ -21,10 +24,9 @@ def _case(seq_lens, q_lens, block_size, dtype, device, seed=0, tree=None):
 
 
 def _on(device, meta, buf, backend):
-    from dataclasses import replace
-
+    """(cache over ``buf``, metadata) on ``device``."""
     cache_buf = buf.to(device)
-    cache = type(backend.allocate_latent_cache(1, 1, R, P, buf.dtype))(cache_buf[..., :R], cache_buf[..., R:])
+    cache = LatentCache(c_kv=cache_buf[..., :R], k_pe=cache_buf[..., R:])
     moved = replace(
         meta, slots=meta.slots.to(device), block_tables=meta.block_tables.to(device), seq_lens=meta.seq_lens.to(device),
         q_lens=meta.q_lens.to(device), q_start_loc=meta.q_start_loc.to(device),

@@ -8,6 +8,8 @@ from mindspec import LLM, SamplingParams
 from mindspec.modeling.graph_runner import DecodeGraphRunner
 from tests.support.checkpoints import make_checkpoint, make_self_predicting_checkpoint, tiny_v2_config, tiny_v3_config
 
+pytestmark = pytest.mark.slow  # about a minute under the interpreter on 2 cores
+
 NEW_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
