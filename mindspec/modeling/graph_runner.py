@@ -91,7 +91,9 @@ def pad_inputs(inputs: DeviceInputs, spec: PadSpec, lm_rows_per_seq: int) -> Dev
     pos = tail(pad_pos, torch.int64)
     tables = torch.full((real_seqs + len(pad_q), spec.width), spec.dummy_block, dtype=torch.int32, device=dev)
     tables[:real_seqs, : meta.block_tables.shape[1]] = meta.block_tables
-    padded_meta = AttentionMetadata(
+    # replace() keeps every other field of the metadata (new ones included) as the real batch has it.
+    padded_meta = replace(
+        meta,
         slots=torch.cat([meta.slots, spec.dummy_block * spec.block_size + pos % spec.block_size]),
         block_tables=tables,
         seq_lens=torch.cat([meta.seq_lens, tail(pad_seq_lens, torch.int32)]),
@@ -100,6 +102,8 @@ def pad_inputs(inputs: DeviceInputs, spec: PadSpec, lm_rows_per_seq: int) -> Dev
         seq_lens_host=list(meta.seq_lens_host) + pad_seq_lens,
         q_lens_host=list(meta.q_lens_host) + pad_q,
         is_prefill=False,
+        tree_mask=None,
+        scratch={},
     )
     return DeviceInputs(
         input_ids=torch.cat([inputs.input_ids, torch.zeros(len(pad_pos), dtype=torch.int64, device=dev)]),
@@ -129,10 +133,10 @@ class StaticInputs:
         self.inputs = DeviceInputs(
             input_ids=template.input_ids.clone(),
             positions=template.positions.clone(),
-            meta=AttentionMetadata(
-                slots=m.slots.clone(), block_tables=m.block_tables.clone(), seq_lens=m.seq_lens.clone(),
+            meta=replace(
+                m, slots=m.slots.clone(), block_tables=m.block_tables.clone(), seq_lens=m.seq_lens.clone(),
                 q_lens=m.q_lens.clone(), q_start_loc=m.q_start_loc.clone(),
-                seq_lens_host=list(m.seq_lens_host), q_lens_host=list(m.q_lens_host), is_prefill=False,
+                seq_lens_host=list(m.seq_lens_host), q_lens_host=list(m.q_lens_host), scratch={},
             ),
             lm_head_indices=template.lm_head_indices.clone(),
         )
