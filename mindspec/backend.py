@@ -72,6 +72,7 @@ class AttentionMetadata:
     # Optional tree verification: tree_mask[b, i, j] says new token i of sequence b may attend new
     # token j (j, i < max_q_len); the causal mask among new tokens is replaced by it.
     tree_mask: Optional[torch.Tensor] = None  # [B, max_q_len, max_q_len] bool
+    block_size: int = 0  # tokens per cache block (0: unknown here; ops then take the cache's)
     # Per-forward memo for backends: tensors derived from this metadata once (gather indices,
     # masks, cos/sin rows, host argument lists) and reused by every layer of the forward.
     scratch: dict = field(default_factory=dict, repr=False, compare=False)

@@ -27,6 +27,7 @@ class ModelInputs:
     q_lens: np.ndarray  # [B] int32 new tokens per sequence
     lm_head_indices: np.ndarray  # [N] int64 rows that need logits
     is_prefill: bool  # no sequence has cached context
+    block_size: int = 0  # tokens per cache block the slots and tables refer to
 
     @property
     def num_tokens(self) -> int:
@@ -95,6 +96,7 @@ def build_model_inputs(
         q_lens=q_lens,
         lm_head_indices=np.asarray(lm_head_indices, dtype=np.int64),
         is_prefill=bool((cached == 0).all()),
+        block_size=block_size,
     )
 
 
@@ -120,6 +122,7 @@ def to_device(inputs: ModelInputs, device: torch.device | str, tree_mask: Option
         q_lens_host=inputs.q_lens.tolist(),
         is_prefill=inputs.is_prefill,
         tree_mask=tree_mask,
+        block_size=inputs.block_size,
     )
     return DeviceInputs(
         input_ids=dev(inputs.input_ids, torch.int64),

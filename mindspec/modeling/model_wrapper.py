@@ -13,6 +13,7 @@ import torch
 
 from mindspec.backend import Backend, LatentCache, get_backend
 from mindspec.modeling.forward_metadata import DeviceInputs, build_model_inputs, to_device
+from mindspec.modeling.compiled_decode import CompiledDecode
 from mindspec.modeling.graph_runner import maybe_graph_runner
 from mindspec.modeling.loader import read_hf_config
 from mindspec.modeling.registry import model_class, supported_model_types
@@ -48,6 +49,7 @@ class ModelWrapper:
         num_mtp_modules: Optional[int] = 0,
         device: Optional[str] = None,
         progress: bool = True,
+        compile_decode: bool = False,
     ):
         self.model_dir = Path(model_dir)
         self.backend = backend if isinstance(backend, Backend) else get_backend(backend, device)
@@ -58,6 +60,8 @@ class ModelWrapper:
         self.caches: list[LatentCache] = []
         self.cache_config: Optional[CacheConfig] = None
         self.graph_runner = None  # decode-step graphs (graph_runner.py), set up with the cache
+        # torch.compile of the decode step (compiled_decode.py), for backends that run ops eagerly
+        self.compiled = CompiledDecode(self.model) if compile_decode else None
 
     @property
     def config(self):
@@ -91,7 +95,8 @@ class ModelWrapper:
         if self.graph_runner is not None and self.graph_runner.accepts(inputs):  # padded, replayed decode
             return self.graph_runner.forward(inputs)
         self._prepare(inputs)
-        return self.model.forward(inputs.input_ids, inputs.positions, self.caches, inputs.meta, inputs.lm_head_indices)
+        forward = self.compiled.forward if self.compiled and not inputs.meta.is_prefill else self.model.forward
+        return forward(inputs.input_ids, inputs.positions, self.caches, inputs.meta, inputs.lm_head_indices)
 
     def forward_mtp(self, module_idx: int, inputs: DeviceInputs, hidden_states: torch.Tensor):
         self._prepare(inputs)
@@ -120,7 +125,8 @@ class ModelWrapper:
         self._prepare(inputs, *sub_steps)
         first = sub_steps[0]
         steps = [DraftStep(m, d.positions, d.meta) for m, d in zip(mtp_modules, sub_steps)]
-        return self.model.forward_speculative(
+        forward = self.compiled.forward_speculative if self.compiled else self.model.forward_speculative
+        return forward(
             inputs.input_ids, inputs.positions, inputs.meta, inputs.lm_head_indices,
             first.input_ids, hidden_states, lm_head_local_dp, steps, self.caches,
         )

@@ -1,13 +1,15 @@
 """Host-side MTP inputs for one decode step (numpy, vectorised over sequences).
 
-Per sequence with n tokens, whose last step accepted ``a`` tokens (1 after prefill):
+Per sequence with n tokens, whose last ``a`` tokens have no MTP cache entry yet (the tokens the
+last step accepted: 1 after prefill; more after steps that ran without speculation):
 - main ``model_inputs``: K+1 rows [t(n-1), d1..dK] at positions n-1..n-1+K (drafts filled in
   on the device); every row gets logits.
 - ``sub_model_inputs``: one ModelInputs per MTP step over the same rows. MTP cache entry i holds
   (t(i+1), h(i)) at rope position i (mindspec's convention; MindIE's code uses i+1: RoPE is
   relative, so either is exact when used everywhere). Rows are ``h`` history entries, the ``a``
   entries made valid by last step's accepted tokens (ending at entry n-2, the lm_head row), then
-  padding up to K+1 entries after the history. Padding rows never write the cache (slot -1).
+  padding up to K+1 entries after the history (more when a > K+1). Padding rows never write the
+  cache (slot -1).
   * eagle (one module reused): step s shifts positions, context lengths and the lm_head slot by s,
     and only the lm_head row writes, so entries written from verified tokens are never
     overwritten by draft-conditioned ones.
@@ -32,7 +34,7 @@ class DecodeLayout:
     last_accepted: np.ndarray  # [B] a
     history: np.ndarray  # [B] h
     start: np.ndarray  # [B] first MTP entry index of the window
-    sub_q_lens: np.ndarray  # [B] h + K + 1
+    sub_q_lens: np.ndarray  # [B] h + max(a, K + 1)
     sub_lm_rows: np.ndarray  # [B] flat row of each sequence's lm_head entry (n-2)
 
 
@@ -44,7 +46,7 @@ def decode_layout(
     base = num_tokens - last_accepted - 1  # entry of the first newly valid row
     floor = np.zeros_like(base) if hidden_from is None else hidden_from
     history = np.clip(np.minimum(k - 1, base - floor), 0, None) if mode == "vanilla" else np.zeros_like(base)
-    sub_q = history + k + 1
+    sub_q = history + np.maximum(last_accepted, k + 1)
     offsets = np.cumsum(sub_q) - sub_q
     return DecodeLayout(
         num_tokens=num_tokens,
@@ -71,6 +73,7 @@ def main_inputs(last_tokens: np.ndarray, num_tokens: np.ndarray, tables: np.ndar
         q_lens=q_lens,
         lm_head_indices=np.arange(num_seqs * (k + 1), dtype=np.int64),
         is_prefill=False,
+        block_size=block_size,
     )
 
 
@@ -125,6 +128,7 @@ def sub_inputs(
                 q_lens=q_lens,
                 lm_head_indices=layout.sub_lm_rows,
                 is_prefill=False,
+                block_size=block_size,
             )
         )
     return steps

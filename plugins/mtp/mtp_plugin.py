@@ -6,7 +6,13 @@ forward; the decoding policy keeps 1..K+1 tokens per sequence. Rejected drafts n
 the sequence length is the rollback, and the next step overwrites their slots.
 
 Per-sequence cache (MindIE's mtp_hidden_states / mtp_last_token_num): the main model's hidden
-states of the last 2K positions and how many tokens the last step accepted.
+states of the last positions and how many tokens still lack an MTP cache entry (the tokens the
+last step accepted; more after steps that ran without speculation).
+
+Adaptive speculation (adaptive.py, on by default): per decode step the plugin either speculates
+or runs a plain decode step, whichever the measured throughput at this batch size favours. A plain
+step leaves the MTP caches behind by one entry per sequence; the next speculative step writes the
+missed entries first (up to CATCH_UP of them: older ones only cost acceptance, never correctness).
 """
 from __future__ import annotations
 
@@ -23,16 +29,21 @@ from mindspec.plugins.plugin import Plugin
 from mindspec.text_generator.sampling.sampler import penalised_logits, processed_probs
 from mindspec.text_generator.step import StepBatch, StepInputs, StepOutputs
 
+import time
+
 from . import decode_inputs as di
 from . import decoding_policy as policy
+from .adaptive import AdaptiveSpeculation
 from .params import MtpParams, parse_mtp_params
+
+CATCH_UP = 16  # most MTP entries a speculative step writes for tokens produced without it
 
 
 @dataclass
 class MtpSeqState:
     hidden: torch.Tensor  # [m, hidden] main hidden states of positions hidden_end - m .. hidden_end - 1
     hidden_end: int
-    last_accepted: int  # tokens accepted by the last step (1 after prefill)
+    last_accepted: int  # tokens without an MTP cache entry yet: accepted by the last step (1 after prefill)
     in_think: bool = False
     hidden_from: int = 0  # first position with a real hidden state (> 0 after a PD hand-off)
 
@@ -57,13 +68,18 @@ class MtpPlugin(Plugin):
         self.block_size = cache_config.block_size
         self.dummy_block_id = cache_config.dummy_block_id
         self.num_lookahead_tokens = self.k  # the main model writes K draft positions past the last token
-        self.keep_hidden = 2 * self.k
+        self.keep_hidden = self.k + CATCH_UP  # vanilla's history (K-1) + the entries to catch up
         self.states: dict[int, MtpSeqState] = {}
+        self.adaptive = AdaptiveSpeculation(self.params.adaptive_speculation)
 
     # ---- hooks ---------------------------------------------------------------------------------
     def model_inputs_update(self, batch: StepBatch, inputs: StepInputs) -> StepInputs:
+        inputs.extra["mtp_started"] = time.perf_counter()
         if batch.is_prefill:
             inputs.extra["mtp_modules"] = self.modules if self.mode == "vanilla" else [0]
+            return inputs
+        inputs.extra["mtp_speculate"] = speculate = self.adaptive.speculate(len(batch))
+        if not speculate:  # a plain decode step: the base inputs as composed
             return inputs
         seqs = batch.seqs
         num_tokens = np.array([s.num_tokens for s in seqs], dtype=np.int64)
@@ -85,6 +101,8 @@ class MtpPlugin(Plugin):
         return inputs
 
     def forward(self, batch: StepBatch, inputs: StepInputs, generator):
+        if not self._speculating(batch, inputs):
+            return generator.forward(inputs.model_inputs, mtp_modules=inputs.extra.get("mtp_modules"))
         return generator.forward(
             inputs.model_inputs,
             sub_model_inputs=inputs.sub_model_inputs,
@@ -94,14 +112,14 @@ class MtpPlugin(Plugin):
         )
 
     def sample_preprocess(self, batch: StepBatch, inputs: StepInputs) -> StepInputs:
-        if not batch.is_prefill:  # one sampling row per verified position
+        if self._speculating(batch, inputs):  # one sampling row per verified position
             n = len(batch)
             inputs.row_seq = np.repeat(np.arange(n, dtype=np.int64), self.k + 1)
             inputs.row_offset = np.tile(np.arange(self.k + 1, dtype=np.int64), n)
         return inputs
 
     def plugin_verify(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs) -> StepOutputs:
-        if batch.is_prefill:
+        if not self._speculating(batch, inputs):
             return outputs
         n, k = len(batch), self.k
         drafts = outputs.draft_tokens.cpu().numpy()
@@ -123,18 +141,23 @@ class MtpPlugin(Plugin):
                     last_accepted=1, in_think=self._prompt_in_think(seq.token_ids),
                 )
             return
+        speculated = self._speculating(batch, inputs)
+        rows_per_seq = self.k + 1 if speculated else 1
         for b, seq in enumerate(batch.seqs):
             state = self.states[seq.seq_id]
             count = len(outputs.accepted[b])
-            rows = hidden[b * (self.k + 1) : b * (self.k + 1) + count]  # positions n-1 .. n-2+count
+            rows = hidden[b * rows_per_seq : b * rows_per_seq + count]  # positions n-1 .. n-2+count
             state.hidden = torch.cat([state.hidden, rows])[-self.keep_hidden :]
             state.hidden_end += count
-            state.last_accepted = count
+            # A speculative step wrote the MTP entries of the tokens before it; a plain one did not.
+            state.last_accepted = count if speculated else min(state.last_accepted + count, CATCH_UP)
             if self.params.think_start_token_id is not None:
                 state.in_think = bool(policy.update_think_state(
                     np.array([state.in_think]), [outputs.accepted[b]],
                     self.params.think_start_token_id, self.params.think_end_token_id,
                 )[0])
+        tokens = sum(len(a) for a in outputs.accepted) / max(1, len(batch))
+        self.adaptive.record(len(batch), speculated, tokens, time.perf_counter() - inputs.extra["mtp_started"])
 
     def adopt_prefilled(self, seq, hidden_size: int, dtype: torch.dtype, device) -> None:
         """A sequence prefilled on another node (PD disaggregation): its KV arrived, its hidden
@@ -151,6 +174,10 @@ class MtpPlugin(Plugin):
             self.states.pop(seq_id, None)
 
     # ---- helpers -------------------------------------------------------------------------------
+    @staticmethod
+    def _speculating(batch: StepBatch, inputs: StepInputs) -> bool:
+        return not batch.is_prefill and inputs.extra.get("mtp_speculate", True)
+
     def _gather_hidden(self, seqs, layout: di.DecodeLayout) -> torch.Tensor:
         seq_idx, positions, valid = di.hidden_rows(layout)
         first = self.states[seqs[0].seq_id].hidden

@@ -16,6 +16,7 @@ PD_ROLES = ("standard", "prefill", "decode")
 KNOWN_KEYS = {
     "num_speculative_tokens", "mtp_mode", "decoding_policy", "relaxed_topk", "relaxed_delta",
     "think_start_token_id", "think_end_token_id", "posterior_threshold", "posterior_alpha", "pd_role",
+    "adaptive_speculation",
 }
 
 
@@ -31,6 +32,8 @@ class MtpParams:
     posterior_threshold: float = 0.09  # Medusa's epsilon
     posterior_alpha: float = 0.3  # Medusa's alpha (about sqrt(epsilon))
     pd_role: str = "standard"
+    # Per step, speculate or not by measured throughput at the batch size (adaptive.py).
+    adaptive_speculation: bool = True
 
     def resolved_mode(self, modules_in_checkpoint: int) -> str:
         k = self.num_speculative_tokens
@@ -78,6 +81,13 @@ def _choice(options: dict, key: str, choices: tuple[str, ...], default: Optional
     return value
 
 
+def _bool(options: dict, key: str, default: bool) -> bool:
+    value = options.get(key, default)
+    if not isinstance(value, bool):
+        raise PluginParamsError(f"plugin_params.{key} must be true or false, got {value!r}")
+    return value
+
+
 def parse_mtp_params(options: dict) -> MtpParams:
     unknown = sorted(set(options) - KNOWN_KEYS)
     if unknown:
@@ -93,6 +103,7 @@ def parse_mtp_params(options: dict) -> MtpParams:
         posterior_threshold=_float(options, "posterior_threshold", 0.0, 1.0, 0.09),
         posterior_alpha=_float(options, "posterior_alpha", 0.0, 1.0, 0.3),
         pd_role=_choice(options, "pd_role", PD_ROLES, "standard"),
+        adaptive_speculation=_bool(options, "adaptive_speculation", True),
     )
     if params.decoding_policy == "relaxed" and (params.think_start_token_id is None or params.think_end_token_id is None):
         raise PluginParamsError(

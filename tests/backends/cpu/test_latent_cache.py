@@ -1,7 +1,7 @@
 import torch
 
 import op_references as ref
-from mindspec.backend import RotaryEmbedding
+from mindspec.backend import LatentCache, RotaryEmbedding
 from mindspec.backends.cpu import CpuBackend
 
 R, P, BS, NB = 16, 8, 4, 10
@@ -10,13 +10,14 @@ R, P, BS, NB = 16, 8, 4, 10
 def test_write_skips_negative_slots_and_lands_in_shared_buffer():
     be = CpuBackend()
     cache = be.allocate_latent_cache(NB, BS, R, P, torch.float32)
-    buf = cache.c_kv._base if cache.c_kv._base is not None else cache.c_kv
+    assert cache.latent.shape == (NB, BS, R + P)
+    assert cache.c_kv.data_ptr() == cache.latent.data_ptr()
     assert cache.k_pe.data_ptr() == cache.c_kv.data_ptr() + R * cache.c_kv.element_size()
     g = torch.Generator().manual_seed(0)
     c_kv, k_pe = torch.randn(5, R, generator=g), torch.randn(5, P, generator=g)
     slots = torch.tensor([0, 13, -1, 39, 6])
     be.write_latent_cache(cache, c_kv, k_pe, slots)
-    flat = buf.view(NB * BS, R + P)
+    flat = cache.latent.view(NB * BS, R + P)
     for t, s in enumerate(slots.tolist()):
         if s < 0:
             continue
@@ -26,6 +27,17 @@ def test_write_skips_negative_slots_and_lands_in_shared_buffer():
         if s not in written:
             assert torch.count_nonzero(flat[s]) == 0, s
     assert cache.num_blocks == NB and cache.block_size == BS
+
+
+def test_write_to_separate_latent_and_rope_tensors():
+    """A LatentCache of two separate tensors (Ascend's layout) is written the same way."""
+    be = CpuBackend()
+    cache = LatentCache(c_kv=torch.zeros(NB, BS, R), k_pe=torch.zeros(NB, BS, P))
+    g = torch.Generator().manual_seed(1)
+    c_kv, k_pe = torch.randn(3, R, generator=g), torch.randn(3, P, generator=g)
+    be.write_latent_cache(cache, c_kv, k_pe, torch.tensor([7, -1, 2]))
+    assert torch.equal(cache.c_kv[1, 3], c_kv[0]) and torch.equal(cache.k_pe[0, 2], k_pe[2])
+    assert torch.count_nonzero(cache.c_kv) == 2 * R and torch.count_nonzero(cache.k_pe) == 2 * P
 
 
 def test_write_casts_to_cache_dtype():

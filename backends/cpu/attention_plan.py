@@ -1,0 +1,114 @@
+"""The cpu backend's per-forward attention plan: computed once from AttentionMetadata, reused by
+every layer of that forward (DESIGN.md section 3: the host work stays out of the layers).
+
+The flat token batch [T] is viewed as a padded [B, Q] grid (sequence b's new tokens in row b,
+left-aligned). When every sequence has the same q_len, as in plain decode and MTP verification,
+the grid is a reshape of the flat batch and no scatter is needed. Keys are gathered from the paged
+cache as one [B, S] index of flat cache rows (memoised per block size); the mask is an additive
+float32 bias [B, Q, 1, S] (0 allowed, -inf masked), broadcast over heads. Prefill uses the same
+plan: with no cached context its keys are the new tokens themselves.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from mindspec.backend import AttentionMetadata
+
+_PLAN_KEY = "cpu_attention_plan"
+_ROWS_KEY = "cpu_cache_rows"
+
+
+@dataclass
+class AttentionPlan:
+    num_seqs: int  # B
+    max_q: int  # Q
+    max_s: int  # S, longest sequence (context + new tokens)
+    # Flat token t sits at grid cell (tok_seq[t], tok_pos[t]); None when the grid is a reshape.
+    tok_seq: Optional[torch.Tensor]  # [T] int64
+    tok_pos: Optional[torch.Tensor]  # [T] int64
+    bias: torch.Tensor  # [B, Q, 1, S] float32, 0 where key s is visible to query q, else -inf
+
+    # Sizes come from tensor shapes, not the int fields, so that a compiled forward sees them as
+    # symbolic sizes rather than constants to specialise (and recompile) on.
+    def to_grid(self, x: torch.Tensor) -> torch.Tensor:
+        """Flat [T, ...] -> [B, Q, ...] (padding cells are zero)."""
+        B, Q = self.bias.shape[0], self.bias.shape[1]
+        if self.tok_seq is None:
+            return x.view((B, Q) + tuple(x.shape[1:]))
+        out = x.new_zeros((B, Q) + tuple(x.shape[1:]))
+        out[self.tok_seq, self.tok_pos] = x
+        return out
+
+    def from_grid(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, Q, ...] -> flat [T, ...]."""
+        if self.tok_seq is None:
+            return x.flatten(0, 1)
+        return x[self.tok_seq, self.tok_pos]
+
+
+def attention_plan(meta: AttentionMetadata, device: torch.device) -> AttentionPlan:
+    """The plan for ``meta``, built on first use and memoised in ``meta.scratch``."""
+    plan = meta.scratch.get(_PLAN_KEY)
+    if plan is None:
+        plan = meta.scratch[_PLAN_KEY] = _build(meta, device)
+    return plan
+
+
+def cache_rows(meta: AttentionMetadata, block_size: int, device: torch.device) -> torch.Tensor:
+    """[B, S] int64 flat cache row (block * block_size + offset) of every key of every sequence;
+    keys past a sequence's length read row 0 (masked by the plan's bias)."""
+    key = (_ROWS_KEY, block_size)
+    rows = meta.scratch.get(key)
+    if rows is None:
+        seq_lens = torch.as_tensor(meta.seq_lens_host, dtype=torch.int64, device=device)
+        rows = meta.scratch[key] = _cache_rows(meta, seq_lens, block_size, meta.max_seq_len, device)
+    return rows
+
+
+def _build(meta: AttentionMetadata, device: torch.device) -> AttentionPlan:
+    B, Q, S = meta.num_seqs, meta.max_q_len, meta.max_seq_len
+    q_lens = torch.as_tensor(meta.q_lens_host, dtype=torch.int64, device=device)
+    seq_lens = torch.as_tensor(meta.seq_lens_host, dtype=torch.int64, device=device)
+    tok_seq = tok_pos = None
+    if any(q != Q for q in meta.q_lens_host):
+        tok_seq = torch.repeat_interleave(torch.arange(B, device=device), q_lens)
+        starts = torch.cumsum(q_lens, 0) - q_lens
+        tok_pos = torch.arange(int(q_lens.sum()), device=device) - starts[tok_seq]
+    return AttentionPlan(
+        num_seqs=B, max_q=Q, max_s=S, tok_seq=tok_seq, tok_pos=tok_pos,
+        bias=_bias(meta, q_lens, seq_lens, Q, S, device),
+    )
+
+
+def _cache_rows(meta: AttentionMetadata, seq_lens: torch.Tensor, block_size: int, S: int, device) -> torch.Tensor:
+    s = torch.arange(S, device=device)
+    n_blocks = -(-S // block_size)
+    tables = meta.block_tables[:, :n_blocks].to(device=device, dtype=torch.int64)  # [B, n_blocks]
+    if tables.shape[1] < n_blocks:  # a table narrower than the longest sequence: only padding reads it
+        tables = torch.nn.functional.pad(tables, (0, n_blocks - tables.shape[1]))
+    rows = tables[:, s // block_size] * block_size + s % block_size  # [B, S]
+    # Unused table entries may hold anything: never let a masked key index outside the cache.
+    return torch.where(s[None, :] < seq_lens[:, None], rows, torch.zeros_like(rows))
+
+
+def _bias(meta: AttentionMetadata, q_lens, seq_lens, Q: int, S: int, device) -> torch.Tensor:
+    """Key s is visible to new token i of sequence b when s < seq_len and s is context, or
+    (bottom-right causal) s <= ctx + i, or the tree mask allows it among the new tokens."""
+    k_idx = torch.arange(S, device=device)[None, None, :]
+    i_idx = torch.arange(Q, device=device)[None, :, None]
+    ctx = (seq_lens - q_lens)[:, None, None]  # cached tokens before the new ones
+    in_seq = k_idx < seq_lens[:, None, None]
+    if meta.tree_mask is None:
+        among_new = k_idx <= ctx + i_idx
+    else:
+        tree = meta.tree_mask.to(device=device, dtype=torch.bool)
+        j = (k_idx - ctx).clamp(0, tree.shape[-1] - 1).expand(len(q_lens), Q, S)
+        among_new = torch.gather(tree[:, :Q], 2, j)
+    allowed = in_seq & ((k_idx < ctx) | among_new)
+    # Padding query cells (i >= q_len) are dropped later; let them see key 0 so softmax has no NaN.
+    allowed = allowed | ((i_idx >= q_lens[:, None, None]) & (k_idx == 0))
+    bias = torch.zeros(allowed.shape, dtype=torch.float32, device=device)
+    return bias.masked_fill_(~allowed, float("-inf"))[:, :, None, :]  # [B, Q, 1, S]

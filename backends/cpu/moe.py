@@ -1,0 +1,161 @@
+"""DeepSeekMoE on the cpu backend: the router (V2 softmax, V3 sigmoid + correction bias, group
+limits) and the routed experts.
+
+Experts run one of three ways, chosen by cost. At batch 1 decode the step is bound by reading
+weights, so only the chosen experts run (one small loop, grouped on the host). When the batch is
+large enough that every expert is likely active anyway (T * top_k >= E) and experts are few
+(E <= 4 * top_k, as in small models), every expert runs on every token in two batched GEMMs with
+weight 0 for unchosen pairs: a few large ops beat a loop of tiny ones when per-op overhead
+dominates. Otherwise (DeepSeek-V3: 256 experts, top-8) tokens are sorted by expert and each active
+expert runs once on its tokens.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from mindspec.backend import ExpertWeights, RouterConfig
+
+DENSE_EXPERTS_PER_CHOICE = 4  # run every expert when E <= this * top_k ...
+FEW_PAIRS = 8  # ... unless there are at most this many (token, expert) pairs: run only those
+
+
+def moe_gate(
+    x: torch.Tensor,  # [T, H]
+    gate_weight: torch.Tensor,  # [E, H]
+    correction_bias: Optional[torch.Tensor],  # [E] float32
+    router: RouterConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router in float32 -> (weights [T, k] float32, ids [T, k] int64), as transformers does."""
+    logits = F.linear(x.to(torch.float32), gate_weight.to(torch.float32))  # [T, E]
+    if router.scoring == "softmax":
+        weights, ids = _softmax_topk(logits.softmax(dim=-1, dtype=torch.float32), router)
+    elif router.scoring == "sigmoid":
+        weights, ids = _sigmoid_topk(logits.sigmoid(), correction_bias, router)
+    else:
+        raise ValueError(f"unknown router scoring {router.scoring!r}")
+    if router.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return (weights * router.routed_scaling_factor).to(torch.float32), ids.to(torch.int64)
+
+
+def _group_mask(group_scores: torch.Tensor, router: RouterConfig, num_experts: int) -> torch.Tensor:
+    """[T, E] bool: experts in the topk_group best groups."""
+    T, g = group_scores.shape
+    group_idx = torch.topk(group_scores, k=router.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+    return group_mask.unsqueeze(-1).expand(T, g, num_experts // g).reshape(T, num_experts)
+
+
+def _softmax_topk(scores: torch.Tensor, router: RouterConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    T, E = scores.shape
+    if router.topk_method == "group_limited_greedy":
+        group_scores = scores.view(T, router.n_group, -1).max(dim=-1).values
+        scores = scores.masked_fill(~_group_mask(group_scores, router, E), 0.0)
+    elif router.topk_method != "greedy":
+        raise ValueError(f"softmax router does not support topk_method {router.topk_method!r}")
+    return torch.topk(scores, k=router.top_k, dim=-1, sorted=False)
+
+
+def _sigmoid_topk(scores: torch.Tensor, bias: Optional[torch.Tensor], router: RouterConfig):
+    T, E = scores.shape
+    choice = scores if bias is None else scores + bias.to(torch.float32)
+    group_scores = choice.view(T, router.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)  # top-2 sum per group
+    choice = choice.masked_fill(~_group_mask(group_scores, router, E), float("-inf"))
+    ids = torch.topk(choice, k=router.top_k, dim=-1, sorted=False)[1]
+    return scores.gather(1, ids), ids
+
+
+def moe_experts(
+    x: torch.Tensor,  # [T, H]
+    topk_weights: torch.Tensor,  # [T, k] float32
+    topk_ids: torch.Tensor,  # [T, k] int64; ids outside [0, E) (another rank's experts) are skipped
+    experts: ExpertWeights,
+) -> torch.Tensor:
+    """sum_k w[t, k] * down(silu(gate(x)) * up(x)) -> [T, H]; each weighted expert output is
+    rounded to x's dtype before the sum, as transformers' index_add does."""
+    T, k = topk_ids.shape
+    E = experts.w13.shape[0]
+    if T == 0:
+        return torch.zeros_like(x)
+    if T * k <= FEW_PAIRS:
+        if torch.compiler.is_compiling():  # no host round trip inside a compiled graph
+            return _gathered_experts(x, topk_weights, topk_ids, experts)
+        return _few_experts(x, topk_weights, topk_ids, experts)
+    if E <= DENSE_EXPERTS_PER_CHOICE * k and T * k >= E:
+        return _dense_experts(x, topk_weights, topk_ids, experts)
+    return _sorted_experts(x, topk_weights, topk_ids, experts)
+
+
+def _silu_and_mul(h: torch.Tensor) -> torch.Tensor:
+    half = h.shape[-1] // 2
+    return F.silu(h[..., :half]) * h[..., half:]
+
+
+def _few_experts(x, topk_weights, topk_ids, experts: ExpertWeights) -> torch.Tensor:
+    """A handful of (token, expert) pairs: group them on the host, run each chosen expert once."""
+    E = experts.w13.shape[0]
+    by_expert: dict[int, list[tuple[int, int]]] = {}
+    for t, row in enumerate(topk_ids.tolist()):
+        for j, e in enumerate(row):
+            if 0 <= e < E:
+                by_expert.setdefault(e, []).append((t, j))
+    out = torch.zeros_like(x)
+    for e in sorted(by_expert):  # ascending expert id: the order transformers sums in
+        pairs = by_expert[e]
+        tok = torch.tensor([t for t, _ in pairs], device=x.device)
+        w = topk_weights[tok, torch.tensor([j for _, j in pairs], device=x.device)]  # [n] float32
+        h = F.linear(_silu_and_mul(F.linear(x[tok], experts.w13[e])), experts.w2[e])
+        out.index_add_(0, tok, (h * w[:, None]).to(out.dtype))
+    return out
+
+
+def _gathered_experts(x, topk_weights, topk_ids, experts: ExpertWeights) -> torch.Tensor:
+    """The few-pairs case without leaving the device: each (token, expert) pair gathers its
+    expert's weights and runs as one row of a batched GEMV."""
+    T, k = topk_ids.shape
+    E, _, H = experts.w13.shape
+    valid = (topk_ids >= 0) & (topk_ids < E)
+    order = torch.where(valid, topk_ids, E).argsort(dim=1)  # ascending expert id, as transformers sums
+    ids = topk_ids.gather(1, order).clamp(0, E - 1).reshape(-1)  # [T*k]
+    w = (topk_weights * valid).gather(1, order).reshape(-1, 1)  # [T*k, 1] float32
+    xs = x.repeat_interleave(k, dim=0)[:, :, None]  # [T*k, H, 1]
+    h = _silu_and_mul(torch.bmm(experts.w13[ids], xs)[..., 0])  # [T*k, I]
+    y = torch.bmm(experts.w2[ids], h[:, :, None])[..., 0]  # [T*k, H]
+    return (y * w).to(x.dtype).view(T, k, H).sum(dim=1)
+
+
+def _dense_experts(x, topk_weights, topk_ids, experts: ExpertWeights) -> torch.Tensor:
+    E, two_i, H = experts.w13.shape
+    # Routing weights scattered to [T, E]; an id outside [0, E) lands in the dropped column E.
+    ids = torch.where((topk_ids >= 0) & (topk_ids < E), topk_ids, E)
+    dense_w = torch.zeros(x.shape[0], E + 1, dtype=torch.float32, device=x.device)
+    dense_w.scatter_add_(1, ids, topk_weights.to(torch.float32))  # a repeated id adds up
+    h = F.linear(x, experts.w13.view(E * two_i, H)).view(-1, E, two_i)  # [T, E, 2I]
+    h = _silu_and_mul(h).transpose(0, 1)  # [E, T, I]
+    y = torch.bmm(h, experts.w2.transpose(1, 2))  # [E, T, H]
+    weighted = (y * dense_w[:, :E].t()[..., None]).to(x.dtype)  # [E, T, H]
+    return weighted.sum(dim=0)
+
+
+def _sorted_experts(x, topk_weights, topk_ids, experts: ExpertWeights) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    E = experts.w13.shape[0]
+    k = topk_ids.shape[1]
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    token_idx = order // k
+    flat_w = topk_weights.reshape(-1)[order]
+    counts = torch.bincount(flat_ids.clamp(-1, E) + 1, minlength=E + 2).tolist()  # [<0, 0..E-1, >=E]
+    start = counts[0]
+    for e, n in enumerate(counts[1 : E + 1]):
+        if n == 0:
+            continue
+        sl = slice(start, start + n)
+        start += n
+        tok = token_idx[sl]
+        h = F.linear(_silu_and_mul(F.linear(x[tok], experts.w13[e])), experts.w2[e])
+        out.index_add_(0, tok, (h * flat_w[sl, None]).to(out.dtype))  # weighted in float32, as HF
+    return out
