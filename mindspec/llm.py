@@ -4,6 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
+from mindspec.distributed.launch import MODEL_CONFIG_PATH, build_engine
+from mindspec.distributed.parallel_config import ParallelConfig
 from mindspec.engine.args import EngineArgs
 from mindspec.engine.llm_engine import LLMEngine, Prompt
 from mindspec.engine.outputs import RequestOutput
@@ -32,10 +34,15 @@ class LLM:
         kv_cache_gb: Optional[float] = None,
         device: Optional[str] = None,
         progress: bool = True,
+        dp: int = 1,
+        moe_ep: int = 1,
+        dist_timeout: float = 600.0,
         **scheduler_limits,
     ):
         if model is not None and config is not None:
             raise ValueError("pass model=DIR or config=PATH_TO_CONFIG_JSON, not both")
+        # dp ranks (attention data parallel) with moe_ep-way expert parallel: dp - 1 more processes
+        parallel, where = ParallelConfig(world_size=dp, dp=dp, moe_ep=moe_ep, timeout_s=dist_timeout), ""
         if model is None and config is None:  # the shipped default model, MTP on (K = 3)
             from mindspec.config.defaults import default_config
 
@@ -43,7 +50,9 @@ class LLM:
         elif config is not None:
             from mindspec.config.mindie_config import load_config
 
-            args = EngineArgs.from_mindie_config(load_config(config), progress=progress)
+            mindie = load_config(config)
+            args = EngineArgs.from_mindie_config(mindie, progress=progress)
+            parallel, where = mindie.model.parallel, MODEL_CONFIG_PATH
         else:
             args = EngineArgs(
                 model=str(model),
@@ -57,7 +66,19 @@ class LLM:
                 scheduler=SchedulerConfig(**scheduler_limits),
                 progress=progress,
             )
-        self.engine = LLMEngine(args)
+        self.engine = build_engine(args, parallel, where)
+
+    def close(self) -> None:
+        """Stop the other ranks of a multi-process engine (dp > 1); nothing to do otherwise."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def tokenizer(self):

@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 USED_KEYS = {
     "": {"Version", "ServerConfig", "BackendConfig", "LogConfig"},
     "ServerConfig": {"ipAddress", "port", "managementPort", "metricsPort", "maxLinkNum", "tokenTimeout", "e2eTimeout",
-                     "allowAllZeroIpListening", "httpsEnabled", "maxRequestLength"},
+                     "allowAllZeroIpListening", "httpsEnabled", "maxRequestLength",
+                     "inferMode", "interCommPort", "pdRole", "pdPrefillAddress", "pdDecodeAddress"},
     "BackendConfig": {"backendName", "ModelDeployConfig", "ScheduleConfig"},
     "BackendConfig.ModelDeployConfig": {"maxSeqLen", "maxInputTokenLen", "truncation", "ModelConfig"},
     "BackendConfig.ScheduleConfig": {"cacheBlockSize", "maxPrefillBatchSize", "maxPrefillTokens", "maxBatchSize",
@@ -65,6 +66,14 @@ class ServerConfig:
     e2e_timeout: int = 600
     allow_all_zero_ip_listening: bool = False
     max_request_length: int = 40  # MB (MindIE's maxRequestLength)
+    # PD disaggregation (MindIE inferMode "dmi"; mindspec's keys: pdRole, pdPrefillAddress,
+    # pdDecodeAddress). A prefill or decode node serves its PD routes on interCommPort; a router
+    # sends each request through the prefill node, then the decode node (mindspec.service.pd_*).
+    infer_mode: str = "standard"
+    pd_role: Optional[str] = None  # "prefill" | "decode" | "router" with inferMode "dmi"
+    inter_comm_port: int = 1121
+    pd_prefill_address: Optional[str] = None  # host:port of the prefill node's interCommPort (router)
+    pd_decode_address: Optional[str] = None  # host:port of the decode node's interCommPort (router)
 
     @property
     def max_request_length_bytes(self) -> int:
@@ -84,6 +93,18 @@ class ModelConfig:
     dp: int = 1
     tp: int = 1
     extra: dict = field(default_factory=dict)
+    # Multi-process runs (mindspec.distributed): MindIE's moe_ep; mindspec's distTimeout (seconds
+    # any collective or rendezvous waits). PD: MindIE's kv_trans_timeout / kv_link_timeout.
+    moe_ep: int = 1
+    dist_timeout: float = 600.0
+    kv_trans_timeout: float = 10.0
+    kv_link_timeout: float = 1080.0
+
+    @property
+    def parallel(self):
+        from mindspec.distributed.parallel_config import ParallelConfig
+
+        return ParallelConfig(self.world_size, self.dp, self.tp, self.moe_ep, self.dist_timeout)
 
 
 @dataclass(frozen=True)
@@ -181,11 +202,57 @@ def _server(s: _Section) -> ServerConfig:
         e2e_timeout=s.int("e2eTimeout", 600, 1),
         allow_all_zero_ip_listening=s.bool("allowAllZeroIpListening", False),
         max_request_length=s.int("maxRequestLength", 40, 1),
+        **_pd_server(s),
     )
+
+
+PD_ROLES = ("prefill", "decode", "router")
+_PD_ROLE_ALIASES = {"decoder": "decode"}  # MindIE's DmiModeNodeRole spelling
+
+
+def _pd_server(s: _Section) -> dict:
+    mode = s.str("inferMode", "standard", ("standard", "dmi"))
+    raw_role = s.data.get("pdRole")
+    role = _PD_ROLE_ALIASES.get(raw_role, raw_role)
+    if mode == "dmi" and role not in PD_ROLES:
+        raise ConfigError(f"{s._where('pdRole')}: inferMode 'dmi' needs one of {', '.join(PD_ROLES)}, got {raw_role!r}")
+    if mode == "standard" and raw_role is not None:
+        raise ConfigError(f"{s._where('pdRole')}: a PD role needs ServerConfig.inferMode 'dmi'")
+    out = dict(infer_mode=mode, pd_role=role, inter_comm_port=s.int("interCommPort", 1121, 1, 65535),
+               pd_prefill_address=s.str("pdPrefillAddress", None), pd_decode_address=s.str("pdDecodeAddress", None))
+    for key, value in (("pdPrefillAddress", out["pd_prefill_address"]), ("pdDecodeAddress", out["pd_decode_address"])):
+        if role == "router" and not value:
+            raise ConfigError(f"{s._where(key)}: a PD router needs the node's host:port (its interCommPort)")
+        if value is not None and not _is_host_port(value):
+            raise ConfigError(f"{s._where(key)}: must be host:port, got {value!r}")
+    return out
+
+
+def _is_host_port(value: str) -> bool:
+    host, _, port = value.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
 
 
 _MODEL_KEYS = {"modelName", "modelWeightPath", "backendType", "dtype", "worldSize", "cpuMemSize", "npuMemSize",
                "plugin_params", "dp", "tp"}
+
+
+_MODEL_KEYS |= {"moe_ep", "moe_tp", "distTimeout", "kv_trans_timeout", "kv_link_timeout"}
+
+
+def _parallel(s: _Section) -> dict:
+    """worldSize / dp / tp / moe_ep (MindIE: tp * dp == worldSize; tp absent means 1 here, dp
+    absent means worldSize / tp), checked together (mindspec.distributed.parallel_config)."""
+    from mindspec.distributed.parallel_config import ParallelConfig
+
+    world = s.int("worldSize", 1, 1)
+    tp = s.int("tp", 1, 1)
+    dp = s.int("dp", max(1, world // tp), 1)
+    if s.int("moe_tp", 1, 1) != 1:
+        raise ConfigError(f"{s._where('moe_tp')}: expert tensor parallelism is not available; use moe_ep")
+    parallel = ParallelConfig(world, dp, tp, s.int("moe_ep", 1, 1), s.num("distTimeout", 600.0))
+    parallel.check(s._where(""))
+    return dict(world_size=world, dp=dp, tp=tp, moe_ep=parallel.moe_ep, dist_timeout=parallel.timeout_s)
 
 
 def _model(s: _Section, base_dir: Path) -> ModelConfig:
@@ -204,12 +271,12 @@ def _model(s: _Section, base_dir: Path) -> ModelConfig:
         model_weight_path=weight_path,
         backend_type=s.str("backendType", "cpu", BACKEND_TYPES),
         dtype=s.str("dtype", "auto", DTYPES + ("auto",)),
-        world_size=s.int("worldSize", 1, 1),
         cpu_mem_size=s.num("cpuMemSize", 5),
         npu_mem_size=s.num("npuMemSize", -1),
         plugin_params=raw,
-        dp=s.int("dp", 1, 1, 1),
-        tp=s.int("tp", 1, 1, 1),
+        **_parallel(s),
+        kv_trans_timeout=s.num("kv_trans_timeout", 10.0),
+        kv_link_timeout=s.num("kv_link_timeout", 1080.0),
         extra={k: v for k, v in s.data.items() if k not in _MODEL_KEYS},
     )
 

@@ -1,9 +1,12 @@
 """Generator (MindIE's generator_torch): host inputs -> device tensors -> ModelWrapper -> outputs.
 
-It is the one place that knows about data-parallel attention: with dp > 1 the batch is split over
-ranks and every rank padded to the same token count (MoE collectives need equal shapes). This
-build runs dp = 1, so the split is the identity, but the hook and its bookkeeping live here so the
-plugin manager and the model never change when dp arrives.
+It is the one place that knows about attention data parallelism. With dp > 1 every rank gets the
+whole batch (every rank runs the same engine), keeps only its own sequences (dp_plan: a sequence
+stays on the rank that holds its KV), pads its share to the token count of the largest share with
+dummy sequences on the reserved block (a rank with no sequences runs only a dummy), re-bases the
+lm_head rows (``lm_head_local_dp`` for the drafter), runs the model, and gathers logits, hidden
+states and draft tokens back in request order (dp_gather), so every rank samples and verifies
+the same tokens. The plugin manager and the model never know dp happened.
 """
 from __future__ import annotations
 
@@ -13,8 +16,13 @@ from typing import Optional
 import numpy as np
 import torch
 
+from mindspec.distributed import dp_plan, parallel_state
+from mindspec.distributed.dp_gather import OutputGather
+from mindspec.distributed.parallel_state import ParallelContext
 from mindspec.modeling.forward_metadata import ModelInputs, to_device
 from mindspec.modeling.model_wrapper import ModelWrapper
+
+PLAIN, PREFILL_MTP, SPECULATIVE = 0, 1, 2  # forward kinds, compared across ranks every step
 
 
 @dataclass
@@ -24,20 +32,29 @@ class GeneratorOutput:
     draft_tokens: Optional[torch.Tensor] = None  # [bs, K] when a drafter ran in the same forward
 
 
+@dataclass
+class DpStats:
+    """This rank's share of the steps it ran (tests and logs)."""
+
+    steps: int = 0
+    idle_steps: int = 0  # steps where this rank had no sequence and ran only a dummy
+    padded_tokens: int = 0
+    sequences: int = 0
+
+
 class Generator:
-    def __init__(self, model_wrapper: ModelWrapper, dp_size: int = 1):
-        if dp_size != 1:
-            raise ValueError(f"dp={dp_size}: attention data parallelism is not available in this build (dp must be 1)")
+    def __init__(self, model_wrapper: ModelWrapper, parallel: Optional[ParallelContext] = None):
         self.model_wrapper = model_wrapper
-        self.dp_size = dp_size
+        self.parallel = parallel or parallel_state.current()
+        self.dp_size = self.parallel.dp_size
+        self.dp_rank = self.parallel.dp_rank
+        self.assigner = dp_plan.DpAssigner(self.dp_size)
+        self.gather = OutputGather(self.parallel.world_group, self.parallel.world_size)
+        self.dp_stats = DpStats()
 
     @property
     def device(self) -> torch.device:
         return self.model_wrapper.device
-
-    def dp_partition(self, model_inputs: ModelInputs) -> ModelInputs:
-        """This rank's share of the batch (dp = 1: all of it)."""
-        return model_inputs
 
     @torch.inference_mode()
     def forward(
@@ -50,18 +67,75 @@ class Generator:
     ) -> GeneratorOutput:
         """Plain forward; with ``mtp_modules`` a prefill that also fills the MTP caches; with
         ``sub_model_inputs`` (one per draft step) an MTP decode: draft, then verify in one call.
-        ``q_lens`` are the per-sequence row counts the dp split will need."""
-        local = self.dp_partition(model_inputs)
-        inputs = to_device(local, self.device)
-        if sub_model_inputs is not None:
-            subs = [to_device(self.dp_partition(s), self.device) for s in sub_model_inputs]
-            # The drafter's lm_head rows rebased to this rank's share of the batch (dp = 1: as is).
-            lm_head_local_dp = subs[0].lm_head_indices
-            out = self.model_wrapper.forward_speculative(
-                inputs, subs, mtp_modules, hidden_states.to(self.device), lm_head_local_dp
-            )
+        ``q_lens`` are the per-sequence row counts (the dp split reads them from the inputs)."""
+        if self.dp_size == 1:
+            lm_head_local_dp = None if sub_model_inputs is None else sub_model_inputs[0].lm_head_indices
+            return self._run(model_inputs, sub_model_inputs, hidden_states, mtp_modules, lm_head_local_dp)
+        return self._forward_dp(model_inputs, sub_model_inputs, hidden_states, mtp_modules)
+
+    # ---- one rank's forward ------------------------------------------------------------------
+    def _run(self, inputs, subs, hidden_states, mtp_modules, lm_head_local_dp) -> GeneratorOutput:
+        x = to_device(inputs, self.device)
+        if subs is not None:
+            steps = [to_device(s, self.device) for s in subs]
+            lm = torch.from_numpy(np.ascontiguousarray(lm_head_local_dp)).to(self.device)
+            out = self.model_wrapper.forward_speculative(x, steps, mtp_modules, hidden_states.to(self.device), lm)
         elif mtp_modules:
-            out = self.model_wrapper.forward_prefill_mtp(inputs, mtp_modules)
+            out = self.model_wrapper.forward_prefill_mtp(x, mtp_modules)
         else:
-            out = self.model_wrapper.forward(inputs)
+            out = self.model_wrapper.forward(x)
         return GeneratorOutput(logits=out.logits, hidden_states=out.hidden_states, draft_tokens=out.draft_tokens)
+
+    # ---- data parallel -----------------------------------------------------------------------
+    def _forward_dp(self, inputs, subs, hidden_states, mtp_modules) -> GeneratorOutput:
+        owners = self.assigner.assign(inputs)
+        cache = self.model_wrapper.cache_config
+        shard = dp_plan.shard(inputs, subs, owners, self.dp_rank, self.dp_size, cache.dummy_block_id, cache.block_size)
+        self._check_step(inputs, subs, owners, mtp_modules)
+        local_hidden = None
+        if subs is not None:
+            mine = hidden_states[torch.from_numpy(shard.hidden_rows).to(hidden_states.device)]
+            pad = mine.new_zeros((shard.num_sub_pad, mine.shape[1]))  # dummies draft from zeros
+            local_hidden = torch.cat([mine, pad])
+        lm_local = None if subs is None else shard.subs[0].lm_head_indices
+        out = self._run(shard.main, shard.subs, local_hidden, mtp_modules, lm_local)
+        self._count(shard)
+        return self._gather(out, inputs, shard)
+
+    def _check_step(self, inputs: ModelInputs, subs, owners: np.ndarray, mtp_modules) -> None:
+        kind = SPECULATIVE if subs is not None else PREFILL_MTP if mtp_modules else PLAIN
+        num_sub = 0 if subs is None else subs[0].num_tokens
+        signature = [kind, inputs.num_seqs, inputs.num_tokens, num_sub, len(mtp_modules or []),
+                     int(np.dot(owners + 1, np.arange(1, len(owners) + 1)))]
+        self.gather.check_same(signature, "kind, sequences, tokens, drafter rows, MTP steps, owners", self.device)
+
+    def _gather(self, out: GeneratorOutput, inputs: ModelInputs, shard: dp_plan.DpShard) -> GeneratorOutput:
+        vocab, hidden = out.logits.shape[1], out.hidden_states.shape[1]
+        k = None if out.draft_tokens is None else out.draft_tokens.shape[1]
+
+        def shapes(rows: dp_plan.RankRows) -> list[tuple[int, ...]]:
+            s = [(len(rows.lm_rows), vocab), (len(rows.token_rows), hidden)]
+            return s + ([(len(rows.seqs), k)] if k is not None else [])
+
+        me = shard.rows[self.dp_rank]
+        parts = [out.logits[: len(me.lm_rows)], out.hidden_states[: len(me.token_rows)]]
+        if k is not None:
+            parts.append(out.draft_tokens[: len(me.seqs)])
+        every = self.gather.all_gather(parts, [shapes(r) for r in shard.rows])
+        logits = out.logits.new_empty((len(inputs.lm_head_indices), vocab))  # [N, V]
+        states = out.hidden_states.new_empty((inputs.num_tokens, hidden))  # [T, H]
+        drafts = None if k is None else out.draft_tokens.new_empty((inputs.num_seqs, k))  # [B, K]
+        for rows, got in zip(shard.rows, every):
+            device = logits.device
+            logits[torch.from_numpy(rows.lm_rows).to(device)] = got[0]
+            states[torch.from_numpy(rows.token_rows).to(device)] = got[1].to(states.dtype)
+            if drafts is not None:
+                drafts[torch.from_numpy(rows.seqs).to(device)] = got[2].to(drafts.dtype)
+        return GeneratorOutput(logits=logits, hidden_states=states, draft_tokens=drafts)
+
+    def _count(self, shard: dp_plan.DpShard) -> None:
+        me = shard.rows[self.dp_rank]
+        self.dp_stats.steps += 1
+        self.dp_stats.sequences += len(me.seqs)
+        self.dp_stats.idle_steps += int(len(me.seqs) == 0)
+        self.dp_stats.padded_tokens += shard.main.num_tokens - len(me.token_rows)

@@ -1,4 +1,9 @@
-"""Feed-forward blocks: the dense SwiGLU MLP and DeepSeekMoE (routed experts + shared experts)."""
+"""Feed-forward blocks: the dense SwiGLU MLP and DeepSeekMoE (routed experts + shared experts).
+
+With expert parallelism (moe_ep > 1) a DeepseekMoe keeps only this rank's slice of the routed
+experts and sends every token through the ep group's collectives (ExpertParallel); the router,
+the shared experts and everything else stay replicated, so the layer's output is the same.
+"""
 from __future__ import annotations
 
 from typing import Optional
@@ -7,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from mindspec.backend import Backend, ExpertWeights, RouterConfig
+from mindspec.distributed.expert_parallel import ExpertParallel
 
 from .tensors import TensorBag
 
@@ -14,6 +20,12 @@ from .tensors import TensorBag
 def _fused_gate_up(w: TensorBag) -> torch.Tensor:
     # One GEMM for gate and up: rows [gate | up] as silu_and_mul expects.
     return torch.cat([w.take("gate_proj.weight"), w.take("up_proj.weight")], dim=0)  # [2I, hidden]
+
+
+def _drop_expert(w: TensorBag) -> None:
+    # Another rank's expert: consumed from the bag (every loaded tensor must find a home) and freed.
+    for name in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
+        w.take(name)
 
 
 class DenseMlp:
@@ -33,16 +45,25 @@ class DeepseekMoe:
         self.gate_weight = w.take("gate.weight")  # [E, hidden]
         bias = w.take_optional("gate.e_score_correction_bias")
         self.correction_bias: Optional[torch.Tensor] = None if bias is None else bias.float()  # [E]
+        self.ep = ExpertParallel.for_current_process(num_experts)  # None: every expert lives here
+        local = self.ep.local_experts if self.ep else range(num_experts)
         experts = [w.scope(f"experts.{e}.") for e in range(num_experts)]
         self.experts = ExpertWeights(
-            w13=torch.stack([_fused_gate_up(e) for e in experts]),  # [E, 2I, hidden]
-            w2=torch.stack([e.take("down_proj.weight") for e in experts]),  # [E, hidden, I]
+            w13=torch.stack([_fused_gate_up(experts[e]) for e in local]),  # [E_local, 2I, hidden]
+            w2=torch.stack([experts[e].take("down_proj.weight") for e in local]),  # [E_local, hidden, I]
         )
+        for e in range(num_experts):
+            if e not in local:
+                _drop_expert(experts[e])
         self.shared = DenseMlp(w.scope("shared_experts."), backend) if has_shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.backend.moe_gate(x, self.gate_weight, self.correction_bias, self.router)
-        out = self.backend.moe_experts(x, weights, ids, self.experts)
+        if self.ep is None:
+            out = self.backend.moe_experts(x, weights, ids, self.experts)
+        else:  # every rank's tokens through this rank's experts, partial sums reduced back
+            x_all, weights_all, local_ids = self.ep.dispatch(x, weights, ids)
+            out = self.ep.combine(self.backend.moe_experts(x_all, weights_all, local_ids, self.experts))
         if self.shared is not None:
             out = out + self.shared.forward(x)
         return out

@@ -1,0 +1,212 @@
+"""Attention data parallel on the host: which rank keeps which sequence, and this rank's padded
+share of a flat batch (MindIE generator_torch: _dp_partition_data, the dummy "陪跑" input,
+_lm_head_local_dp_calc). numpy only; every rank computes the same plan from the same batch.
+
+- A sequence stays on one rank for its life (its KV cache lives there). Owners are keyed by the
+  sequence's first KV block, which is unique among live sequences and never changes while the
+  sequence holds KV; a sequence with no cached context (new, or recomputed after preemption) is
+  (re)assigned to the least-loaded rank.
+- Each rank keeps its sequences in batch order; lm_head rows are re-based to its share.
+- Every rank is padded to the same token count (the MoE collectives need equal shapes) with dummy
+  sequences on the reserved block; a rank with no sequences runs only dummies. Real rows come
+  first on every rank, so outputs are un-padded by keeping a prefix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from mindspec.modeling.forward_metadata import ModelInputs
+
+LM_LAST, LM_ALL, LM_FIRST, LM_NONE = "last", "all", "first", "none"  # logits rows of a dummy sequence
+
+
+class DpAssigner:
+    """Sticky sequence -> dp rank map (identical on every rank: same batches, same decisions)."""
+
+    def __init__(self, dp_size: int):
+        self.dp_size = dp_size
+        self.owner: dict[int, int] = {}  # first KV block of a sequence -> rank
+        self.load = np.zeros(dp_size, dtype=np.int64)  # running sequences per rank (for balance only)
+
+    def assign(self, inputs: ModelInputs) -> np.ndarray:
+        """-> owner rank per sequence [B]."""
+        first_blocks = inputs.block_tables[:, 0].tolist() if inputs.num_seqs else []
+        fresh = (inputs.seq_lens - inputs.q_lens) == 0  # no cached context: its KV is made here
+        owners = np.empty(inputs.num_seqs, dtype=np.int64)
+        if not fresh.all():  # a decode-type batch lists the running sequences: reset the load
+            self.load[:] = 0
+        for b, block in enumerate(first_blocks):
+            rank = None if fresh[b] else self.owner.get(block)
+            if rank is None:  # new; or prefilled on another node (its KV was written on every rank)
+                rank = int(np.argmin(self.load))
+                self.owner[block] = rank
+            owners[b] = rank
+            self.load[rank] += 1
+        return owners
+
+
+@dataclass
+class RankRows:
+    """One rank's real rows in the global batch, in batch order (its local rows 0..n-1)."""
+
+    seqs: np.ndarray  # [b] global sequence indices
+    token_rows: np.ndarray  # [t] global token rows
+    lm_rows: np.ndarray  # [n] indices into the global lm_head_indices
+
+
+def rank_rows(inputs: ModelInputs, owners: np.ndarray, rank: int) -> RankRows:
+    tok_seq = np.repeat(np.arange(inputs.num_seqs), inputs.q_lens)  # [T]
+    mine = owners == rank
+    lm_seq = tok_seq[inputs.lm_head_indices]
+    return RankRows(
+        seqs=np.flatnonzero(mine),
+        token_rows=np.flatnonzero(mine[tok_seq]),
+        lm_rows=np.flatnonzero(mine[lm_seq]),
+    )
+
+
+def local_inputs(inputs: ModelInputs, rows: RankRows) -> ModelInputs:
+    """The rank's real sequences only; lm_head_indices re-based to its rows."""
+    local_row = np.full(inputs.num_tokens, -1, dtype=np.int64)
+    local_row[rows.token_rows] = np.arange(len(rows.token_rows))
+    return inputs.with_(
+        input_ids=inputs.input_ids[rows.token_rows],
+        positions=inputs.positions[rows.token_rows],
+        slots=inputs.slots[rows.token_rows],
+        block_tables=inputs.block_tables[rows.seqs],
+        seq_lens=inputs.seq_lens[rows.seqs],
+        q_lens=inputs.q_lens[rows.seqs],
+        lm_head_indices=local_row[inputs.lm_head_indices[rows.lm_rows]],
+    )
+
+
+def lm_head_local_dp(sub_inputs: ModelInputs, owners: np.ndarray, rank: int) -> np.ndarray:
+    """The drafter's lm_head rows of ``rank``'s sequences, re-based to its share (seed 000's name)."""
+    return local_inputs(sub_inputs, rank_rows(sub_inputs, owners, rank)).lm_head_indices
+
+
+def dummy_inputs(
+    q_lens: list[int], lm: list[str], dummy_block: int, block_size: int, is_prefill: bool, min_width: int = 1
+) -> ModelInputs:
+    """Dummy sequences on the reserved block: token 0 at positions 0..q-1, writing only there
+    (every entry of their block tables is the reserved block)."""
+    q = np.asarray(q_lens, dtype=np.int64)
+    starts = np.cumsum(q) - q
+    positions = np.arange(int(q.sum())) - np.repeat(starts, q)
+    width = max(min_width, -(-int(q.max(initial=1)) // block_size))
+    rows = {LM_LAST: lambda s, n: [s + n - 1], LM_ALL: lambda s, n: list(range(s, s + n)),
+            LM_FIRST: lambda s, n: [s], LM_NONE: lambda s, n: []}
+    lm_rows = [r for s, n, mode in zip(starts.tolist(), q.tolist(), lm) for r in rows[mode](s, n)]
+    return ModelInputs(
+        input_ids=np.zeros(len(positions), dtype=np.int64),
+        positions=positions,
+        slots=dummy_block * block_size + positions % block_size,
+        block_tables=np.full((len(q), width), dummy_block, dtype=np.int32),
+        seq_lens=q.astype(np.int32),
+        q_lens=q.astype(np.int32),
+        lm_head_indices=np.asarray(lm_rows, dtype=np.int64),
+        is_prefill=is_prefill,
+        block_size=block_size,
+    )
+
+
+def concat(a: ModelInputs, b: ModelInputs) -> ModelInputs:
+    """Sequences of ``a`` then ``b`` in one flat batch (tables padded with 0 to one width)."""
+    width = max(a.block_tables.shape[1], b.block_tables.shape[1])
+
+    def widen(t: np.ndarray) -> np.ndarray:
+        return np.pad(t, ((0, 0), (0, width - t.shape[1])))
+
+    return a.with_(
+        input_ids=np.concatenate([a.input_ids, b.input_ids]),
+        positions=np.concatenate([a.positions, b.positions]),
+        slots=np.concatenate([a.slots, b.slots]),
+        block_tables=np.concatenate([widen(a.block_tables), widen(b.block_tables)]),
+        seq_lens=np.concatenate([a.seq_lens, b.seq_lens]).astype(np.int32),
+        q_lens=np.concatenate([a.q_lens, b.q_lens]).astype(np.int32),
+        lm_head_indices=np.concatenate([a.lm_head_indices, b.lm_head_indices + a.num_tokens]).astype(np.int64),
+    )
+
+
+@dataclass
+class Padding:
+    """Dummy sequences appended to one rank's share: main inputs, and drafter inputs (decode)."""
+
+    main_q_lens: list[int]
+    main_lm: list[str]
+    sub_q_lens: list[int]
+    sub_lm: list[str]
+
+
+def plain_padding(num_tokens: list[int]) -> list[Padding]:
+    """Prefill / plain decode: one dummy sequence brings each rank to the largest token count; it
+    has one logits row (so no rank runs an empty lm_head). An idle rank runs that dummy alone."""
+    target = max(max(num_tokens), 1)
+    return [Padding([target - t] if t < target else [], [LM_LAST] if t < target else [], [], []) for t in num_tokens]
+
+
+def speculative_padding(num_seqs: list[int], num_sub_tokens: list[int], rows_per_seq: int) -> list[Padding]:
+    """MTP decode: main inputs have ``rows_per_seq`` (K+1) rows per sequence, so ranks are equalised
+    in whole dummy sequences, each with a drafter entry (its lm row first); a last drafter-only
+    dummy (no lm row) equalises the drafter rows."""
+    target = max(max(num_seqs), 1)
+    out = []
+    for b, ts in zip(num_seqs, num_sub_tokens):
+        extra = target - b
+        out.append(Padding([rows_per_seq] * extra, [LM_ALL] * extra, [rows_per_seq] * extra, [LM_FIRST] * extra))
+    sub_totals = [ts + (target - b) * rows_per_seq for b, ts in zip(num_seqs, num_sub_tokens)]
+    sub_target = max(sub_totals)
+    for pad, total in zip(out, sub_totals):
+        if total < sub_target:
+            pad.sub_q_lens.append(sub_target - total)
+            pad.sub_lm.append(LM_NONE)
+    return out
+
+
+def padded(inputs: ModelInputs, q_lens: list[int], lm: list[str], dummy_block: int, block_size: int) -> ModelInputs:
+    if not q_lens:
+        return inputs
+    dummies = dummy_inputs(q_lens, lm, dummy_block, block_size, inputs.is_prefill, inputs.block_tables.shape[1])
+    return concat(inputs, dummies)
+
+
+@dataclass
+class DpShard:
+    """This rank's inputs for one forward and every rank's rows, to put outputs back."""
+
+    main: ModelInputs
+    subs: Optional[list[ModelInputs]]  # drafter steps (MTP decode)
+    hidden_rows: Optional[np.ndarray]  # global drafter rows whose hidden states this rank needs
+    num_sub_pad: int  # drafter rows appended after them
+    rows: list[RankRows]  # per rank, main inputs (drafts come back per sequence: rows[r].seqs)
+
+
+def shard(
+    main: ModelInputs,
+    subs: Optional[list[ModelInputs]],
+    owners: np.ndarray,
+    rank: int,
+    dp_size: int,
+    dummy_block: int,
+    block_size: int,
+) -> DpShard:
+    rows = [rank_rows(main, owners, r) for r in range(dp_size)]
+    local = local_inputs(main, rows[rank])
+    if subs is None:
+        pad = plain_padding([len(r.token_rows) for r in rows])[rank]
+        return DpShard(padded(local, pad.main_q_lens, pad.main_lm, dummy_block, block_size), None, None, 0, rows)
+    sub_rows = [rank_rows(subs[0], owners, r) for r in range(dp_size)]
+    pad = speculative_padding([len(r.seqs) for r in rows], [len(r.token_rows) for r in sub_rows],
+                              int(main.q_lens[0]))[rank]
+    local_subs = [padded(local_inputs(s, sub_rows[rank]), pad.sub_q_lens, pad.sub_lm, dummy_block, block_size)
+                  for s in subs]
+    return DpShard(
+        main=padded(local, pad.main_q_lens, pad.main_lm, dummy_block, block_size),
+        subs=local_subs,
+        hidden_rows=sub_rows[rank].token_rows,
+        num_sub_pad=int(sum(pad.sub_q_lens)),
+        rows=rows,
+    )

@@ -1,0 +1,39 @@
+"""A spawned rank: ``python -m mindspec.distributed.worker SPEC.pkl`` (launch.py writes SPEC).
+
+Joins the process groups, builds the same engine as rank 0 and follows its commands until told
+to stop. Any failure (the leader gone, a hang past distTimeout, a bug) ends the process with one
+line naming the rank and the cause, and exit code 1; rank 0 reports it to its callers.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+
+from .errors import DistributedError
+from .launch import RankSpec, join_as_worker, rank_args, share_host_cores
+
+
+def main(spec_path: str) -> int:
+    with open(spec_path, "rb") as f:
+        spec: RankSpec = pickle.load(f)
+    os.unlink(spec_path)
+    logging.basicConfig(level=logging.WARNING, format=f"rank {spec.rank} %(levelname)s %(name)s: %(message)s")
+    share_host_cores(spec.args.backend, spec.parallel.world_size)
+    from .spmd_engine import SpmdEngine
+
+    try:
+        ctx = join_as_worker(spec)
+        engine = SpmdEngine(rank_args(spec.args, spec.parallel, spec.local_rank), ctx)
+        engine.follow()
+        engine.close()
+    except (DistributedError, RuntimeError) as exc:
+        cause = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        print(f"mindspec dp rank {spec.rank}: stopping: {cause}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
