@@ -38,7 +38,7 @@ class ParallelConfig:
 
     def check(self, prefix: str = "") -> "ParallelConfig":
         """Raise ConfigError naming ``prefix + key`` for the first bad value; returns self."""
-        for key in ("world_size", "dp", "tp", "moe_ep"):
+        for key in ("dp", "tp", "moe_ep", "world_size"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise _config_error(f"{prefix}{_KEY[key]}: must be an integer >= 1, got {value!r}")

@@ -144,7 +144,13 @@ class SpmdEngine(LLMEngine):
     def _fail(self, exc: Exception) -> RankFailure:
         gone = [f"rank {r} (pid {p.pid}) exited with code {p.returncode}"
                 for r, p in enumerate(self.workers, start=1) if p.poll() is not None]
-        cause = "; ".join(gone) if gone else f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if gone:
+            cause = "; ".join(gone)
+        elif "timed out" in text.lower():
+            cause = f"a rank did not answer within distTimeout (hung?): {text[:200]}"
+        else:
+            cause = text[:300]
         self.failure = RankFailure(
             f"a dp rank failed, the engine cannot continue ({cause}); "
             f"collectives wait at most distTimeout={self.ctx.config.timeout_s:g} s"

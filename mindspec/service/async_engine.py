@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Optional, Union
+from typing import AsyncIterator, Callable, Optional, Union
 
 from mindspec.engine.llm_engine import LLMEngine
 from mindspec.engine.outputs import RequestOutput
@@ -33,10 +33,18 @@ class _Pending:
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
     arrival: float = field(default_factory=time.monotonic)
+    # How the request enters the engine (None: engine.add_request). PD nodes pass their own (a
+    # prefill hand-off, an adopted prefilled request), which may return a first output.
+    add: Optional[Callable[[LLMEngine], Optional[RequestOutput]]] = None
 
 
 class RequestError(Exception):
-    """A request the engine refused (bad prompt, limits); the message is for the client."""
+    """A request the engine refused (bad prompt, limits); the message is for the client.
+    ``status``: the HTTP status to answer with (503 when a peer or rank is gone)."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
 
 
 class AsyncEngine:
@@ -68,10 +76,10 @@ class AsyncEngine:
         return f"{prefix}-{next(self._ids)}"
 
     # ---- requests ----------------------------------------------------------------------------
-    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str, add=None) -> AsyncIterator[RequestOutput]:
         """Yields one RequestOutput per engine step that produced tokens; the last is finished.
         If the consumer stops early (client gone) the request is aborted and its blocks freed."""
-        pending = _Pending(request_id, prompt, params, asyncio.get_running_loop(), asyncio.Queue())
+        pending = _Pending(request_id, prompt, params, asyncio.get_running_loop(), asyncio.Queue(), add=add)
         self._commands.put(("add", pending))
         self._wake.set()
         finished = False
@@ -106,7 +114,10 @@ class AsyncEngine:
             except Exception as exc:  # a bug in a step must not hang every client: fail the live ones
                 logger.exception("engine step failed")
                 self.healthy = False
-                self._fail_all(RuntimeError(f"internal engine error: {type(exc).__name__}"))
+                if hasattr(exc, "http_status"):  # a multi-process engine lost a rank: say which
+                    self._fail_all(RequestError(str(exc), status=exc.http_status))
+                else:
+                    self._fail_all(RuntimeError(f"internal engine error: {type(exc).__name__}"))
                 continue
             for out in outputs:
                 self._deliver(out)
@@ -128,11 +139,17 @@ class AsyncEngine:
 
     def _add(self, pending: _Pending) -> None:
         try:
-            self.engine.add_request(pending.prompt, pending.params, request_id=pending.request_id)
-        except Exception as exc:  # RequestRejected, bad token ids, tokenizer errors
-            self._push(pending, RequestError(str(exc)))
+            first = None
+            if pending.add is None:
+                self.engine.add_request(pending.prompt, pending.params, request_id=pending.request_id)
+            else:
+                first = pending.add(self.engine)
+        except Exception as exc:  # RequestRejected, bad token ids, tokenizer errors, a lost rank
+            self._push(pending, RequestError(str(exc), status=getattr(exc, "http_status", 400)))
             return
         self._live[pending.request_id] = pending
+        if first is not None:
+            self._deliver(first)
 
     def _abort(self, request_id: str) -> None:
         if self._live.pop(request_id, None) is not None:
@@ -155,5 +172,5 @@ class AsyncEngine:
     def _fail_all(self, exc: Exception) -> None:
         for request_id, pending in list(self._live.items()):
             self.engine.abort(request_id)
-            self._push(pending, RequestError(str(exc)))
+            self._push(pending, exc if isinstance(exc, RequestError) else RequestError(str(exc)))
         self._live.clear()

@@ -24,14 +24,14 @@ class RequestRunner:
     def __init__(self, engine: AsyncEngine, metrics: ServiceMetrics, timeouts: Timeouts):
         self.engine, self.metrics, self.timeouts = engine, metrics, timeouts
 
-    async def stream(self, prompt: Prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+    async def stream(self, prompt: Prompt, params: SamplingParams, request_id: str, add=None) -> AsyncIterator[RequestOutput]:
         """Engine outputs as they come. Raises ApiError for a refused request (before any output)
-        or a timeout; leaving the iteration early aborts the request."""
+        or a timeout; leaving the iteration early aborts the request. ``add``: see AsyncEngine."""
         start = time.monotonic()
         first: Optional[float] = None
         last: Optional[RequestOutput] = None
         status = "error"
-        gen = self.engine.generate(prompt, params, request_id)
+        gen = self.engine.generate(prompt, params, request_id, add) if add else self.engine.generate(prompt, params, request_id)
         try:
             while True:
                 remaining = self.timeouts.e2e - (time.monotonic() - start)
@@ -46,7 +46,7 @@ class RequestRunner:
                         raise ApiError(408, f"request exceeded e2eTimeout ({self.timeouts.e2e:g} s)") from None
                     raise ApiError(408, f"no tokens within tokenTimeout ({self.timeouts.token:g} s)") from None
                 except RequestError as exc:
-                    raise ApiError(400, str(exc)) from None
+                    raise ApiError(getattr(exc, "status", 400), str(exc)) from None
                 if first is None and out.token_ids:
                     first = time.monotonic() - start
                 last = out

@@ -10,12 +10,15 @@ from typing import Optional
 import uvicorn
 
 from mindspec.config.mindie_config import ConfigError, MindieConfig, load_config
+from mindspec.distributed import launch
 from mindspec.engine.args import EngineArgs
-from mindspec.engine.llm_engine import LLMEngine
 
 from .app import apps_by_port
 from .async_engine import AsyncEngine
 from .metrics import ServiceMetrics
+from .pd_config import check_pd, pd_plugin_params
+from .pd_node import inter_comm_app
+from .pd_router import PdRouter
 from .runner import RequestRunner, Timeouts
 from .state import ServiceState
 
@@ -33,10 +36,28 @@ def resolve_config(path: Optional[str]) -> MindieConfig:
     return default_config()
 
 
+def engine_args(config: MindieConfig) -> EngineArgs:
+    args = EngineArgs.from_mindie_config(config, progress=False)
+    role = check_pd(config)
+    if role in ("prefill", "decode"):
+        args.plugin_params = pd_plugin_params(args.plugin_params, role)
+    return args
+
+
+def build_engine(config: MindieConfig):
+    """One process; rank 0 of spawned local ranks (worldSize > 1); rank 0 under torchrun."""
+    args, parallel = engine_args(config), config.model.parallel
+    if launch.torchrun_env() is not None:
+        return launch.join_torchrun(args, parallel, launch.MODEL_CONFIG_PATH)
+    return launch.build_engine(args, parallel, launch.MODEL_CONFIG_PATH)
+
+
 def build_state(config: MindieConfig, api_key: Optional[str] = None) -> ServiceState:
-    engine = LLMEngine(EngineArgs.from_mindie_config(config, progress=False))
     metrics = ServiceMetrics()
-    async_engine = AsyncEngine(engine, metrics)
+    if check_pd(config) == "router":  # no model here: requests go through the PD nodes
+        async_engine = PdRouter.from_config(config)
+    else:
+        async_engine = AsyncEngine(build_engine(config), metrics)
     server = config.server
     runner = RequestRunner(async_engine, metrics, Timeouts(token=server.token_timeout, e2e=server.e2e_timeout))
     return ServiceState(engine=async_engine, runner=runner, metrics=metrics, model_name=config.model.model_name,
@@ -51,14 +72,14 @@ async def serve(config: MindieConfig, api_key: Optional[str] = None) -> None:
     state = build_state(config, api_key)
     apps = apps_by_port(state, server_cfg.port, server_cfg.management_port, server_cfg.metrics_port,
                         server_cfg.max_request_length_bytes, server_cfg.max_link_num)
+    role = server_cfg.pd_role
+    if role in ("prefill", "decode"):  # the PD routes, on a port of their own
+        apps[server_cfg.inter_comm_port] = inter_comm_app(state, role)
     servers = [uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
                for port, app in apps.items()]
     for s in servers:
         s.install_signal_handlers = lambda: None  # one handler below stops them all
-    model = config.model
-    plugins = ", ".join(p.name for p in state.engine.engine.plugin_manager.plugins) or "none"
-    print(f"mindspec serving {model.model_name} ({model.model_weight_path}) on backend {model.backend_type}, "
-          f"plugins: {plugins}", flush=True)
+    print(_banner(config, state), flush=True)
     print("listening on " + ", ".join(f"http://{host}:{p}" for p in apps), flush=True)
     state.engine.start()
     loop = asyncio.get_running_loop()
@@ -73,10 +94,34 @@ async def serve(config: MindieConfig, api_key: Optional[str] = None) -> None:
         await asyncio.gather(*(s.serve() for s in servers))
     finally:
         state.engine.shutdown()
+        close = getattr(getattr(state.engine, "engine", None), "close", None)  # dp ranks
+        if close is not None:
+            close()
         print("mindspec stopped", flush=True)
+
+
+def _banner(config: MindieConfig, state: ServiceState) -> str:
+    model, server = config.model, config.server
+    if server.pd_role == "router":
+        return (f"mindspec PD router for {model.model_name}: prefill node {server.pd_prefill_address}, "
+                f"decode node {server.pd_decode_address}")
+    engine = state.engine.engine
+    plugins = ", ".join(p.name for p in engine.plugin_manager.plugins) or "none"
+    line = (f"mindspec serving {model.model_name} ({model.model_weight_path}) on backend {model.backend_type}, "
+            f"plugins: {plugins}")
+    if server.pd_role:
+        line += f"; PD {server.pd_role} node, PD routes on port {server.inter_comm_port}"
+    if model.parallel.is_distributed:
+        ranks = ", ".join(f"rank {r} pid {p.pid}" for r, p in enumerate(getattr(engine, "workers", []), start=1))
+        line += f"; dp={model.dp} moe_ep={model.moe_ep} ({ranks or 'torchrun ranks'})"
+    return line
 
 
 def run(config_path: Optional[str] = None, api_key: Optional[str] = None) -> int:
     config = resolve_config(config_path)
+    torchrun = launch.torchrun_env()
+    if torchrun is not None and torchrun[0] != 0:  # a follower rank: no HTTP, rank 0's steps
+        launch.join_torchrun(engine_args(config), config.model.parallel, launch.MODEL_CONFIG_PATH)
+        return 0
     asyncio.run(serve(config, api_key or os.environ.get("MINDSPEC_API_KEY")))
     return 0

@@ -1,0 +1,87 @@
+"""dp = 2 with gloo in two local processes (this one and a spawned rank) gives the same outputs as
+dp = 1: greedy with MTP (vanilla K = 2, eagle K = 3 with expert parallel), without MTP, seeded
+sampling, and steps where one rank has no sequence (it runs a dummy)."""
+import numpy as np
+import pytest
+
+from mindspec import LLM, SamplingParams
+from mindspec.config.mindie_config import ConfigError
+from tests.support.checkpoints import make_self_predicting_checkpoint, tiny_v3_config
+
+NUM_PROMPTS = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+CASES = {
+    "vanilla-k2": dict(moe_ep=1, plugin_params={"plugin_type": "mtp", "num_speculative_tokens": 2, "mtp_mode": "vanilla"}),
+    "eagle-k3-ep2": dict(moe_ep=2, plugin_params={"plugin_type": "mtp", "num_speculative_tokens": 3, "mtp_mode": "eagle"}),
+    "no-mtp-ep2": dict(moe_ep=2, plugin_params=None),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    cfg = tiny_v3_config(initializer_range=0.2, num_nextn_predict_layers=2)
+    return make_self_predicting_checkpoint(tmp_path_factory.mktemp("dp"), cfg, seed=11, residual_scale=0.005)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(3)
+    return [rng.integers(2, 250, int(n)).tolist() for n in rng.integers(1, 30, NUM_PROMPTS)]
+
+
+def _llm(path, dp=1, moe_ep=1, plugin_params=None, **kw):
+    if plugin_params is not None:  # dp needs every rank to take the same speculate decision
+        plugin_params = {**plugin_params, "adaptive_speculation": False}
+    return LLM(model=str(path), dtype="float32", cache_block_size=4, num_blocks=400, progress=False,
+               plugin_params=plugin_params, dp=dp, moe_ep=moe_ep, dist_timeout=60, **kw)
+
+
+def _uneven():
+    """Two sequences that end at different steps: rank 0's ends first, then rank 0 idles."""
+    return [SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_dp2_equals_dp1(checkpoint, prompts, case):
+    opts = CASES[case]
+    single = _llm(checkpoint, plugin_params=opts["plugin_params"])
+    expected = [o.token_ids for o in single.generate(prompts, GREEDY)]
+    expected_uneven = [o.token_ids for o in single.generate(prompts[:2], _uneven())]
+    expected_alone = single.generate(prompts[5], GREEDY)[0].token_ids
+    with _llm(checkpoint, dp=2, **opts) as llm:
+        got = llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in got] == expected
+        if opts["plugin_params"] is not None:
+            assert sum(o.spec_decode.num_accepted_tokens for o in got) > 0  # drafts were verified
+        stats = llm.engine.dp_stats()
+        assert all(s.sequences > 0 for s in stats)  # both ranks served sequences
+        assert [o.token_ids for o in llm.generate(prompts[:2], _uneven())] == expected_uneven
+        assert llm.generate(prompts[5], GREEDY)[0].token_ids == expected_alone  # rank 1 idle all along
+        stats = llm.engine.dp_stats()
+        assert all(s.idle_steps > 0 for s in stats)  # each rank had steps with no sequence
+        assert all(s.padded_tokens > 0 for s in stats)
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_usable_blocks
+
+
+@pytest.mark.slow
+def test_dp2_seeded_sampling_equals_dp1(checkpoint, prompts):
+    opts = CASES["vanilla-k2"]
+    params = [SamplingParams(temperature=0.9, top_k=20, seed=100 + i, max_tokens=12, ignore_eos=True)
+              for i in range(len(prompts))]
+    expected = [o.token_ids for o in _llm(checkpoint, plugin_params=opts["plugin_params"]).generate(prompts, params)]
+    with _llm(checkpoint, dp=2, **opts) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+
+
+def test_bad_parallel_settings_are_one_config_error(checkpoint):
+    with pytest.raises(ConfigError, match=r"moe_ep: 3 does not divide worldSize \(2\)"):
+        _llm(checkpoint, dp=2, moe_ep=3)
+    with pytest.raises(ConfigError, match=r"moe_ep: 3 does not divide the checkpoint's 8 routed experts"):
+        _llm(checkpoint, dp=3, moe_ep=3)
+    with pytest.raises(ConfigError, match=r"dp: must be an integer >= 1, got 0"):
+        _llm(checkpoint, dp=0)
+    with pytest.raises(ConfigError, match=r"plugin_params.adaptive_speculation: must be false with dp > 1"):
+        LLM(model=str(checkpoint), dtype="float32", num_blocks=64, progress=False, dp=2,
+            plugin_params={"plugin_type": "mtp", "num_speculative_tokens": 1, "adaptive_speculation": True})
