@@ -33,7 +33,7 @@ from mindspec.config.plugin_params import parse_plugin_params
 from mindspec.engine.args import EngineArgs
 
 from . import parallel_state
-from .errors import RankFailure
+from .errors import DistributedError, RankFailure
 from .parallel_config import ParallelConfig, _config_error
 from .parallel_state import ParallelContext
 
@@ -178,8 +178,8 @@ def torchrun_env() -> Optional[tuple[int, int, int]]:
 
 
 def join_torchrun(args: EngineArgs, parallel: ParallelConfig, prefix: str = ""):
-    """Every torchrun process: join, build this rank's engine (rank 0's is returned to serve;
-    other ranks follow rank 0 here and return None when it stops)."""
+    """Every torchrun process: join and build this rank's SpmdEngine (rank 0 serves it, the
+    others ``follow`` it)."""
     from .spmd_engine import SpmdEngine
 
     rank, world, local_rank = torchrun_env()
@@ -188,13 +188,21 @@ def join_torchrun(args: EngineArgs, parallel: ParallelConfig, prefix: str = ""):
     parallel.check(prefix).check_model(args.model, prefix)
     local_args = rank_args(args, parallel, local_rank, prefix)
     ctx = join_groups(parallel, rank, local_rank, args.backend)
-    engine = SpmdEngine(local_args, ctx)
-    if rank == 0:
-        return engine
-    engine.follow()
-    engine.close()
-    return None
+    share_host_cores(args.backend, parallel.world_size)
+    return SpmdEngine(local_args, ctx)
 
+
+def follow(engine) -> int:
+    """A rank > 0: apply rank 0's steps until it stops (exit code 0) or is lost (one line on
+    stderr naming the cause, exit code 1)."""
+    try:
+        engine.follow()
+        engine.close()
+    except (DistributedError, RuntimeError) as exc:
+        cause = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        print(f"mindspec dp rank {engine.ctx.rank}: stopping: {cause}", file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 # ---- entry point for LLM and the server -------------------------------------------------------------

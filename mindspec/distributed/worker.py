@@ -12,7 +12,7 @@ import pickle
 import sys
 
 from .errors import DistributedError
-from .launch import RankSpec, join_as_worker, rank_args, share_host_cores
+from .launch import RankSpec, follow, join_as_worker, rank_args, share_host_cores
 
 
 def main(spec_path: str) -> int:
@@ -24,15 +24,11 @@ def main(spec_path: str) -> int:
     from .spmd_engine import SpmdEngine
 
     try:
-        ctx = join_as_worker(spec)
-        engine = SpmdEngine(rank_args(spec.args, spec.parallel, spec.local_rank), ctx)
-        engine.follow()
-        engine.close()
+        engine = SpmdEngine(rank_args(spec.args, spec.parallel, spec.local_rank), join_as_worker(spec))
     except (DistributedError, RuntimeError) as exc:
-        cause = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
-        print(f"mindspec dp rank {spec.rank}: stopping: {cause}", file=sys.stderr, flush=True)
+        print(f"mindspec dp rank {spec.rank}: cannot start: {exc}", file=sys.stderr, flush=True)
         return 1
-    return 0
+    return follow(engine)
 
 
 if __name__ == "__main__":

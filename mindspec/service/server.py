@@ -121,7 +121,6 @@ def run(config_path: Optional[str] = None, api_key: Optional[str] = None) -> int
     config = resolve_config(config_path)
     torchrun = launch.torchrun_env()
     if torchrun is not None and torchrun[0] != 0:  # a follower rank: no HTTP, rank 0's steps
-        launch.join_torchrun(engine_args(config), config.model.parallel, launch.MODEL_CONFIG_PATH)
-        return 0
+        return launch.follow(launch.join_torchrun(engine_args(config), config.model.parallel, launch.MODEL_CONFIG_PATH))
     asyncio.run(serve(config, api_key or os.environ.get("MINDSPEC_API_KEY")))
     return 0
