@@ -20,9 +20,9 @@ npu_top_k_top_p replaces in vllm-ascend).
 """
 from __future__ import annotations
 
-import math
 import os
 import sys
+import types
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
@@ -1001,7 +1001,7 @@ _MISSING = object()
 
 
 @contextmanager
-def installed() -> Iterator["module"]:  # noqa: F821
+def installed() -> Iterator[types.ModuleType]:
     """This module as ``torch_npu`` and the stand-in as ``torch.npu`` inside the block only."""
     global npu
     module = sys.modules[__name__]
