@@ -1,4 +1,4 @@
-"""``mindspec`` command line: ``mindspec generate ...`` (the service's ``serve`` joins later)."""
+"""``mindspec`` command line: ``mindspec generate``, ``mindspec serve``, ``mindspec bench``."""
 from __future__ import annotations
 
 import argparse
@@ -95,16 +95,35 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return run(args.config, args.api_key)
 
 
+def _bench_parser(sub) -> None:
+    # `mindspec bench` parses its own arguments (mindspec.bench.main); listed here for --help.
+    p = sub.add_parser("bench", help="decoding speed side by side (JSON + PNG); --backend cuda for the GPU kernels",
+                       add_help=False)
+    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from mindspec.bench.main import main as bench_main
+
+    rest = args.bench_args
+    return bench_main(rest[1:] if rest[:1] == ["--"] else rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mindspec", description="DeepSeek inference with speculative decoding")
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_parser(sub)
+    _bench_parser(sub)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # its own parser, which also serves --backend cuda's arguments
+        argv = ["bench", "--", *argv[1:]]
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:

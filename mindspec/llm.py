@@ -37,6 +37,7 @@ class LLM:
         dp: int = 1,
         moe_ep: int = 1,
         dist_timeout: float = 600.0,
+        decode_graphs: Optional[bool] = None,
         **scheduler_limits,
     ):
         if model is not None and config is not None:
@@ -65,6 +66,7 @@ class LLM:
                 kv_cache_gb=kv_cache_gb,
                 scheduler=SchedulerConfig(**scheduler_limits),
                 progress=progress,
+                decode_graphs=decode_graphs,
             )
         self.engine = build_engine(args, parallel, where)
 

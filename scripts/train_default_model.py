@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sysconfig
 import time
 from pathlib import Path
 
@@ -26,10 +25,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mindspec.bench.corpus import corpus_files, read  # the one corpus definition, shared with the benchmarks
 from mindspec.modeling.rotary import build_rotary, rope_parameters, softmax_scale
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
-HOLDOUT_EVERY = 40
 
 CONFIG = dict(
     model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], vocab_size=4096, hidden_size=192,
@@ -47,19 +46,6 @@ CONFIG = dict(
 
 
 # ---- corpus and tokenizer ------------------------------------------------------------------------
-
-
-def corpus_files() -> tuple[list[Path], list[Path]]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "test", "tests", "idlelib", "__pycache__"}
-    files = sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
-    held = [f for i, f in enumerate(files) if i % HOLDOUT_EVERY == 0]
-    train = [f for i, f in enumerate(files) if i % HOLDOUT_EVERY != 0]
-    return train, held
-
-
-def read(path: Path) -> str:
-    return path.read_text(encoding="utf-8", errors="replace")
 
 
 def train_tokenizer(files: list[Path], vocab_size: int):

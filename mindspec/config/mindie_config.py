@@ -1,8 +1,9 @@
 """MindIE-style ``config.json`` (or YAML with the same structure), read into typed records.
 
-Keys keep MindIE's camelCase spelling; defaults are MindIE's. mindspec adds three keys to
-``ModelConfig``: ``backendType`` also accepts cpu / cuda / auto (atb and torch mean npu), ``dtype``,
-and to ``ScheduleConfig``: ``numBlocks`` (a fixed KV block count instead of a memory budget).
+Keys keep MindIE's camelCase spelling; defaults are MindIE's. mindspec adds to ``ModelConfig``:
+``backendType`` also accepts cpu / cuda / auto (atb and torch mean npu), ``dtype``,
+``decodeGraphs`` (decode steps as captured graphs on cuda/npu, torch.compile on cpu; absent: on
+where graphs exist, off on cpu), and to ``ScheduleConfig``: ``numBlocks`` (a fixed KV block count instead of a memory budget).
 Every bad value is one ConfigError naming its JSON path.
 """
 from __future__ import annotations
@@ -92,6 +93,8 @@ class ModelConfig:
     plugin_params: Union[str, dict, None] = None  # validated, kept as given
     dp: int = 1
     tp: int = 1
+    # mindspec: decode steps as captured graphs (cuda/npu) or torch.compile (cpu); None = backend default
+    decode_graphs: Optional[bool] = None
     extra: dict = field(default_factory=dict)
     # Multi-process runs (mindspec.distributed): MindIE's moe_ep; mindspec's distTimeout (seconds
     # any collective or rendezvous waits). PD: MindIE's kv_trans_timeout / kv_link_timeout.
@@ -234,7 +237,7 @@ def _is_host_port(value: str) -> bool:
 
 
 _MODEL_KEYS = {"modelName", "modelWeightPath", "backendType", "dtype", "worldSize", "cpuMemSize", "npuMemSize",
-               "plugin_params", "dp", "tp"}
+               "plugin_params", "dp", "tp", "decodeGraphs"}
 
 
 _MODEL_KEYS |= {"moe_ep", "moe_tp", "distTimeout", "kv_trans_timeout", "kv_link_timeout"}
@@ -277,6 +280,7 @@ def _model(s: _Section, base_dir: Path) -> ModelConfig:
         **_parallel(s),
         kv_trans_timeout=s.num("kv_trans_timeout", 10.0),
         kv_link_timeout=s.num("kv_link_timeout", 1080.0),
+        decode_graphs=None if s.data.get("decodeGraphs") is None else s.bool("decodeGraphs", False),
         extra={k: v for k, v in s.data.items() if k not in _MODEL_KEYS},
     )
 

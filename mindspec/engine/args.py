@@ -22,6 +22,9 @@ class EngineArgs:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     progress: bool = True
     warmup: bool = True
+    # Decode steps as captured graphs (cuda/npu) or torch.compile (cpu); None: on where the backend
+    # captures graphs, off on cpu (compiling takes minutes there).
+    decode_graphs: Optional[bool] = None
 
     def resolved_dtype(self, backend_name: str) -> str:
         if self.dtype != "auto":
@@ -41,6 +44,7 @@ class EngineArgs:
             backend=backend,
             dtype=model.dtype,
             plugin_params=model.plugin_params,
+            decode_graphs=model.decode_graphs,
             cache_block_size=sched.cache_block_size,
             num_blocks=sched.num_blocks,
             kv_cache_gb=None if mem_gb is None or mem_gb < 0 else float(mem_gb),

@@ -46,7 +46,7 @@ class LLMEngine:
                        if hasattr(c, "mtp_modules_needed")), default=0)
         self.model_wrapper = ModelWrapper(
             args.model, args.backend, args.resolved_dtype(args.backend), num_mtp_modules=num_mtp,
-            device=args.device, progress=args.progress,
+            device=args.device, progress=args.progress, decode_graphs=args.decode_graphs,
         )
         self.tokenizer = _maybe_tokenizer(args.model)
         self.eos_token_ids = self._eos_token_ids()
@@ -66,6 +66,8 @@ class LLMEngine:
         self._ids = itertools.count()
         if args.warmup:
             self.model_wrapper.warmup()
+            if self.model_wrapper.compiled is not None:
+                self.warmup_decode()
 
     # ---- set-up helpers ---------------------------------------------------------------------------
     def _eos_token_ids(self) -> set[int]:
@@ -135,6 +137,20 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def warmup_decode(self, batch_sizes: Seq[int] = (1, 2)) -> None:
+        """Run a few decode steps at each batch size so that compiled decode graphs (one for a
+        single sequence, one for any larger batch; plain and speculative) are built before the
+        first request rather than during it. Speculation statistics and the adaptive controller's
+        timings of these steps (compile time included) are discarded."""
+        ids = [1, 2, 3]
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        for n in batch_sizes:
+            self.generate([ids] * n, params)
+        self.spec_stats = SpecDecodeStats(accepted_per_position=[0] * len(self.spec_stats.accepted_per_position))
+        for plugin in self.plugin_manager.plugins:
+            if hasattr(plugin, "adaptive"):
+                plugin.adaptive.buckets.clear()
 
     # ---- PD disaggregation ------------------------------------------------------------------------
     def prefill_for_handoff(self, prompt: Prompt, params: Optional[SamplingParams] = None) -> PrefillHandoff:

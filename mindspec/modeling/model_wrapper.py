@@ -49,7 +49,7 @@ class ModelWrapper:
         num_mtp_modules: Optional[int] = 0,
         device: Optional[str] = None,
         progress: bool = True,
-        compile_decode: bool = False,
+        decode_graphs: Optional[bool] = None,
     ):
         self.model_dir = Path(model_dir)
         self.backend = backend if isinstance(backend, Backend) else get_backend(backend, device)
@@ -59,9 +59,12 @@ class ModelWrapper:
         self.model = cls.load(model_dir, self.backend, self.dtype, num_mtp_modules=num_mtp_modules, progress=progress)
         self.caches: list[LatentCache] = []
         self.cache_config: Optional[CacheConfig] = None
-        self.graph_runner = None  # decode-step graphs (graph_runner.py), set up with the cache
-        # torch.compile of the decode step (compiled_decode.py), for backends that run ops eagerly
-        self.compiled = CompiledDecode(self.model) if compile_decode else None
+        # Decode steps as captured graphs (graph_runner.py, set up with the cache) where the backend
+        # captures them, else torch.compile of the decode step (compiled_decode.py) when asked for.
+        self.decode_graphs = decode_graphs
+        self.graph_runner = None
+        capture = getattr(self.backend, "supports_graph_capture", False)
+        self.compiled = CompiledDecode(self.model) if decode_graphs and not capture else None
 
     @property
     def config(self):
@@ -83,7 +86,8 @@ class ModelWrapper:
             raise ValueError(f"the KV cache needs at least 2 blocks (one is reserved), got {num_blocks}")
         self.caches = self.model.allocate_caches(num_blocks, block_size)
         self.cache_config = CacheConfig(num_blocks, block_size)
-        self.graph_runner = maybe_graph_runner(self)  # None unless the backend captures graphs
+        if self.decode_graphs is not False:
+            self.graph_runner = maybe_graph_runner(self)  # None unless the backend captures graphs
         return self.cache_config
 
     # ---- forward -------------------------------------------------------------------------------

@@ -1,0 +1,131 @@
+"""``mindspec bench``: the speed comparison and the decode-step profile, written as JSON + PNG.
+
+    mindspec bench --out benchmarks/results/bench_cpu        # cpu, default model, ~30-60 min
+    mindspec bench --batches 1 --ks 3 --rounds 3 --no-compile  # a quick look
+    mindspec bench --backend cuda ...                        # the cuda backend's kernel and e2e benchmarks
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from mindspec.bench import profile, speed
+from mindspec.bench.corpus import heldout_prompts
+from mindspec.text_generator.sampling.params import SamplingParams
+
+MIN_PROMPTS = 8  # per configuration and batch size, so that batch 1 is not one prompt's luck
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", default="cpu", help="cpu (this benchmark) | cuda (the cuda backend's benchmarks)")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
+    p.add_argument("--out", default="benchmarks/results/bench_cpu", help="output path without suffix (.json, .png)")
+    p.add_argument("--batches", default="1,4,16,32")
+    p.add_argument("--ks", default="1,2,3,4", help="speculative token counts to compare")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="also measure the torch.compile'd decode step (compiling takes minutes)")
+    p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
+                   help="also measure transformers generate on the same checkpoint")
+    p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                   help="also profile one decode step (batch 1 and 16, MTP off and K=3)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.backend != "cpu":
+        raise ValueError(f"mindspec bench measures the cpu and cuda backends, not {args.backend!r}")
+    torch.set_num_threads(args.threads)
+    model_dir = args.model or str(_default_model())
+    hf_config = json.loads((Path(model_dir) / "config.json").read_text())
+    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+    batches = [int(b) for b in args.batches.split(",")]
+    ks = [int(k) for k in args.ks.split(",")]
+    configs = speed.default_configs(ks, hf_config.get("num_nextn_predict_layers", 0), hf_config.get("bos_token_id", 0),
+                                    hf_config.get("eos_token_id", 1), args.compile)
+    num_blocks = max(batches + [MIN_PROMPTS]) * -(-(args.prompt_tokens + args.new_tokens + 16) // 16) + 8
+    llms = {c.name: _llm(model_dir, c, num_blocks) for c in configs}
+    tokenizer = next(iter(llms.values())).tokenizer.hf_tokenizer
+    prompts = heldout_prompts(tokenizer, max(batches + [MIN_PROMPTS]), args.prompt_tokens)
+    hf = _hf_model(model_dir) if args.hf else None
+    report = {
+        "model": model_dir, "backend": "cpu", "device": platform.processor() or platform.machine(),
+        "threads": args.threads, "rounds": args.rounds, "new_tokens": args.new_tokens,
+        "prompt_tokens": args.prompt_tokens, "dtype": "float32", "greedy": True,
+        "configs": {c.name: {"plugin_params": c.plugin_params, "decode_graphs": c.decode_graphs, "lossless_policy": c.lossless}
+                    for c in configs},
+        "results": {},
+        "command": getattr(args, "command_line", "mindspec bench"),
+    }
+    for batch in batches:
+        t = time.time()
+        report["results"][f"batch {batch}"] = speed.bench_batch(llms, hf, prompts, batch, MIN_PROMPTS, args.rounds, params)
+        row = report["results"][f"batch {batch}"]
+        print(f"batch {batch} ({time.time() - t:.0f} s): " +
+              ", ".join(f"{n} {r['tokens_per_s_median']:.0f} tok/s" for n, r in row.items()), flush=True)
+    if args.profile:
+        report["profile"] = _profile(llms, prompts, params)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    from mindspec.bench.plots import plot_report
+
+    plot_report(report, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    return 0
+
+
+def _profile(llms: dict, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """Decode-step breakdown at batch 1 and 16 for MTP off and K=3 (eager: per-layer timers need
+    the layers to run one by one)."""
+    out = {}
+    names = [n for n in ("mtp off", "vanilla K=3", "eagle K=3") if n in llms]
+    for batch in (1, 16):
+        for name in names:
+            group = prompts[:batch]
+            out[f"batch {batch}, {name}"] = profile.profile_engine(llms[name], group, params, warmup_prompts=group)
+    return out
+
+
+def _llm(model_dir: str, config: "speed.Config", num_blocks: int):
+    from mindspec.llm import LLM
+
+    return LLM(model=model_dir, dtype="float32", cache_block_size=16, num_blocks=num_blocks, progress=False,
+               plugin_params=config.plugin_params, decode_graphs=config.decode_graphs,
+               max_batch_size=256, max_prefill_batch_size=64)
+
+
+def _hf_model(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, experts_implementation="eager").eval()
+
+
+def _default_model() -> Path:
+    from mindspec.config.defaults import default_model_dir
+
+    return default_model_dir()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    backend = argparse.ArgumentParser(add_help=False)
+    backend.add_argument("--backend", default="cpu")
+    if backend.parse_known_args(argv)[0].backend == "cuda":  # the cuda backend has its own benchmark
+        from mindspec.backends.cuda.bench import main as cuda_main
+
+        return cuda_main(argv)
+    p = argparse.ArgumentParser(prog="mindspec bench", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    args.command_line = "mindspec bench " + " ".join(argv)
+    return run(args)

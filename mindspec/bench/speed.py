@@ -1,0 +1,151 @@
+"""Decoding speed of mindspec configurations against transformers ``generate``, side by side.
+
+Every configuration is a separate ``LLM`` on the same checkpoint, all in this one process, and the
+runs are interleaved round by round (A, B, C, ..., A, B, C, ...): a noisy shared machine then slows
+every configuration alike, and the median over rounds is reported. Greedy decoding of held-out
+prompts, ``batch`` prompts submitted together. Reported per configuration and batch size: output
+tokens per second, latency per output token of one sequence, the mean number of tokens a step
+yields per sequence (accepted drafts + 1), the acceptance rate per draft position, the share of
+steps that speculated (adaptive speculation), and whether the tokens equal MTP off (lossless).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from mindspec.llm import LLM
+from mindspec.text_generator.sampling.params import SamplingParams
+
+
+@dataclass
+class Config:
+    name: str
+    plugin_params: Optional[dict] = None
+    decode_graphs: bool = False  # torch.compile of the decode step on cpu
+    lossless: bool = True  # relaxed acceptance trades exactness for speed
+
+    @property
+    def speculative(self) -> bool:
+        return self.plugin_params is not None
+
+
+def mtp(k: int, mode: str, adaptive: bool = False, **extra) -> dict:
+    return {"plugin_type": "mtp", "num_speculative_tokens": k, "mtp_mode": mode,
+            "adaptive_speculation": adaptive, **extra}
+
+
+def default_configs(ks: list[int], mtp_modules: int, bos: int, eos: int, compiled: bool) -> list[Config]:
+    """MTP off; vanilla (K up to the checkpoint's modules) and eagle at fixed K; K=3 adaptive;
+    relaxed acceptance; and, with ``compiled``, the compiled decode step for the main ones."""
+    out = [Config("mtp off")]
+    for k in [k for k in ks if k <= mtp_modules]:
+        out.append(Config(f"vanilla K={k}", mtp(k, "vanilla")))
+    for k in ks:
+        out.append(Config(f"eagle K={k}", mtp(k, "eagle")))
+    best = "vanilla" if 3 <= mtp_modules else "eagle"
+    out.append(Config(f"{best} K=3 adaptive", mtp(3, best, adaptive=True)))
+    # Relaxed acceptance applies inside a thinking span; this code model has none, so the whole
+    # output is declared one (from BOS to EOS) to measure what relaxed acceptance buys.
+    out.append(Config(f"{best} K=3 relaxed", mtp(3, best, decoding_policy="relaxed", relaxed_topk=3, relaxed_delta=0.2,
+                                                 think_start_token_id=bos, think_end_token_id=eos), lossless=False))
+    if compiled:
+        out += [Config("mtp off +compile", decode_graphs=True),
+                Config(f"{best} K=3 +compile", mtp(3, best), decode_graphs=True),
+                Config(f"{best} K=3 adaptive +compile", mtp(3, best, adaptive=True), decode_graphs=True)]
+    return out
+
+
+@dataclass
+class Measurement:
+    tokens_per_s: list[float] = field(default_factory=list)
+    latency_per_token_ms: list[float] = field(default_factory=list)
+    token_ids: list = field(default_factory=list)
+    spec: dict = field(default_factory=dict)
+
+
+def run_mindspec(llm: LLM, groups: list[list[list[int]]], params: SamplingParams, m: Measurement) -> None:
+    outs, latencies = [], []
+    start = time.perf_counter()
+    for group in groups:
+        t = time.perf_counter()
+        res = llm.generate(group, params)
+        latencies.append((time.perf_counter() - t) / params.max_tokens)
+        outs += res
+    seconds = time.perf_counter() - start
+    m.tokens_per_s.append(sum(len(o.token_ids) for o in outs) / seconds)
+    m.latency_per_token_ms.append(1e3 * statistics.mean(latencies))
+    m.token_ids = [o.token_ids for o in outs]
+    m.spec = spec_summary([o.spec_decode for o in outs], sum(len(o.token_ids) for o in outs), len(outs))
+
+
+def spec_summary(stats, total_tokens: int, num_seqs: int) -> dict:
+    """Mean tokens per speculative step (accepted drafts + 1), acceptance per draft position, and
+    the share of a sequence's decode steps that speculated."""
+    stats = [s for s in stats if s is not None and s.num_steps]
+    if not stats:
+        return {}
+    steps = sum(s.num_steps for s in stats)
+    per_pos = np.sum([s.accepted_per_position for s in stats], axis=0)
+    spec_tokens = sum(s.num_accepted_tokens for s in stats) + steps
+    decode_tokens = total_tokens - num_seqs  # the first token of each sequence comes from prefill
+    plain_steps = max(0, decode_tokens - spec_tokens)
+    return {
+        "mean_accepted_length": round(spec_tokens / steps, 4),
+        "acceptance_per_position": (per_pos / steps).round(4).tolist(),
+        "speculative_step_share": round(steps / (steps + plain_steps), 4),
+    }
+
+
+def run_hf(model, groups: list[list[list[int]]], new_tokens: int, m: Measurement) -> None:
+    """transformers greedy ``generate`` on the main model; prompts of a group have equal length,
+    so no padding is involved."""
+    tokens, latencies = 0, []
+    start = time.perf_counter()
+    for group in groups:
+        ids = torch.tensor(group)
+        t = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False)
+        latencies.append((time.perf_counter() - t) / new_tokens)
+        tokens += (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    m.tokens_per_s.append(tokens / (time.perf_counter() - start))
+    m.latency_per_token_ms.append(1e3 * statistics.mean(latencies))
+
+
+def summarise(results: dict[str, Measurement], baseline: str = "mtp off") -> dict:
+    base = statistics.median(results[baseline].tokens_per_s)
+    reference = results[baseline].token_ids
+    out = {}
+    for name, m in results.items():
+        tps = statistics.median(m.tokens_per_s)
+        row = {
+            "tokens_per_s_median": round(tps, 2),
+            "tokens_per_s_rounds": [round(v, 2) for v in m.tokens_per_s],
+            "latency_per_token_ms_median": round(statistics.median(m.latency_per_token_ms), 3),
+            "speedup_vs_mtp_off": round(tps / base, 3),
+            **m.spec,
+        }
+        if m.token_ids:
+            row["identical_to_mtp_off"] = m.token_ids == reference
+        out[name] = row
+    return out
+
+
+def bench_batch(llms: dict[str, LLM], hf, prompts: list[list[int]], batch: int, min_prompts: int,
+                rounds: int, params: SamplingParams) -> dict:
+    count = max(batch, min_prompts)
+    groups = [prompts[i : i + batch] for i in range(0, count, batch)]
+    results = {name: Measurement() for name in llms}
+    if hf is not None:
+        results["transformers generate"] = Measurement()
+    for _ in range(rounds):
+        for name, llm in llms.items():
+            run_mindspec(llm, groups, params, results[name])
+        if hf is not None:
+            run_hf(hf, groups, params.max_tokens, results["transformers generate"])
+    return summarise(results)
