@@ -12,6 +12,8 @@ from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from mindspec.text_generator.step import StepBatch, StepInputs, StepOutputs
 
 
@@ -40,6 +42,21 @@ class Plugin(ABC):
 
     def plugin_cache_clear(self, seq_ids: list[int]) -> None:
         pass
+
+    # ---- async scheduling (MindIE's prepare_masks_for_filling / fill_in_model_result) -----------
+    def prepare_masks_for_filling(self, batch: "StepBatch", inputs: "StepInputs", pending: "np.ndarray") -> "StepInputs":
+        """Host, while the previous step still runs: this step's inputs. ``pending[b] > 0``:
+        sequence b is in that step and gains 1..pending[b] tokens there; its batch entry carries
+        pending[b] placeholder tokens (PLACEHOLDER_TOKEN) for them. The default suits plugins whose
+        inputs do not depend on those tokens."""
+        return self.model_inputs_update(batch, inputs)
+
+    def fill_in_model_result(
+        self, batch: "StepBatch", inputs: "StepInputs", pending: "np.ndarray", accepted: "list[list[int]]"
+    ) -> None:
+        """Device side, once the previous step is done and before this one runs: patch what
+        ``prepare_masks_for_filling`` left as placeholders, from that step's accepted tokens
+        (``accepted[b]``, empty when ``pending[b] == 0``)."""
 
 
 def _camel(name: str) -> str:

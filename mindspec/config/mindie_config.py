@@ -3,7 +3,8 @@
 Keys keep MindIE's camelCase spelling; defaults are MindIE's. mindspec adds to ``ModelConfig``:
 ``backendType`` also accepts cpu / cuda / auto (atb and torch mean npu), ``dtype``,
 ``decodeGraphs`` (decode steps as captured graphs on cuda/npu, torch.compile on cpu; absent: on
-where graphs exist, off on cpu), and to ``ScheduleConfig``: ``numBlocks`` (a fixed KV block count instead of a memory budget).
+where graphs exist, off on cpu), and to ``ScheduleConfig``: ``numBlocks`` (a fixed KV block count instead of a memory budget) and
+``asyncScheduling`` (MindIE's MINDIE_ASYNC_SCHEDULING_ENABLE as a config key).
 Every bad value is one ConfigError naming its JSON path.
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ USED_KEYS = {
     "BackendConfig": {"backendName", "ModelDeployConfig", "ScheduleConfig"},
     "BackendConfig.ModelDeployConfig": {"maxSeqLen", "maxInputTokenLen", "truncation", "ModelConfig"},
     "BackendConfig.ScheduleConfig": {"cacheBlockSize", "maxPrefillBatchSize", "maxPrefillTokens", "maxBatchSize",
-                                     "maxIterTimes", "numBlocks", "templateType"},
+                                     "maxIterTimes", "numBlocks", "asyncScheduling", "templateType"},
 }
 
 
@@ -126,6 +127,7 @@ class ScheduleConfig:
     max_batch_size: int = 200
     max_iter_times: int = 512
     num_blocks: Optional[int] = None
+    async_scheduling: bool = False
 
 
 @dataclass(frozen=True)
@@ -310,6 +312,7 @@ def _schedule(s: _Section, max_input: int) -> ScheduleConfig:
         max_batch_size=s.int("maxBatchSize", 200, 1),
         max_iter_times=s.int("maxIterTimes", 512, 1),
         num_blocks=s.int("numBlocks", None, 2),
+        async_scheduling=s.bool("asyncScheduling", False),
     )
     if cfg.max_prefill_tokens < max_input:
         raise ConfigError(

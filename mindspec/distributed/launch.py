@@ -215,6 +215,8 @@ def build_engine(args: EngineArgs, parallel: Optional[ParallelConfig] = None, pr
         from mindspec.engine.llm_engine import LLMEngine
 
         return LLMEngine(args)
+    if args.scheduler.async_scheduling:
+        raise _config_error(f"BackendConfig.ScheduleConfig.asyncScheduling: not available with dp > 1 (dp={parallel.dp})")
     engine = start_local(args, parallel, prefix)
     atexit.register(engine.close)  # followers stop cleanly even if the caller forgets close()
     return engine

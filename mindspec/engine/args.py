@@ -56,6 +56,7 @@ class EngineArgs:
                 max_input_token_len=deploy.max_input_token_len,
                 max_iter_times=sched.max_iter_times,
                 truncation=deploy.truncation,
+                async_scheduling=sched.async_scheduling,
             ),
         )
         for key, value in overrides.items():

@@ -67,8 +67,11 @@ class BlockManager:
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return Sequence.num_blocks_needed(num_tokens, self.block_size)
 
-    def _missing(self, seq: Sequence, num_tokens: int) -> int:
+    def blocks_missing(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks ``seq`` still needs to cover ``num_tokens`` positions."""
         return max(0, self.blocks_for_tokens(num_tokens) - len(seq.block_table))
+
+    _missing = blocks_missing
 
     # ---- allocation ------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_lookahead: int = 0) -> bool:

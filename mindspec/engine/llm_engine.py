@@ -25,6 +25,7 @@ from mindspec.text_generator.stop_strings import StopStringMatcher
 from mindspec.text_generator.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 from .args import GiB, EngineArgs
+from .async_scheduling import AsyncStepper
 from .block_manager import BlockManager
 from .errors import EngineError, RequestRejected
 from .outputs import PrefillHandoff, RequestOutput, SpecDecodeStats
@@ -64,6 +65,7 @@ class LLMEngine:
         # Engine-wide speculative counters (all requests since start), for metrics and benchmarks.
         self.spec_stats = SpecDecodeStats(accepted_per_position=[0] * max(1, self.plugin_manager.num_lookahead_tokens))
         self._ids = itertools.count()
+        self.async_stepper = self._async_stepper() if args.scheduler.async_scheduling else None
         if args.warmup:
             self.model_wrapper.warmup()
             if self.model_wrapper.compiled is not None:
@@ -75,6 +77,16 @@ class LLMEngine:
         eos = self.model_wrapper.config.eos_token_id
         ids.update([eos] if isinstance(eos, int) else (eos or []))
         return ids
+
+    def _async_stepper(self) -> AsyncStepper:
+        if self.plugin_manager.generator.dp_size > 1:
+            raise EngineError("asyncScheduling is not available with dp > 1: turn one of them off")
+        for plugin in self.plugin_manager.plugins:
+            if getattr(plugin, "adaptive", None) is not None and plugin.adaptive.enabled:
+                # Steps are built before the previous one is timed: speculate on every step.
+                logger.info("async scheduling: adaptive speculation is off, %s speculates every step", plugin.name)
+                plugin.adaptive.enabled = False
+        return AsyncStepper(self)
 
     def _num_blocks(self) -> int:
         args, sched = self.args, self.args.scheduler
@@ -130,7 +142,7 @@ class LLMEngine:
         for seq_id, state in list(self.requests.items()):
             if state.request_id == request_id and not state.seq.is_finished:
                 self.scheduler.abort(seq_id)
-                self.plugin_manager.clear([seq_id])
+                self._clear_plugins([seq_id])
                 del self.requests[seq_id]
                 return state.output([])
         return None
@@ -177,6 +189,8 @@ class LLMEngine:
         seq = Sequence(seq_id=seq_id, prompt_token_ids=list(handoff.prompt_token_ids), max_tokens=params.max_tokens,
                        sampling_params=params, output_token_ids=[handoff.first_token_id])
         self.scheduler.add_prefilled(seq)
+        if self.async_stepper is not None:  # its fresh blocks may be a finished sequence's, still written
+            self.async_stepper.wait_device()
         self._write_kv(seq, handoff.kv)
         model = self.model_wrapper.model
         for plugin in self.plugin_manager.plugins:
@@ -189,7 +203,7 @@ class LLMEngine:
             reason = FinishReason.LENGTH
         if reason is not None:
             self.scheduler.finish(seq, reason)
-            self.plugin_manager.clear([seq_id])
+            self._clear_plugins([seq_id])
         return state
 
     def _read_kv(self, seq: Sequence) -> list[torch.Tensor]:
@@ -208,10 +222,16 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.async_stepper is not None:
+            return self.async_stepper.step()
         batch = self.scheduler.schedule()
         if batch is None:
             return []
         outputs = self.plugin_manager.generate_token(StepBatch(batch.seqs, batch.is_prefill, self.block_manager.block_size))
+        return self.finish_step(batch, outputs)
+
+    def finish_step(self, batch: ScheduledBatch, outputs: StepOutputs) -> list[RequestOutput]:
+        """Host post-processing of a step's results: append tokens, stops, detokenize, outputs."""
         if batch.is_prefill:
             for b, seq in enumerate(batch.seqs):
                 state = self.requests[seq.seq_id]
@@ -221,7 +241,7 @@ class LLMEngine:
         self._record(batch, outputs, updates)
         finished = [u.seq.seq_id for u in updates if u.finished]
         if finished:
-            self.plugin_manager.clear(finished)
+            self._clear_plugins(finished)
         results = []
         for u in updates:
             state = self.requests[u.seq.seq_id]
@@ -230,6 +250,16 @@ class LLMEngine:
                 del self.requests[u.seq.seq_id]
             results.append(state.output(u.new_token_ids))
         return results
+
+    def _clear_plugins(self, seq_ids: list[int]) -> None:
+        if self.async_stepper is not None:
+            self.async_stepper.clear(seq_ids)  # after the queued steps that still read them
+        else:
+            self.plugin_manager.clear(seq_ids)
+
+    def close(self) -> None:
+        if self.async_stepper is not None:
+            self.async_stepper.close()
 
     def _is_stop(self, seq: Sequence, token: int) -> Optional[FinishReason]:
         state = self.requests[seq.seq_id]

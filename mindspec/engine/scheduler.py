@@ -41,6 +41,9 @@ class SchedulerConfig:
     block_size: Optional[int] = None
     # KV positions a decode step writes beyond the real tokens (drafts); set from the plugins.
     num_lookahead_tokens: int = 0
+    # Build step N+1 on the host while step N runs (engine/async_scheduling.py); MindIE's
+    # MINDIE_ASYNC_SCHEDULING_ENABLE, here ScheduleConfig.asyncScheduling.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         t = self.truncation
@@ -245,6 +248,26 @@ class Scheduler:
         self.running = scheduled
         # A copy: finishing sequences leave self.running while the batch is still being read.
         return ScheduledBatch(list(scheduled), is_prefill=False) if scheduled else None
+
+    def schedule_ahead(self, pending: dict[int, int]) -> Optional[ScheduledBatch]:
+        """Async scheduling: the next batch while a step is still running. ``pending`` maps each
+        sequence in that step to the most tokens it can gain there. A prefill batch is scheduled
+        as usual (it does not depend on the running step); a decode batch only when every running
+        sequence can grow its table by its pending tokens plus the drafts without preempting
+        anyone. Sequences that will surely finish in the running step (max_tokens) are left
+        out. None means: wait for the running step, then schedule as usual."""
+        batch = self._schedule_prefill()
+        if batch is not None:
+            return batch
+        bm, lookahead = self.block_manager, self.config.num_lookahead_tokens
+        seqs = [s for s in sorted(self.running, key=lambda q: (q.arrival_time, q.seq_id))
+                if not (s.seq_id in pending and s.num_output_tokens + 1 >= s.max_tokens)]
+        need = {s.seq_id: s.num_tokens + pending.get(s.seq_id, 0) + lookahead for s in seqs}
+        if not seqs or sum(bm.blocks_missing(s, need[s.seq_id]) for s in seqs) > bm.num_free_blocks:
+            return None
+        for seq in seqs:
+            bm.ensure(seq, need[seq.seq_id])
+        return ScheduledBatch(seqs, is_prefill=False)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)  # also sets num_cached_tokens = 0: recomputed from its tokens

@@ -21,7 +21,7 @@ from mindspec.plugins.plugin import Plugin
 from mindspec.text_generator.generator import Generator, GeneratorOutput
 from mindspec.text_generator.sampling.metadata import SamplingMetadata
 from mindspec.text_generator.sampling.sampler import Sampler
-from mindspec.text_generator.step import StepBatch, StepInputs, StepOutputs
+from mindspec.text_generator.step import PLACEHOLDER_TOKEN, StepBatch, StepInputs, StepOutputs
 
 
 class PluginManager:
@@ -45,9 +45,17 @@ class PluginManager:
 
     # ---- one step ------------------------------------------------------------------------------
     def generate_token(self, batch: StepBatch) -> StepOutputs:
+        return self.execute(batch, self.prepare(batch))
+
+    def prepare(self, batch: StepBatch) -> StepInputs:
+        """Host: compose the step's model inputs and let the plugins rewrite them."""
         inputs = self.compose_model_inputs(batch)
         for plugin in self.plugins:
             inputs = plugin.model_inputs_update(batch, inputs)
+        return inputs
+
+    def execute(self, batch: StepBatch, inputs: StepInputs) -> StepOutputs:
+        """Device: forward, sample, verify; then the plugins' caches for the next step."""
         outputs = self.forward(batch, inputs)
         for plugin in self.plugins:
             inputs = plugin.sample_preprocess(batch, inputs)
@@ -60,6 +68,31 @@ class PluginManager:
         for plugin in self.plugins:
             plugin.plugin_cache_update(batch, inputs, outputs)
         return outputs
+
+    # ---- async scheduling -------------------------------------------------------------------
+    def prepare_ahead(self, batch: StepBatch, pending: np.ndarray) -> StepInputs:
+        """Host, while the previous step runs: ``prepare`` for a batch whose sequences with
+        ``pending[b] > 0`` end in that many placeholder tokens (the previous step's, unknown yet)."""
+        inputs = self.compose_model_inputs(batch)
+        for plugin in self.plugins:
+            inputs = plugin.prepare_masks_for_filling(batch, inputs, pending)
+        return inputs
+
+    def fill_in_model_result(self, batch: StepBatch, inputs: StepInputs, pending: np.ndarray,
+                             accepted: list[list[int]]) -> None:
+        """Device, before the step runs: replace the placeholders with the previous step's
+        accepted tokens (``accepted[b]``: 1..pending[b] tokens of sequence b)."""
+        for plugin in self.plugins:
+            plugin.fill_in_model_result(batch, inputs, pending, accepted)
+        ids = inputs.model_inputs.input_ids
+        rows = np.flatnonzero(ids == PLACEHOLDER_TOKEN)
+        if len(rows):  # the fed last token of a sequence: its newest accepted token
+            owner = np.repeat(np.arange(len(batch)), inputs.model_inputs.q_lens)[rows]
+            ids[rows] = [accepted[b][-1] for b in owner]
+        for seq, n, toks in zip(batch.seqs, pending, accepted):
+            if n:  # the sequence's view now holds the real tokens (sampling history and positions)
+                seq.output_token_ids[-n:] = toks
+                seq.num_cached_tokens -= int(n) - len(toks)
 
     def clear(self, seq_ids: list[int]) -> None:
         for plugin in self.plugins:

@@ -14,6 +14,10 @@ import torch
 from mindspec.engine.sequence import Sequence
 from mindspec.modeling.forward_metadata import ModelInputs
 
+# Async scheduling: stands for a token the in-flight step has not produced yet. Negative, so that a
+# placeholder left unpatched fails the embedding lookup instead of decoding a wrong token.
+PLACEHOLDER_TOKEN = -1
+
 
 @dataclass
 class StepBatch:

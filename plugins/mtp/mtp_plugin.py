@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import time
+
 import numpy as np
 import torch
 
@@ -29,8 +31,7 @@ from mindspec.plugins.plugin import Plugin
 from mindspec.text_generator.sampling.sampler import penalised_logits, processed_probs
 from mindspec.text_generator.step import StepBatch, StepInputs, StepOutputs
 
-import time
-
+from . import async_fill
 from . import decode_inputs as di
 from . import decoding_policy as policy
 from .adaptive import AdaptiveSpeculation
@@ -81,11 +82,37 @@ class MtpPlugin(Plugin):
         inputs.extra["mtp_speculate"] = speculate = self.adaptive.speculate(len(batch))
         if not speculate:  # a plain decode step: the base inputs as composed
             return inputs
+        last_accepted = np.array([self.states[s.seq_id].last_accepted for s in batch.seqs], dtype=np.int64)
+        inputs = self._speculative_inputs(batch, inputs, last_accepted)
+        inputs.hidden_states = self._gather_hidden(batch.seqs, inputs.extra["mtp_layout"])
+        return inputs
+
+    def prepare_masks_for_filling(self, batch: StepBatch, inputs: StepInputs, pending: np.ndarray) -> StepInputs:
+        """Async scheduling (speculation on every step): a sequence still in the running step is
+        laid out as if that step accepted all pending[b] tokens; fill_in_model_result moves it
+        back by what was rejected. Hidden states are gathered at fill time, when they exist."""
+        inputs.extra["mtp_started"] = time.perf_counter()
+        if batch.is_prefill:
+            return self.model_inputs_update(batch, inputs)
+        inputs.extra["mtp_speculate"] = True
+        last_accepted = np.array([n if n else self.states[s.seq_id].last_accepted
+                                  for s, n in zip(batch.seqs, pending)], dtype=np.int64)
+        return self._speculative_inputs(batch, inputs, last_accepted)
+
+    def fill_in_model_result(self, batch: StepBatch, inputs: StepInputs, pending: np.ndarray,
+                             accepted: list[list[int]]) -> None:
+        if batch.is_prefill:
+            return
+        layout = async_fill.fill(inputs, pending, accepted, self.k, self.mode)
+        inputs.extra["mtp_layout"] = layout
+        inputs.hidden_states = self._gather_hidden(batch.seqs, layout)
+
+    def _speculative_inputs(self, batch: StepBatch, inputs: StepInputs, last_accepted: np.ndarray) -> StepInputs:
         seqs = batch.seqs
         num_tokens = np.array([s.num_tokens for s in seqs], dtype=np.int64)
-        last_accepted = np.array([self.states[s.seq_id].last_accepted for s in seqs], dtype=np.int64)
         tables = di.block_tables([s.block_table for s in seqs])
-        hidden_from = np.array([self.states[s.seq_id].hidden_from for s in seqs], dtype=np.int64)
+        # A sequence whose prefill is still running has no state yet: it was prefilled here.
+        hidden_from = np.array([getattr(self.states.get(s.seq_id), "hidden_from", 0) for s in seqs], dtype=np.int64)
         layout = di.decode_layout(num_tokens, last_accepted, self.k, self.mode, hidden_from)
         inputs.model_inputs = di.main_inputs(
             np.array([s.last_token_id for s in seqs]), num_tokens, tables, self.block_size, self.k
@@ -94,7 +121,6 @@ class MtpPlugin(Plugin):
             [s.token_ids for s in seqs], layout, tables, self.block_size, self.k, self.mode,
             hidden_from, self.dummy_block_id,
         )
-        inputs.hidden_states = self._gather_hidden(seqs, layout)
         inputs.q_lens = inputs.model_inputs.q_lens
         inputs.extra["mtp_modules"] = self.modules
         inputs.extra["mtp_layout"] = layout
