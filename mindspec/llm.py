@@ -48,6 +48,8 @@ class LLM:
             from mindspec.config.defaults import default_config
 
             args = EngineArgs.from_mindie_config(default_config(), progress=progress)
+            _override(args, plugin_params=plugin_params, num_blocks=num_blocks, kv_cache_gb=kv_cache_gb,
+                      device=device, decode_graphs=decode_graphs, **scheduler_limits)
         elif config is not None:
             from mindspec.config.mindie_config import load_config
 
@@ -95,3 +97,14 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         return self.engine.generate(list(prompts), sampling_params)
+
+
+def _override(args: EngineArgs, **given) -> None:
+    """Arguments passed along with the shipped default model replace its config's values."""
+    for key, value in given.items():
+        if value is None:
+            continue
+        target = args.scheduler if hasattr(args.scheduler, key) else args
+        if not hasattr(target, key):
+            raise TypeError(f"LLM() got an unexpected keyword argument {key!r}")
+        setattr(target, key, value)

@@ -35,6 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure the torch.compile'd decode step (compiling takes minutes)")
+    p.add_argument("--async", dest="asynchronous", action=argparse.BooleanOptionalAction, default=True,
+                   help="also measure async scheduling (MTP off and K=3)")
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure transformers generate on the same checkpoint")
     p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
@@ -51,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     ks = [int(k) for k in args.ks.split(",")]
     configs = speed.default_configs(ks, hf_config.get("num_nextn_predict_layers", 0), hf_config.get("bos_token_id", 0),
-                                    hf_config.get("eos_token_id", 1), args.compile)
+                                    hf_config.get("eos_token_id", 1), args.compile, args.asynchronous)
     num_blocks = max(batches + [MIN_PROMPTS]) * -(-(args.prompt_tokens + args.new_tokens + 16) // 16) + 8
     llms = {c.name: _llm(model_dir, c, num_blocks) for c in configs}
     tokenizer = next(iter(llms.values())).tokenizer.hf_tokenizer
@@ -61,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
         "model": model_dir, "backend": "cpu", "device": platform.processor() or platform.machine(),
         "threads": args.threads, "rounds": args.rounds, "new_tokens": args.new_tokens,
         "prompt_tokens": args.prompt_tokens, "dtype": "float32", "greedy": True,
-        "configs": {c.name: {"plugin_params": c.plugin_params, "decode_graphs": c.decode_graphs, "lossless_policy": c.lossless}
+        "configs": {c.name: {"plugin_params": c.plugin_params, "decode_graphs": c.decode_graphs,
+                               "async_scheduling": c.async_scheduling, "lossless_policy": c.lossless}
                     for c in configs},
         "results": {},
         "command": getattr(args, "command_line", "mindspec bench"),
@@ -101,7 +104,7 @@ def _llm(model_dir: str, config: "speed.Config", num_blocks: int):
 
     return LLM(model=model_dir, dtype="float32", cache_block_size=16, num_blocks=num_blocks, progress=False,
                plugin_params=config.plugin_params, decode_graphs=config.decode_graphs,
-               max_batch_size=256, max_prefill_batch_size=64)
+               async_scheduling=config.async_scheduling, max_batch_size=256, max_prefill_batch_size=64)
 
 
 def _hf_model(model_dir: str):

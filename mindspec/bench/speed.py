@@ -27,6 +27,7 @@ class Config:
     name: str
     plugin_params: Optional[dict] = None
     decode_graphs: bool = False  # torch.compile of the decode step on cpu
+    async_scheduling: bool = False  # host post-processing overlaps the next step
     lossless: bool = True  # relaxed acceptance trades exactness for speed
 
     @property
@@ -39,9 +40,11 @@ def mtp(k: int, mode: str, adaptive: bool = False, **extra) -> dict:
             "adaptive_speculation": adaptive, **extra}
 
 
-def default_configs(ks: list[int], mtp_modules: int, bos: int, eos: int, compiled: bool) -> list[Config]:
+def default_configs(ks: list[int], mtp_modules: int, bos: int, eos: int, compiled: bool,
+                    asynchronous: bool = True) -> list[Config]:
     """MTP off; vanilla (K up to the checkpoint's modules) and eagle at fixed K; K=3 adaptive;
-    relaxed acceptance; and, with ``compiled``, the compiled decode step for the main ones."""
+    relaxed acceptance; with ``asynchronous``, async scheduling of MTP off and K=3; with
+    ``compiled``, the compiled decode step for the main ones."""
     out = [Config("mtp off")]
     for k in [k for k in ks if k <= mtp_modules]:
         out.append(Config(f"vanilla K={k}", mtp(k, "vanilla")))
@@ -53,6 +56,9 @@ def default_configs(ks: list[int], mtp_modules: int, bos: int, eos: int, compile
     # output is declared one (from BOS to EOS) to measure what relaxed acceptance buys.
     out.append(Config(f"{best} K=3 relaxed", mtp(3, best, decoding_policy="relaxed", relaxed_topk=3, relaxed_delta=0.2,
                                                  think_start_token_id=bos, think_end_token_id=eos), lossless=False))
+    if asynchronous:
+        out += [Config("mtp off +async", async_scheduling=True),
+                Config(f"{best} K=3 +async", mtp(3, best), async_scheduling=True)]
     if compiled:
         out += [Config("mtp off +compile", decode_graphs=True),
                 Config(f"{best} K=3 +compile", mtp(3, best), decode_graphs=True),
@@ -132,6 +138,9 @@ def summarise(results: dict[str, Measurement], baseline: str = "mtp off") -> dic
         }
         if m.token_ids:
             row["identical_to_mtp_off"] = m.token_ids == reference
+        sync = name.removesuffix(" +async")
+        if sync != name and sync in results:  # the host-overlap gain, same run, same rounds
+            row["speedup_vs_sync"] = round(tps / statistics.median(results[sync].tokens_per_s), 3)
         out[name] = row
     return out
 

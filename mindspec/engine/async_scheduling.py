@@ -1,32 +1,32 @@
-"""Async scheduling: the host schedules and builds step N+1 while the device runs step N, then
-post-processes step N (stops, detokenization, outputs) while the device runs N+1.
+"""Async scheduling: while the device runs step N+1, the host post-processes step N (stops,
+detokenization, outputs) and schedules and builds step N+2.
 
-    host:    build N+1 (placeholders) | wait N | post-process N | build N+2 | wait N+1 | ...
-    device:  run N ------------------>| fill N+1 from N, run N+1 ------------------->| ...
+    device (calling thread): run N   | fill N+1 from N, run N+1          | fill N+2 from N+1, run N+2
+    host (helper thread):    ...     | post-process N, build N+2 (ahead) | post-process N+1, build N+3
 
-The "device" is one worker thread (a stream stand-in on cpu): steps run on it strictly in order,
-so step N+1's fill reads step N's outputs and the plugins' caches that N updated. Sequences in
-step N carry placeholder tokens in step N+1's batch; ``PluginManager.fill_in_model_result`` patches
-them from N's accepted tokens right before N+1 runs. Each step's batch holds views of its
-sequences (own token lists and block tables), so the host may append N's tokens to the real
-sequences while N+1 runs.
+Sequences in step N+1 appear in step N+2's batch with placeholder tokens for what N+1 adds;
+``PluginManager.fill_in_model_result`` patches them from N+1's accepted tokens right before N+2
+runs. Each step's batch holds views of its sequences (own token lists and block tables), so the
+host appends tokens to the real sequences while the device reads the views. Torch work stays on
+the calling thread: on cpu a second thread running intra-op parallel kernels makes both OpenMP
+teams several times slower.
 
-A step waits for the one in flight (and the engine falls back to scheduling after it) when the
-next decode batch would need a preemption; sequences that finish in step N drop whatever step
-N+1 computed for them; plugin caches are cleared on the device, after the steps that read them.
-Greedy outputs equal synchronous scheduling token for token (tests/engine/test_async_scheduling.py).
+The next step is built after the previous one was post-processed, so it never holds a sequence
+that had finished by then; sequences that finish while their next step already runs drop what
+it computed for them. When the next decode batch would need a preemption nothing is built ahead
+and the engine schedules as usual after post-processing. Plugin caches of retired sequences are
+cleared after the device step that may still read them. Greedy outputs equal synchronous
+scheduling token for token (tests/engine/test_async_scheduling.py).
 """
 from __future__ import annotations
 
-import concurrent.futures
-import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
-from mindspec.text_generator.step import PLACEHOLDER_TOKEN, StepBatch, StepOutputs
+from mindspec.text_generator.step import PLACEHOLDER_TOKEN, StepBatch, StepInputs, StepOutputs
 
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
@@ -34,8 +34,6 @@ from .sequence import Sequence
 if TYPE_CHECKING:
     from .llm_engine import LLMEngine
     from .outputs import RequestOutput
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,91 +45,112 @@ class AsyncStats:
 
 
 @dataclass
-class _InFlight:
+class _Step:
     batch: ScheduledBatch  # the engine's sequences
     views: StepBatch  # what the device step reads
-    future: "Future[StepOutputs]"
+    inputs: StepInputs
+    pending: np.ndarray  # [B] tokens the previous step may add per sequence (0: none, not ahead)
+    ahead: bool
+    outputs: Optional[StepOutputs] = None
 
 
 class AsyncStepper:
     def __init__(self, engine: "LLMEngine"):
         self.engine = engine
-        self.device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mindspec-device")
-        self.inflight: Optional[_InFlight] = None
+        self.host = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mindspec-host")
+        self.prev: Optional[_Step] = None  # ran, not post-processed yet
+        self.next: Optional[_Step] = None  # built ahead, not run yet
         self.stats = AsyncStats()
+        self._clears: list[int] = []
         # One more token per step than the drafts: speculation runs on every step here.
         self.max_new_tokens = 1 + engine.plugin_manager.num_lookahead_tokens
 
     def step(self) -> list["RequestOutput"]:
-        if self.inflight is None:
-            batch = self.engine.scheduler.schedule()
-            if batch is None:
-                return []
-            self.inflight = self._submit(batch, None)
-        current = self.inflight
-        self.inflight = self._ahead(current)
+        outs = []
+        if self.next is not None and any(s.is_finished for s in self.next.batch.seqs):
+            self.next = None  # a sequence was aborted since: its blocks may be someone else's now
+        if self.next is None and self.prev is not None:  # nothing built ahead: post-process first
+            outs, self.prev = self._finish(self.prev), None
+        cur, self.next = self.next or self._build_now(), None
+        if cur is None:
+            self._apply_clears()
+            return outs
+        prev, self.prev = self.prev, None
+        host = self.host.submit(self._host_work, prev, cur)
         try:
-            outputs = current.future.result()
-        except BaseException:
-            self.drain()
-            raise
-        batch, outputs = self._drop_finished(current.batch, outputs)
-        return self.engine.finish_step(batch, outputs)
+            self._run(cur, prev)
+        finally:
+            try:
+                more, self.next = host.result()
+            except BaseException:
+                self.next = None
+                raise
+        self._apply_clears()
+        self.prev = cur
+        return outs + more
 
     def clear(self, seq_ids: list[int]) -> None:
-        """Plugin caches of retired sequences: cleared after the steps already queued."""
-        self.device.submit(self.engine.plugin_manager.clear, list(seq_ids))
+        """Plugin caches of retired sequences: cleared after the next device step (which may
+        still read them)."""
+        self._clears.extend(seq_ids)
 
-    def wait_device(self) -> None:
-        """Block until the step in flight is done (its results stay for the next ``step``):
-        before the host writes KV itself, into blocks that step may still be writing."""
-        if self.inflight is not None:
-            concurrent.futures.wait([self.inflight.future])
-
-    def drain(self) -> None:
-        """Wait for the step in flight and forget it (after a failure, or at shutdown)."""
-        inflight, self.inflight = self.inflight, None
-        if inflight is not None:
-            try:
-                inflight.future.result()
-            except BaseException:  # noqa: BLE001 - the first failure was already raised
-                logger.debug("a queued step failed after an earlier failure", exc_info=True)
+    def drain(self) -> list["RequestOutput"]:
+        """Post-process the last step and drop the one built ahead (tests, shutdown)."""
+        outs = self._finish(self.prev) if self.prev is not None else []
+        self.prev = self.next = None
+        self._apply_clears()
+        return outs
 
     def close(self) -> None:
         self.drain()
-        self.device.shutdown(wait=True)
+        self.host.shutdown(wait=True)
 
-    # ---- building steps ------------------------------------------------------------------------
-    def _ahead(self, current: _InFlight) -> Optional[_InFlight]:
-        per_seq = 1 if current.batch.is_prefill else self.max_new_tokens
-        pending = {s.seq_id: per_seq for s in current.batch.seqs if not s.is_finished}
+    # ---- device side (calling thread) -----------------------------------------------------------
+    def _run(self, cur: _Step, prev: Optional[_Step]) -> None:
+        pm = self.engine.plugin_manager
+        if cur.ahead:
+            by_id = dict(zip(prev.views.seq_ids, prev.outputs.accepted))
+            accepted = [by_id[s.seq_id] if n else [] for s, n in zip(cur.views.seqs, cur.pending)]
+            pm.fill_in_model_result(cur.views, cur.inputs, cur.pending, accepted)
+        cur.outputs = pm.execute(cur.views, cur.inputs)
+        self.stats.steps += 1
+
+    def _apply_clears(self) -> None:
+        clears, self._clears = self._clears, []
+        if clears:
+            self.engine.plugin_manager.clear(clears)
+
+    # ---- host side (helper thread while the device runs) --------------------------------------------
+    def _host_work(self, prev: Optional[_Step], cur: _Step) -> tuple[list["RequestOutput"], Optional[_Step]]:
+        outs = self._finish(prev) if prev is not None else []
+        return outs, self._ahead(cur)
+
+    def _build_now(self) -> Optional[_Step]:
+        batch = self.engine.scheduler.schedule()
+        if batch is None:
+            return None
+        views = self._views(batch, {})
+        return _Step(batch, views, self.engine.plugin_manager.prepare(views), np.zeros(len(views), np.int64), False)
+
+    def _ahead(self, cur: _Step) -> Optional[_Step]:
+        per_seq = 1 if cur.batch.is_prefill else self.max_new_tokens
+        pending = {s.seq_id: per_seq for s in cur.batch.seqs if not s.is_finished}
         batch = self.engine.scheduler.schedule_ahead(pending)
         if batch is None:
             self.stats.waits += 1
             return None
         self.stats.ahead_steps += 1
-        return self._submit(batch, current, pending)
+        views = self._views(batch, pending)
+        counts = np.array([pending.get(s.seq_id, 0) for s in batch.seqs], dtype=np.int64)
+        return _Step(batch, views, self.engine.plugin_manager.prepare_ahead(views, counts), counts, True)
 
-    def _submit(self, batch: ScheduledBatch, previous: Optional[_InFlight], pending: Optional[dict] = None) -> _InFlight:
-        engine = self.engine
-        counts = np.array([(pending or {}).get(s.seq_id, 0) for s in batch.seqs], dtype=np.int64)
-        views = StepBatch([_view(s, int(n)) for s, n in zip(batch.seqs, counts)], batch.is_prefill,
-                          engine.block_manager.block_size)
-        pm = engine.plugin_manager
-        inputs = pm.prepare_ahead(views, counts) if counts.any() else pm.prepare(views)
-        before = previous.future if previous is not None else None
-        before_ids = [s.seq_id for s in previous.views.seqs] if previous is not None else []
+    def _views(self, batch: ScheduledBatch, pending: dict[int, int]) -> StepBatch:
+        seqs = [_view(s, pending.get(s.seq_id, 0)) for s in batch.seqs]
+        return StepBatch(seqs, batch.is_prefill, self.engine.block_manager.block_size)
 
-        def run() -> StepOutputs:
-            if counts.any():
-                last = before.result()  # already done: one device thread runs steps in order
-                by_id = dict(zip(before_ids, last.accepted))
-                accepted = [by_id[s.seq_id] if n else [] for s, n in zip(views.seqs, counts)]
-                pm.fill_in_model_result(views, inputs, counts, accepted)
-            return pm.execute(views, inputs)
-
-        self.stats.steps += 1
-        return _InFlight(batch, views, self.device.submit(run))
+    def _finish(self, step: _Step) -> list["RequestOutput"]:
+        batch, outputs = self._drop_finished(step.batch, step.outputs)
+        return self.engine.finish_step(batch, outputs)
 
     def _drop_finished(self, batch: ScheduledBatch, outputs: StepOutputs) -> tuple[ScheduledBatch, StepOutputs]:
         """Sequences that finished (or were aborted) before this step's results came back."""

@@ -189,8 +189,6 @@ class LLMEngine:
         seq = Sequence(seq_id=seq_id, prompt_token_ids=list(handoff.prompt_token_ids), max_tokens=params.max_tokens,
                        sampling_params=params, output_token_ids=[handoff.first_token_id])
         self.scheduler.add_prefilled(seq)
-        if self.async_stepper is not None:  # its fresh blocks may be a finished sequence's, still written
-            self.async_stepper.wait_device()
         self._write_kv(seq, handoff.kv)
         model = self.model_wrapper.model
         for plugin in self.plugin_manager.plugins:
@@ -253,7 +251,7 @@ class LLMEngine:
 
     def _clear_plugins(self, seq_ids: list[int]) -> None:
         if self.async_stepper is not None:
-            self.async_stepper.clear(seq_ids)  # after the queued steps that still read them
+            self.async_stepper.clear(seq_ids)  # after the device step that may still read them
         else:
             self.plugin_manager.clear(seq_ids)
 
