@@ -8,10 +8,8 @@ import pytest
 import torch
 
 from mindspec import LLM, SamplingParams
+from mindspec.bench.corpus import heldout_prompts
 from mindspec.config.defaults import DEFAULT_MODEL_DIR
-
-sys.path.insert(0, str(DEFAULT_MODEL_DIR.parents[2] / "benchmarks"))
-from bench_mtp import heldout_prompts  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 

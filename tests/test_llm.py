@@ -83,3 +83,15 @@ def test_llm_from_mindie_config_json(case, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     llm = LLM(config=tmp_path / "config.json", progress=False)
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+
+
+def test_keywords_apply_to_the_shipped_default_model():
+    llm = LLM(progress=False, num_blocks=40, max_batch_size=3, async_scheduling=True,
+              plugin_params={"plugin_type": "mtp", "num_speculative_tokens": 1})
+    engine = llm.engine
+    assert engine.block_manager.num_blocks == 40
+    assert engine.scheduler.config.max_batch_size == 3
+    assert engine.async_stepper is not None
+    assert engine.plugin_manager.plugins[0].k == 1
+    with pytest.raises(TypeError, match="max_batch"):
+        LLM(progress=False, max_batch=3)
