@@ -12,7 +12,9 @@ last step accepted; more after steps that ran without speculation).
 Adaptive speculation (adaptive.py, on by default): per decode step the plugin either speculates
 or runs a plain decode step, whichever the measured throughput at this batch size favours. A plain
 step leaves the MTP caches behind by one entry per sequence; the next speculative step writes the
-missed entries first (up to CATCH_UP of them: older ones only cost acceptance, never correctness).
+missed entries first. A sequence never falls more than CATCH_UP entries behind: then the step
+speculates whatever the controller prefers, since entries never written would lower that
+sequence's acceptance for the rest of its life (and make speculation look worse than it is).
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from . import decoding_policy as policy
 from .adaptive import AdaptiveSpeculation
 from .params import MtpParams, parse_mtp_params
 
-CATCH_UP = 16  # most MTP entries a speculative step writes for tokens produced without it
+CATCH_UP = 32  # most MTP entries a sequence may lack before a step must speculate
 
 
 @dataclass
@@ -79,7 +81,10 @@ class MtpPlugin(Plugin):
         if batch.is_prefill:
             inputs.extra["mtp_modules"] = self.modules if self.mode == "vanilla" else [0]
             return inputs
-        inputs.extra["mtp_speculate"] = speculate = self.adaptive.speculate(len(batch))
+        speculate = self.adaptive.speculate(len(batch))
+        if not speculate and any(self.states[s.seq_id].last_accepted >= CATCH_UP for s in batch.seqs):
+            speculate = True  # a plain step now would leave an MTP cache entry unwritten for good
+        inputs.extra["mtp_speculate"] = speculate
         if not speculate:  # a plain decode step: the base inputs as composed
             return inputs
         last_accepted = np.array([self.states[s.seq_id].last_accepted for s in batch.seqs], dtype=np.int64)
@@ -176,7 +181,7 @@ class MtpPlugin(Plugin):
             state.hidden = torch.cat([state.hidden, rows])[-self.keep_hidden :]
             state.hidden_end += count
             # A speculative step wrote the MTP entries of the tokens before it; a plain one did not.
-            state.last_accepted = count if speculated else min(state.last_accepted + count, CATCH_UP)
+            state.last_accepted = count if speculated else state.last_accepted + count  # <= CATCH_UP
             if self.params.think_start_token_id is not None:
                 state.in_think = bool(policy.update_think_state(
                     np.array([state.in_think]), [outputs.accepted[b]],

@@ -14,6 +14,17 @@ from pathlib import Path
 import httpx
 
 
+def served_model(directory: Path, seed: int) -> Path:
+    """A tiny self-predicting checkpoint (2 MTP modules) with a tokenizer, for served tests."""
+    from tests.support.checkpoints import make_self_predicting_checkpoint, tiny_v3_config
+    from tests.support.tokenizers import make_tokenizer
+
+    cfg = tiny_v3_config(initializer_range=0.2, num_nextn_predict_layers=2)
+    path = make_self_predicting_checkpoint(directory, cfg, seed=seed, residual_scale=0.005)
+    make_tokenizer(path, vocab_size=256)
+    return path
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

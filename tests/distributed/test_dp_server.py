@@ -12,9 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from mindspec import LLM, SamplingParams
-from tests.distributed.serving import ServerProc, completion, free_port, start_servers, write_config
-from tests.support.checkpoints import make_self_predicting_checkpoint, tiny_v3_config
-from tests.support.tokenizers import make_tokenizer
+from tests.distributed.serving import ServerProc, completion, free_port, served_model, start_servers, write_config
 
 MTP = {"plugin_type": "mtp", "num_speculative_tokens": 2, "adaptive_speculation": False}
 DP = {"worldSize": 2, "dp": 2, "moe_ep": 2, "distTimeout": 20, "plugin_params": MTP}
@@ -23,10 +21,7 @@ PROMPTS = ["hello world", "the quick brown fox jumps", "a", "numbers 1 2 3 4 5 6
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    cfg = tiny_v3_config(initializer_range=0.2, num_nextn_predict_layers=2)
-    path = make_self_predicting_checkpoint(tmp_path_factory.mktemp("dp_srv_model"), cfg, seed=9, residual_scale=0.005)
-    make_tokenizer(path, vocab_size=256)
-    return path
+    return served_model(tmp_path_factory.mktemp("dp_srv_model"), seed=9)
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,7 @@ import httpx
 import pytest
 
 from mindspec import LLM, SamplingParams
-from tests.distributed.serving import completion, free_port, start_servers, write_config
-from tests.support.checkpoints import make_self_predicting_checkpoint, tiny_v3_config
-from tests.support.tokenizers import make_tokenizer
+from tests.distributed.serving import completion, free_port, served_model, start_servers, write_config
 
 MTP = {"plugin_type": "mtp", "num_speculative_tokens": 2}
 PROMPTS = ["hello world", "the quick brown fox", "a", "numbers 1 2 3 4 5 6 7 8 9 and more words to read"]
@@ -21,10 +19,7 @@ TOKEN_TIMEOUT = 6
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    cfg = tiny_v3_config(initializer_range=0.2, num_nextn_predict_layers=2)
-    path = make_self_predicting_checkpoint(tmp_path_factory.mktemp("pd_model"), cfg, seed=5, residual_scale=0.005)
-    make_tokenizer(path, vocab_size=256)
-    return path
+    return served_model(tmp_path_factory.mktemp("pd_model"), seed=5)
 
 
 @pytest.fixture(scope="module")
