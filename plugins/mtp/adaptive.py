@@ -7,8 +7,10 @@ nearly as much as a real one, and rejected drafts are pure loss (users of vLLM a
 speculation turning into a slowdown there). So the choice is measured, not assumed: for each
 batch-size bucket the controller keeps the recent steps of both kinds, (tokens yielded per
 sequence, seconds), and picks the kind with the higher tokens per second. Each kind is tried a few
-times first, and the kind not chosen is re-tried now and then, so the estimate follows the
-acceptance rate and the context length as they change.
+times first, and the kind not chosen is re-tried now and then (a few steps in a row), so the
+estimate follows the acceptance rate and the context length as they change. Speculative steps that
+catch up MTP cache entries skipped by plain steps are not measured: they cost more than a steady
+speculative step, and counting them would make speculation look worse the longer it is off.
 
 Either choice is lossless: a step without drafts is plain decoding, and the MTP caches it skipped
 are caught up by the next speculative step (decode_inputs: ``last_accepted`` counts the entries
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 MIN_SAMPLES = 3  # steps of each kind measured in a bucket before choosing by throughput
 WINDOW = 16  # recent steps per kind that the estimate uses
 REEXPLORE_EVERY = 64  # steps in a bucket between two tries of the kind not chosen
+REEXPLORE_BURST = 3  # steps per try: the first speculative one after plain steps catches up, unmeasured
 MARGIN = 0.03  # switch only when the other kind is this much faster (no flip-flopping on noise)
 
 
@@ -57,7 +60,7 @@ class AdaptiveSpeculation:
         counts = {kind: len(b.samples[kind]) for kind in (True, False)}
         if min(counts.values()) < MIN_SAMPLES:
             return counts[True] <= counts[False]  # explore, speculation first
-        if b.steps % REEXPLORE_EVERY == 0:
+        if b.steps % REEXPLORE_EVERY < REEXPLORE_BURST:
             return not b.choice
         on, off = b.throughput(True), b.throughput(False)
         if b.choice and off > on * (1 + MARGIN):

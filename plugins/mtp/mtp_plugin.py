@@ -187,8 +187,10 @@ class MtpPlugin(Plugin):
                     np.array([state.in_think]), [outputs.accepted[b]],
                     self.params.think_start_token_id, self.params.think_end_token_id,
                 )[0])
-        tokens = sum(len(a) for a in outputs.accepted) / max(1, len(batch))
-        self.adaptive.record(len(batch), speculated, tokens, time.perf_counter() - inputs.extra["mtp_started"])
+        caught_up = speculated and int(inputs.extra["mtp_layout"].last_accepted.max()) > self.k + 1
+        if not caught_up:  # a catch-up step is no sample of steady speculation (adaptive.py)
+            tokens = sum(len(a) for a in outputs.accepted) / max(1, len(batch))
+            self.adaptive.record(len(batch), speculated, tokens, time.perf_counter() - inputs.extra["mtp_started"])
 
     def adopt_prefilled(self, seq, hidden_size: int, dtype: torch.dtype, device) -> None:
         """A sequence prefilled on another node (PD disaggregation): its KV arrived, its hidden
