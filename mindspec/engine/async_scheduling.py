@@ -167,10 +167,8 @@ class AsyncStepper:
 def _view(seq: Sequence, pending: int) -> Sequence:
     """What a device step reads of a sequence: its own token list and block table, plus
     ``pending`` placeholders for the tokens of the step still running."""
-    outputs = list(seq.output_token_ids) + [PLACEHOLDER_TOKEN] * pending
-    cached = seq.num_cached_tokens
+    view = replace(seq, output_token_ids=list(seq.output_token_ids) + [PLACEHOLDER_TOKEN] * pending,
+                   block_table=list(seq.block_table))
     if pending:  # as if the running step accepted all of them; the fill moves it back
-        cached = len(seq.prompt_token_ids) + len(outputs) - 1
-    return Sequence(seq_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids, max_tokens=seq.max_tokens,
-                    sampling_params=seq.sampling_params, output_token_ids=outputs, status=seq.status,
-                    block_table=list(seq.block_table), num_cached_tokens=cached, arrival_time=seq.arrival_time)
+        view.num_cached_tokens = view.num_tokens - 1
+    return view

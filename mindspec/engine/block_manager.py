@@ -71,18 +71,16 @@ class BlockManager:
         """Blocks ``seq`` still needs to cover ``num_tokens`` positions."""
         return max(0, self.blocks_for_tokens(num_tokens) - len(seq.block_table))
 
-    _missing = blocks_missing
-
     # ---- allocation ------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_lookahead: int = 0) -> bool:
-        return self._missing(seq, seq.num_tokens + num_lookahead) <= len(self._free)
+        return self.blocks_missing(seq, seq.num_tokens + num_lookahead) <= len(self._free)
 
     def allocate(self, seq: Sequence, num_lookahead: int = 0) -> None:
         """Cover all of seq's tokens plus ``num_lookahead`` positions (prefill)."""
         self.ensure(seq, seq.num_tokens + num_lookahead)
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self._missing(seq, seq.num_tokens + num_new_tokens) <= len(self._free)
+        return self.blocks_missing(seq, seq.num_tokens + num_new_tokens) <= len(self._free)
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow the table so it covers ``seq.num_tokens + num_new_tokens`` positions.
@@ -95,7 +93,7 @@ class BlockManager:
 
     def ensure(self, seq: Sequence, num_tokens: int) -> None:
         """Cover ``num_tokens`` positions; never shrinks. All or nothing."""
-        missing = self._missing(seq, num_tokens)
+        missing = self.blocks_missing(seq, num_tokens)
         if missing > len(self._free):
             raise EngineError(
                 f"sequence {seq.seq_id} needs {missing} more block(s) for {num_tokens} tokens, "

@@ -233,7 +233,7 @@ class Scheduler:
         bm, lookahead = self.block_manager, self.config.num_lookahead_tokens
         # Oldest first, so the victims (popped from the end) are the newest arrivals, and a
         # re-admitted old sequence is not the first to go again.
-        queue = sorted(self.running, key=lambda q: (q.arrival_time, q.seq_id))
+        queue = self._by_arrival()
         scheduled: list[Sequence] = []
         while queue:
             seq = queue.pop(0)
@@ -260,7 +260,7 @@ class Scheduler:
         if batch is not None:
             return batch
         bm, lookahead = self.block_manager, self.config.num_lookahead_tokens
-        seqs = [s for s in sorted(self.running, key=lambda q: (q.arrival_time, q.seq_id))
+        seqs = [s for s in self._by_arrival()
                 if not (s.seq_id in pending and s.num_output_tokens + 1 >= s.max_tokens)]
         need = {s.seq_id: s.num_tokens + pending.get(s.seq_id, 0) + lookahead for s in seqs}
         if not seqs or sum(bm.blocks_missing(s, need[s.seq_id]) for s in seqs) > bm.num_free_blocks:
@@ -268,6 +268,9 @@ class Scheduler:
         for seq in seqs:
             bm.ensure(seq, need[seq.seq_id])
         return ScheduledBatch(seqs, is_prefill=False)
+
+    def _by_arrival(self) -> list[Sequence]:
+        return sorted(self.running, key=lambda q: (q.arrival_time, q.seq_id))
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)  # also sets num_cached_tokens = 0: recomputed from its tokens

@@ -23,11 +23,9 @@ log = logging.getLogger(__name__)
 
 def _configure_dynamo() -> None:
     import torch._dynamo
-    import torch.fx.experimental._config as fx_config
 
-    # Distinct sizes that happen to be equal (a context of 64 tokens and a latent rank of 64) must
-    # not be unified into one symbol, or the next context length recompiles.
-    pass  # fx_config.use_duck_shape = False
+    # Duck shapes stay on (turning them off broke guard creation in torch 2.13), so sizes that
+    # happen to be equal can share a symbol and cost a recompile; room for those recompiles.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
 
 
