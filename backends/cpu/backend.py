@@ -40,6 +40,13 @@ class CpuLatentCache(LatentCache):
     rows_per_block: int = 0  # block_size, kept as an int so ops need not read the views
 
 
+def _take_rows(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """table[rows] for a 2-D table: [*rows.shape, table.shape[1]]. index_select copies whole rows;
+    advanced indexing computes an offset per element and is 6-10x slower on CPU (the cache gather
+    was 60 % of a batch-16 decode step)."""
+    return table.index_select(0, rows.reshape(-1)).view(*rows.shape, table.shape[1])
+
+
 class CpuBackend(Backend):
     name = "cpu"
     dist_backend = "gloo"
@@ -93,12 +100,12 @@ class CpuBackend(Backend):
         """The latent rows of every key of every sequence -> [B, S, R + P] in ``dtype``."""
         flat = getattr(cache, "rows", None)
         if flat is not None:
-            return flat[cache_rows(meta, cache.rows_per_block, flat.device)].to(dtype)
+            return _take_rows(flat, cache_rows(meta, cache.rows_per_block, flat.device)).to(dtype)
         rows = cache_rows(meta, cache.block_size, cache.c_kv.device)
         if cache.latent is not None:
-            return cache.latent.view(-1, cache.latent.shape[-1])[rows].to(dtype)
-        c = cache.c_kv.reshape(-1, cache.c_kv.shape[-1])[rows]
-        k = cache.k_pe.reshape(-1, cache.k_pe.shape[-1])[rows]
+            return _take_rows(cache.latent.view(-1, cache.latent.shape[-1]), rows).to(dtype)
+        c = _take_rows(cache.c_kv.reshape(-1, cache.c_kv.shape[-1]), rows)
+        k = _take_rows(cache.k_pe.reshape(-1, cache.k_pe.shape[-1]), rows)
         return torch.cat([c, k], dim=-1).to(dtype)
 
     # ---- norms and activations -------------------------------------------------------------

@@ -96,13 +96,15 @@ def spec_summary(stats, total_tokens: int, num_seqs: int) -> dict:
     if not stats:
         return {}
     steps = sum(s.num_steps for s in stats)
-    per_pos = np.sum([s.accepted_per_position for s in stats], axis=0)
+    accepted = np.sum([s.accepted_per_position for s in stats], axis=0)
+    drafted = np.maximum(np.sum([s.drafted_per_position for s in stats], axis=0), 1)
     spec_tokens = sum(s.num_accepted_tokens for s in stats) + steps
     decode_tokens = total_tokens - num_seqs  # the first token of each sequence comes from prefill
     plain_steps = max(0, decode_tokens - spec_tokens)
     return {
         "mean_accepted_length": round(spec_tokens / steps, 4),
-        "acceptance_per_position": (per_pos / steps).round(4).tolist(),
+        "acceptance_per_position": (accepted / drafted).round(4).tolist(),
+        "mean_drafts_per_step": round(sum(s.num_draft_tokens for s in stats) / steps, 4),
         "speculative_step_share": round(steps / (steps + plain_steps), 4),
     }
 

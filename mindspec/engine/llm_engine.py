@@ -63,7 +63,7 @@ class LLMEngine:
         self.scheduler = Scheduler(args.scheduler, self.block_manager)
         self.requests: dict[int, RequestState] = {}
         # Engine-wide speculative counters (all requests since start), for metrics and benchmarks.
-        self.spec_stats = SpecDecodeStats(accepted_per_position=[0] * max(1, self.plugin_manager.num_lookahead_tokens))
+        self.spec_stats = SpecDecodeStats.for_drafts(max(1, self.plugin_manager.num_lookahead_tokens))
         self._ids = itertools.count()
         self.async_stepper = self._async_stepper() if args.scheduler.async_scheduling else None
         if args.warmup:
@@ -159,7 +159,7 @@ class LLMEngine:
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         for n in batch_sizes:
             self.generate([ids] * n, params)
-        self.spec_stats = SpecDecodeStats(accepted_per_position=[0] * len(self.spec_stats.accepted_per_position))
+        self.spec_stats = SpecDecodeStats.for_drafts(len(self.spec_stats.accepted_per_position))
         for plugin in self.plugin_manager.plugins:
             if hasattr(plugin, "adaptive"):
                 plugin.adaptive.buckets.clear()
@@ -287,8 +287,8 @@ class LLMEngine:
                 self._record_spec(state, outputs, b)
 
     def _record_spec(self, state: RequestState, outputs: StepOutputs, b: int) -> None:
-        k = outputs.draft_tokens.shape[1]
-        state.spec_decode = state.spec_decode or SpecDecodeStats(accepted_per_position=[0] * k)
+        k = outputs.draft_tokens.shape[1]  # this step's drafts: at most K (adaptive speculation)
+        state.spec_decode = state.spec_decode or SpecDecodeStats.for_drafts(self.plugin_manager.num_lookahead_tokens)
         for stats in (state.spec_decode, self.spec_stats):
             stats.add_step(k, outputs.num_draft_accepted[b])
 

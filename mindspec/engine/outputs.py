@@ -7,17 +7,26 @@ from typing import Optional
 
 @dataclass
 class SpecDecodeStats:
-    """Speculative decoding counters of one request: drafts proposed and accepted per position."""
+    """Speculative decoding counters of one request: drafts proposed and accepted per position.
+    Steps may verify fewer than K drafts (adaptive speculation), so each position counts the steps
+    that drafted it."""
 
     num_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [K] drafts accepted at position k
+    drafted_per_position: list[int] = field(default_factory=list)  # [K] steps that drafted position k
+
+    @classmethod
+    def for_drafts(cls, k: int) -> "SpecDecodeStats":
+        return cls(accepted_per_position=[0] * k, drafted_per_position=[0] * k)
 
     def add_step(self, num_drafts: int, num_accepted: int) -> None:
         self.num_steps += 1
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
+        for pos in range(num_drafts):
+            self.drafted_per_position[pos] += 1
         for pos in range(num_accepted):
             self.accepted_per_position[pos] += 1
 
@@ -32,7 +41,7 @@ class SpecDecodeStats:
 
     @property
     def acceptance_rate_per_position(self) -> list[float]:
-        return [a / self.num_steps if self.num_steps else 0.0 for a in self.accepted_per_position]
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
 
 
 @dataclass

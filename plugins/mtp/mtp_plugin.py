@@ -9,9 +9,12 @@ Per-sequence cache (MindIE's mtp_hidden_states / mtp_last_token_num): the main m
 states of the last positions and how many tokens still lack an MTP cache entry (the tokens the
 last step accepted; more after steps that ran without speculation).
 
-Adaptive speculation (adaptive.py, on by default): per decode step the plugin either speculates
-or runs a plain decode step, whichever the measured throughput at this batch size favours. A plain
-step leaves the MTP caches behind by one entry per sequence; the next speculative step writes the
+Adaptive speculation (adaptive.py, on by default): per decode step the plugin picks how many
+drafts to verify, k in 0..K, whichever the measured throughput at this batch size favours (k = 0
+is a plain decode step). MTP Eagle may use any k: its one module writes every cache entry in its
+first draft step. MTP Vanilla chooses between K and 0: module j > 0 writes its entries only when it
+drafts, so a step with fewer drafts would leave the later modules' caches behind. A plain step
+leaves the MTP caches behind by one entry per sequence; the next speculative step writes the
 missed entries first. A sequence never falls more than CATCH_UP entries behind: then the step
 speculates whatever the controller prefers, since entries never written would lower that
 sequence's acceptance for the rest of its life (and make speculation look worse than it is).
@@ -73,7 +76,8 @@ class MtpPlugin(Plugin):
         self.num_lookahead_tokens = self.k  # the main model writes K draft positions past the last token
         self.keep_hidden = self.k + CATCH_UP  # vanilla's history (K-1) + the entries to catch up
         self.states: dict[int, MtpSeqState] = {}
-        self.adaptive = AdaptiveSpeculation(self.params.adaptive_speculation)
+        arms = range(self.k + 1) if self.mode == "eagle" else (0, self.k)
+        self.adaptive = AdaptiveSpeculation(arms, self.params.adaptive_speculation)
 
     # ---- hooks ---------------------------------------------------------------------------------
     def model_inputs_update(self, batch: StepBatch, inputs: StepInputs) -> StepInputs:
@@ -81,14 +85,14 @@ class MtpPlugin(Plugin):
         if batch.is_prefill:
             inputs.extra["mtp_modules"] = self.modules if self.mode == "vanilla" else [0]
             return inputs
-        speculate = self.adaptive.speculate(len(batch))
-        if not speculate and any(self.states[s.seq_id].last_accepted >= CATCH_UP for s in batch.seqs):
-            speculate = True  # a plain step now would leave an MTP cache entry unwritten for good
-        inputs.extra["mtp_speculate"] = speculate
-        if not speculate:  # a plain decode step: the base inputs as composed
+        k = self.adaptive.choose(len(batch))
+        if k == 0 and any(self.states[s.seq_id].last_accepted >= CATCH_UP for s in batch.seqs):
+            k = min(a for a in self.adaptive.arms if a)  # a plain step now would leave an entry unwritten for good
+        inputs.extra["mtp_k"] = k
+        if k == 0:  # a plain decode step: the base inputs as composed
             return inputs
         last_accepted = np.array([self.states[s.seq_id].last_accepted for s in batch.seqs], dtype=np.int64)
-        inputs = self._speculative_inputs(batch, inputs, last_accepted)
+        inputs = self._speculative_inputs(batch, inputs, last_accepted, k)
         inputs.hidden_states = self._gather_hidden(batch.seqs, inputs.extra["mtp_layout"])
         return inputs
 
@@ -99,10 +103,10 @@ class MtpPlugin(Plugin):
         inputs.extra["mtp_started"] = time.perf_counter()
         if batch.is_prefill:
             return self.model_inputs_update(batch, inputs)
-        inputs.extra["mtp_speculate"] = True
+        inputs.extra["mtp_k"] = self.k
         last_accepted = np.array([n if n else self.states[s.seq_id].last_accepted
                                   for s, n in zip(batch.seqs, pending)], dtype=np.int64)
-        return self._speculative_inputs(batch, inputs, last_accepted)
+        return self._speculative_inputs(batch, inputs, last_accepted, self.k)
 
     def fill_in_model_result(self, batch: StepBatch, inputs: StepInputs, pending: np.ndarray,
                              accepted: list[list[int]]) -> None:
@@ -112,22 +116,22 @@ class MtpPlugin(Plugin):
         inputs.extra["mtp_layout"] = layout
         inputs.hidden_states = self._gather_hidden(batch.seqs, layout)
 
-    def _speculative_inputs(self, batch: StepBatch, inputs: StepInputs, last_accepted: np.ndarray) -> StepInputs:
+    def _speculative_inputs(self, batch: StepBatch, inputs: StepInputs, last_accepted: np.ndarray, k: int) -> StepInputs:
         seqs = batch.seqs
         num_tokens = np.array([s.num_tokens for s in seqs], dtype=np.int64)
         tables = di.block_tables([s.block_table for s in seqs])
         # A sequence whose prefill is still running has no state yet: it was prefilled here.
         hidden_from = np.array([getattr(self.states.get(s.seq_id), "hidden_from", 0) for s in seqs], dtype=np.int64)
-        layout = di.decode_layout(num_tokens, last_accepted, self.k, self.mode, hidden_from)
+        layout = di.decode_layout(num_tokens, last_accepted, k, self.mode, hidden_from)
         inputs.model_inputs = di.main_inputs(
-            np.array([s.last_token_id for s in seqs]), num_tokens, tables, self.block_size, self.k
+            np.array([s.last_token_id for s in seqs]), num_tokens, tables, self.block_size, k
         )
         inputs.sub_model_inputs = di.sub_inputs(
-            [s.token_ids for s in seqs], layout, tables, self.block_size, self.k, self.mode,
+            [s.token_ids for s in seqs], layout, tables, self.block_size, k, self.mode,
             hidden_from, self.dummy_block_id,
         )
         inputs.q_lens = inputs.model_inputs.q_lens
-        inputs.extra["mtp_modules"] = self.modules
+        inputs.extra["mtp_modules"] = self.modules[:k]
         inputs.extra["mtp_layout"] = layout
         return inputs
 
@@ -144,18 +148,18 @@ class MtpPlugin(Plugin):
 
     def sample_preprocess(self, batch: StepBatch, inputs: StepInputs) -> StepInputs:
         if self._speculating(batch, inputs):  # one sampling row per verified position
-            n = len(batch)
-            inputs.row_seq = np.repeat(np.arange(n, dtype=np.int64), self.k + 1)
-            inputs.row_offset = np.tile(np.arange(self.k + 1, dtype=np.int64), n)
+            n, k = len(batch), self._drafts(batch, inputs)
+            inputs.row_seq = np.repeat(np.arange(n, dtype=np.int64), k + 1)
+            inputs.row_offset = np.tile(np.arange(k + 1, dtype=np.int64), n)
         return inputs
 
     def plugin_verify(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs) -> StepOutputs:
         if not self._speculating(batch, inputs):
             return outputs
-        n, k = len(batch), self.k
+        n, k = len(batch), self._drafts(batch, inputs)
         drafts = outputs.draft_tokens.cpu().numpy()
         targets = outputs.sampled.reshape(n, k + 1)
-        accepted = self._accept(batch, inputs, outputs, drafts, targets)
+        accepted = self._accept(batch, inputs, outputs, drafts, targets, k)
         outputs.accepted = policy.emitted_tokens(drafts, targets, accepted)
         outputs.accepted_rows = [list(range(b * (k + 1), b * (k + 1) + c + 1)) for b, c in enumerate(accepted.tolist())]
         outputs.num_draft_accepted = accepted.tolist()
@@ -173,7 +177,8 @@ class MtpPlugin(Plugin):
                 )
             return
         speculated = self._speculating(batch, inputs)
-        rows_per_seq = self.k + 1 if speculated else 1
+        k = self._drafts(batch, inputs)
+        rows_per_seq = k + 1
         for b, seq in enumerate(batch.seqs):
             state = self.states[seq.seq_id]
             count = len(outputs.accepted[b])
@@ -187,10 +192,10 @@ class MtpPlugin(Plugin):
                     np.array([state.in_think]), [outputs.accepted[b]],
                     self.params.think_start_token_id, self.params.think_end_token_id,
                 )[0])
-        caught_up = speculated and int(inputs.extra["mtp_layout"].last_accepted.max()) > self.k + 1
+        caught_up = speculated and int(inputs.extra["mtp_layout"].last_accepted.max()) > k + 1
         if not caught_up:  # a catch-up step is no sample of steady speculation (adaptive.py)
             tokens = sum(len(a) for a in outputs.accepted) / max(1, len(batch))
-            self.adaptive.record(len(batch), speculated, tokens, time.perf_counter() - inputs.extra["mtp_started"])
+            self.adaptive.record(len(batch), k, tokens, time.perf_counter() - inputs.extra["mtp_started"])
 
     def adopt_prefilled(self, seq, hidden_size: int, dtype: torch.dtype, device) -> None:
         """A sequence prefilled on another node (PD disaggregation): its KV arrived, its hidden
@@ -207,9 +212,12 @@ class MtpPlugin(Plugin):
             self.states.pop(seq_id, None)
 
     # ---- helpers -------------------------------------------------------------------------------
-    @staticmethod
-    def _speculating(batch: StepBatch, inputs: StepInputs) -> bool:
-        return not batch.is_prefill and inputs.extra.get("mtp_speculate", True)
+    def _drafts(self, batch: StepBatch, inputs: StepInputs) -> int:
+        """Drafts this step verifies per sequence (0: prefill or a plain step)."""
+        return 0 if batch.is_prefill else inputs.extra.get("mtp_k", self.k)
+
+    def _speculating(self, batch: StepBatch, inputs: StepInputs) -> bool:
+        return self._drafts(batch, inputs) > 0
 
     def _gather_hidden(self, seqs, layout: di.DecodeLayout) -> torch.Tensor:
         seq_idx, positions, valid = di.hidden_rows(layout)
@@ -222,12 +230,12 @@ class MtpPlugin(Plugin):
             out[rows] = state.hidden[positions[rows] - offset]
         return out
 
-    def _accept(self, batch, inputs, outputs, drafts, targets) -> np.ndarray:
+    def _accept(self, batch, inputs, outputs, drafts, targets, k: int) -> np.ndarray:
         p = self.params
         if p.decoding_policy == "strict":
             return policy.strict_accept(drafts, targets)
         md = inputs.extra["sampling_metadata"]
-        n, k = len(batch), self.k
+        n = len(batch)
         if p.decoding_policy == "relaxed":
             probs = torch.softmax(penalised_logits(outputs.logits, md), dim=-1).view(n, k + 1, -1).cpu()
             delta = np.array([p.relaxed_delta if self.states[s.seq_id].in_think else 0.0 for s in batch.seqs])

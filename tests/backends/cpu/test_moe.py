@@ -3,7 +3,7 @@ import torch
 
 import op_references as ref
 from mindspec.backend import ExpertWeights, RouterConfig
-from mindspec.backends.cpu import CpuBackend
+from mindspec.backends.cpu import CpuBackend, moe
 
 HIDDEN, E, T = 32, 16, 23
 
@@ -133,3 +133,36 @@ def test_moe_experts_skips_foreign_ids_and_empty_batch():
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
     empty = CpuBackend().moe_experts(x[:0], w[:0], ids[:0], ex)
     assert empty.shape == (0, HIDDEN)
+
+
+@pytest.mark.parametrize("path", ["_few_experts", "_gathered_experts", "_dense_experts", "_sorted_experts"])
+def test_every_expert_path_matches_naive_loop(path):
+    """Each way of running the experts gives the same sums, foreign ids skipped."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(7, HIDDEN, generator=g)
+    ex = _experts(g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(7)])
+    ids[1, 2], ids[4, 0] = -1, E + 1  # another rank's experts
+    w = torch.rand(7, 3, generator=g)
+    keep = (ids >= 0) & (ids < E)
+    expected = ref.moe_experts(x, w * keep, ids.clamp(0, E - 1), ex.w13, ex.w2)
+    torch.testing.assert_close(getattr(moe, path)(x, w, ids, ex).double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_experts,top_k,tokens,path", [
+    (6, 2, 1, "_few_experts"),  # one token: only its experts' weights are read
+    (6, 2, 4, "_dense_experts"),  # few experts, several tokens (MTP verification): two batched GEMMs
+    (6, 2, 64, "_dense_experts"),
+    (64, 2, 4, "_few_experts"),  # many experts, a handful of pairs
+    (64, 2, 32, "_sorted_experts"),
+])
+def test_expert_path_chosen_by_cost(monkeypatch, num_experts, top_k, tokens, path):
+    calls = []
+    for name in ("_few_experts", "_gathered_experts", "_dense_experts", "_sorted_experts"):
+        original = getattr(moe, name)
+        monkeypatch.setattr(moe, name, lambda *a, _n=name, _f=original: calls.append(_n) or _f(*a))
+    g = torch.Generator().manual_seed(7)
+    ex = ExpertWeights(w13=torch.randn(num_experts, 8, HIDDEN, generator=g), w2=torch.randn(num_experts, HIDDEN, 4, generator=g))
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)])
+    moe.moe_experts(torch.randn(tokens, HIDDEN, generator=g), torch.rand(tokens, top_k, generator=g), ids, ex)
+    assert calls == [path]

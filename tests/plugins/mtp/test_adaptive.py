@@ -14,76 +14,97 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
 # ---- the controller -----------------------------------------------------------------------------
-def _feed(ctl: AdaptiveSpeculation, batch: int, steps: int, on: tuple[float, float], off: tuple[float, float]):
-    """Run `steps` decisions; each step yields (tokens, seconds) of its kind. Returns the choices."""
+def _feed(ctl: AdaptiveSpeculation, batch: int, steps: int, yields: dict[int, tuple[float, float]]):
+    """Run `steps` decisions; a step with k drafts yields (tokens, seconds) = yields[k]. Returns the choices."""
     choices = []
     for _ in range(steps):
-        spec = ctl.speculate(batch)
-        choices.append(spec)
-        ctl.record(batch, spec, *(on if spec else off))
+        k = ctl.choose(batch)
+        choices.append(k)
+        ctl.record(batch, k, *yields[k])
     return choices
 
 
+ON_WINS = {3: (2.5, 2.0), 0: (1.0, 1.0)}  # speculation: 2.5 tokens in 2 s (1.25/s); plain: 1 token in 1 s
+
+
 def test_explores_both_kinds_then_keeps_the_faster():
-    ctl = AdaptiveSpeculation()
-    # speculation: 2.5 tokens in 2 s (1.25/s); plain: 1 token in 1 s
-    first = _feed(ctl, 1, 2 * adaptive.MIN_SAMPLES, on=(2.5, 2.0), off=(1.0, 1.0))
-    assert first.count(True) == first.count(False) == adaptive.MIN_SAMPLES
-    assert first[0] is True  # speculation is tried first
-    later = _feed(ctl, 1, 40, on=(2.5, 2.0), off=(1.0, 1.0))
-    assert all(later)
-    assert ctl.summary()[1] == {"speculate": True, "on": 1.25, "off": 1.0}
+    ctl = AdaptiveSpeculation((0, 3))
+    first = _feed(ctl, 1, 2 * adaptive.MIN_SAMPLES, ON_WINS)
+    assert first.count(3) == first.count(0) == adaptive.MIN_SAMPLES
+    assert first[0] == 3  # speculation is tried first
+    later = _feed(ctl, 1, 40, ON_WINS)
+    assert set(later) == {3}
+    assert ctl.summary()[1] == {"k": 3, "tokens_per_s": {3: 1.25, 0: 1.0}}
 
 
 def test_switches_off_when_speculation_loses_and_back_when_it_wins():
-    ctl = AdaptiveSpeculation()
-    _feed(ctl, 32, 2 * adaptive.MIN_SAMPLES, on=(1.5, 2.0), off=(1.0, 1.0))
-    assert not any(_feed(ctl, 32, 20, on=(1.5, 2.0), off=(1.0, 1.0)))  # 0.75/s against 1/s
+    ctl = AdaptiveSpeculation((0, 3))
+    loses = {3: (1.5, 2.0), 0: (1.0, 1.0)}  # 0.75/s against 1/s
+    _feed(ctl, 32, 2 * adaptive.MIN_SAMPLES, loses)
+    assert set(_feed(ctl, 32, 20, loses)) == {0}
     # Speculation becomes cheaper; the estimate follows as re-explored samples replace old ones
     # (one every REEXPLORE_EVERY steps; a window's worth is more than enough).
-    choices = _feed(ctl, 32, adaptive.REEXPLORE_EVERY * adaptive.WINDOW, on=(3.0, 1.0), off=(1.0, 1.0))
-    assert choices[-1] is True
+    choices = _feed(ctl, 32, adaptive.REEXPLORE_EVERY * adaptive.WINDOW, {3: (3.0, 1.0), 0: (1.0, 1.0)})
+    assert choices[-1] == 3
+
+
+def test_picks_the_best_draft_count_among_several():
+    """Eagle's arms 0..K: at a large batch one draft can beat both three and none."""
+    ctl = AdaptiveSpeculation(range(4))
+    yields = {0: (1.0, 1.0), 1: (1.8, 1.5), 2: (2.4, 2.2), 3: (2.8, 3.0)}  # 1.0, 1.2, 1.09, 0.93 per s
+    first = _feed(ctl, 16, 4 * adaptive.MIN_SAMPLES, yields)
+    assert first[:4] == [3, 2, 1, 0]  # round robin, the most speculative first
+    assert all(first.count(k) == adaptive.MIN_SAMPLES for k in range(4))
+    assert set(_feed(ctl, 16, 40, yields)) == {1}
+    assert ctl.summary()[16]["k"] == 1
 
 
 def test_margin_prevents_flip_flopping_on_noise():
-    ctl = AdaptiveSpeculation()
-    _feed(ctl, 4, 2 * adaptive.MIN_SAMPLES, on=(1.01, 1.0), off=(1.0, 1.0))
+    ctl = AdaptiveSpeculation((0, 3))
+    _feed(ctl, 4, 2 * adaptive.MIN_SAMPLES, {3: (1.01, 1.0), 0: (1.0, 1.0)})
     # 1% apart: inside the margin, the current choice (speculate) stays
-    assert all(_feed(ctl, 4, 30, on=(1.0, 1.0), off=(1.01, 1.0))[:adaptive.REEXPLORE_EVERY - 10])
+    assert set(_feed(ctl, 4, 30, {3: (1.0, 1.0), 0: (1.01, 1.0)})[:adaptive.REEXPLORE_EVERY - 10]) == {3}
 
 
-def test_reexplores_the_other_kind_now_and_then():
-    ctl = AdaptiveSpeculation()
-    choices = _feed(ctl, 8, 3 * adaptive.REEXPLORE_EVERY, on=(3.0, 1.0), off=(1.0, 1.0))
-    plain_after_warmup = choices[2 * adaptive.MIN_SAMPLES:].count(False)
+def test_reexplores_the_other_arms_now_and_then():
+    ctl = AdaptiveSpeculation((0, 3))
+    choices = _feed(ctl, 8, 3 * adaptive.REEXPLORE_EVERY, {3: (3.0, 1.0), 0: (1.0, 1.0)})
+    plain_after_warmup = choices[2 * adaptive.MIN_SAMPLES:].count(0)
     assert 1 <= plain_after_warmup <= 3 * adaptive.REEXPLORE_BURST
+    many = AdaptiveSpeculation(range(4))
+    choices = _feed(many, 8, 4 * adaptive.REEXPLORE_EVERY, {k: (1.0 + k, 1.0) for k in range(4)})
+    assert {0, 1, 2} <= set(choices[4 * adaptive.MIN_SAMPLES:])  # each arm not chosen is re-tried in turn
 
 
 def test_buckets_are_independent_and_disabled_always_speculates():
-    ctl = AdaptiveSpeculation()
-    _feed(ctl, 64, 30, on=(1.2, 2.0), off=(1.0, 1.0))
-    assert ctl.speculate(1) is True  # a fresh bucket explores speculation first
+    ctl = AdaptiveSpeculation((0, 3))
+    _feed(ctl, 64, 30, {3: (1.2, 2.0), 0: (1.0, 1.0)})
+    assert ctl.choose(1) == 3  # a fresh bucket explores speculation first
     assert [batch_bucket(b) for b in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, 32]
-    off = AdaptiveSpeculation(enabled=False)
-    assert all(_feed(off, 64, 10, on=(1.0, 9.0), off=(1.0, 1.0)))
+    off = AdaptiveSpeculation((0, 3), enabled=False)
+    assert set(_feed(off, 64, 10, {3: (1.0, 9.0), 0: (1.0, 1.0)})) == {3}
     assert off.summary() == {}
+    with pytest.raises(ValueError, match="draft counts"):
+        AdaptiveSpeculation(())
 
 
 # ---- losslessness under alternating steps ----------------------------------------------------------
 class ScriptedSpeculation:
-    """Stands in for the controller: speculate or not from a fixed pattern."""
+    """Stands in for the controller: the draft count of each step from a fixed pattern (True: K,
+    False: a plain step)."""
 
-    def __init__(self, pattern):
-        self.pattern, self.i, self.log, self.recorded = list(pattern), 0, [], []
+    def __init__(self, pattern, k):
+        self.arms = (0, k)
+        self.pattern, self.i, self.log, self.recorded = [k if p is True else int(p) for p in pattern], 0, [], []
 
-    def speculate(self, batch_size):
-        spec = self.pattern[self.i % len(self.pattern)]
+    def choose(self, batch_size):
+        k = self.pattern[self.i % len(self.pattern)]
         self.i += 1
-        self.log.append(spec)
-        return spec
+        self.log.append(k)
+        return k
 
-    def record(self, batch_size, speculated, tokens, seconds):
-        self.recorded.append(speculated)
+    def record(self, batch_size, k, tokens, seconds):
+        self.recorded.append(k)
 
 
 @pytest.fixture(scope="module")
@@ -114,12 +135,12 @@ def test_alternating_steps_are_lossless(case, mode, k, pattern):
     path, prompts, expected = case
     llm = _llm(path, {"plugin_type": "mtp", "num_speculative_tokens": k, "mtp_mode": mode})
     plugin = llm.engine.plugin_manager.plugins[0]
-    plugin.adaptive = ScriptedSpeculation(PATTERNS[pattern])
+    plugin.adaptive = ScriptedSpeculation(PATTERNS[pattern], k)
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == expected
     alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
     assert alone == expected
-    assert True in plugin.adaptive.log and False in plugin.adaptive.log
+    assert k in plugin.adaptive.log and 0 in plugin.adaptive.log
     stats = [o.spec_decode for o in outs if o.spec_decode is not None]
     drafted = sum(s.num_draft_tokens for s in stats)
     # Speculative steps after plain ones still find the MTP caches up to date: drafts keep being
@@ -127,6 +148,39 @@ def test_alternating_steps_are_lossless(case, mode, k, pattern):
     assert sum(s.num_accepted_tokens for s in stats) > 0.2 * drafted
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_usable_blocks and not plugin.states
+
+
+EAGLE_PATTERNS = {
+    "fewer drafts": [3, 1, 2, 1, 3, 3, 2],
+    "fewer drafts and plain": [1, 0, 3, 0, 0, 2, 1, 0],
+}
+
+
+@pytest.mark.parametrize("pattern", list(EAGLE_PATTERNS))
+def test_eagle_steps_with_any_draft_count_are_lossless(case, pattern):
+    """MTP Eagle may verify 1..K drafts per step (adaptive speculation's arms 0..K)."""
+    path, prompts, expected = case
+    llm = _llm(path, {"plugin_type": "mtp", "num_speculative_tokens": 3, "mtp_mode": "eagle"})
+    plugin = llm.engine.plugin_manager.plugins[0]
+    assert plugin.adaptive.arms == [3, 2, 1, 0]
+    plugin.adaptive = ScriptedSpeculation([], 3)
+    plugin.adaptive.pattern = EAGLE_PATTERNS[pattern]
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert [llm.generate([p], GREEDY)[0].token_ids for p in prompts[:3]] == expected[:3]
+    assert {1, 3} <= set(plugin.adaptive.log)
+    stats = [o.spec_decode for o in outs if o.spec_decode is not None]
+    drafted = np.sum([s.drafted_per_position for s in stats], axis=0)
+    accepted = np.sum([s.accepted_per_position for s in stats], axis=0)
+    assert drafted[0] > drafted[1] > drafted[2] > 0 and (accepted <= drafted).all()
+    assert sum(s.num_draft_tokens for s in stats) == drafted.sum()
+    assert accepted.sum() > 0.2 * drafted.sum()  # the module's cache stays complete: drafts still hit
+
+
+def test_vanilla_chooses_between_k_and_plain_only(case):
+    path, _, _ = case
+    llm = _llm(path, {"plugin_type": "mtp", "num_speculative_tokens": 3, "mtp_mode": "vanilla"})
+    assert llm.engine.plugin_manager.plugins[0].adaptive.arms == [3, 0]
 
 
 def test_adaptive_default_on_is_lossless(case):
@@ -141,7 +195,7 @@ def _mtp_cache_rows(llm, prompt, pattern, margin):
     position but the last ``margin`` (entries written from verified tokens only)."""
     engine = llm.engine
     plugin = engine.plugin_manager.plugins[0]
-    plugin.adaptive = ScriptedSpeculation(pattern)
+    plugin.adaptive = ScriptedSpeculation(pattern, plugin.k)
     for cache in engine.model_wrapper.caches:  # nothing left over from an earlier run
         cache.latent.zero_()
     state = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=2 * CATCH_UP + 16, ignore_eos=True))
@@ -165,8 +219,11 @@ def test_speculative_steps_catch_up_the_entries_plain_steps_skipped(case, mode, 
     margin = CATCH_UP + k + 2  # the newest entries may still hold draft-conditioned values
     always = _mtp_cache_rows(llm, prompts[0], [True], margin)
     assert always.abs().sum() > 0
-    for pattern in ("plain runs", "beyond catch-up"):  # long plain runs are cut short: no entry is lost
-        mixed = _mtp_cache_rows(llm, prompts[0], PATTERNS[pattern], margin)
+    patterns = [PATTERNS["plain runs"], PATTERNS["beyond catch-up"]]  # long plain runs are cut short
+    if mode == "eagle":
+        patterns += [[1, 2, 1, 0, 2]]  # fewer drafts than K
+    for pattern in patterns:  # no entry is lost
+        mixed = _mtp_cache_rows(llm, prompts[0], pattern, margin)
         torch.testing.assert_close(mixed, always, atol=1e-5, rtol=1e-5)
 
 
@@ -176,11 +233,11 @@ def test_catch_up_steps_are_not_measured(case):
     path, prompts, _ = case
     llm = _llm(path, {"plugin_type": "mtp", "num_speculative_tokens": 1, "mtp_mode": "vanilla"})
     plugin = llm.engine.plugin_manager.plugins[0]
-    plugin.adaptive = ScriptedSpeculation([True, True, False, False, False])
+    plugin.adaptive = ScriptedSpeculation([True, True, False, False, False], 1)
     llm.generate(prompts[:1], GREEDY)
     log = plugin.adaptive.log
     # after two plain steps (3 entries behind, > K + 1 = 2) the next speculative step is a catch-up
-    unmeasured = sum(1 for i in range(1, len(log)) if log[i] and log[i - 2:i] == [False, False])
+    unmeasured = sum(1 for i in range(1, len(log)) if log[i] and log[i - 2:i] == [0, 0])
     assert unmeasured > 0
-    assert plugin.adaptive.recorded.count(True) == log.count(True) - unmeasured
-    assert plugin.adaptive.recorded.count(False) == log.count(False)
+    assert plugin.adaptive.recorded.count(1) == log.count(1) - unmeasured
+    assert plugin.adaptive.recorded.count(0) == log.count(0)

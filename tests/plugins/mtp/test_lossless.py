@@ -38,7 +38,9 @@ def _llm(path, plugin_params=None):
 @pytest.mark.parametrize("k", [1, 2, 3, 5])
 def test_mtp_greedy_equals_no_speculation(case, mode, k):
     kind, path, prompts, expected = case
-    llm = _llm(path, {"plugin_type": "mtp", "num_speculative_tokens": k, "mtp_mode": mode})
+    # every step verifies K drafts (adaptive speculation's varying counts: test_adaptive.py)
+    llm = _llm(path, {"plugin_type": "mtp", "num_speculative_tokens": k, "mtp_mode": mode,
+                      "adaptive_speculation": False})
     batched = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in batched] == expected
     alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
