@@ -123,6 +123,8 @@ class RotaryEmbedding:
     inv_freq: torch.Tensor  # [rope_dim // 2] float32
     attention_factor: float  # multiplies cos and sin (YaRN mscale ratio; 1.0 for released configs)
     cos_sin_cache: Optional[torch.Tensor] = None  # [max_positions, rope_dim] float32: [cos | sin]
+    # Tables a backend derives from cos_sin_cache in its own layout, built on first use.
+    backend_tables: dict = field(default_factory=dict, repr=False, compare=False)
 
     def build_cache(self, max_positions: int, device: Optional[torch.device] = None) -> None:
         inv_freq = self.inv_freq.to(device=device, dtype=torch.float32)

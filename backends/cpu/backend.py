@@ -47,6 +47,14 @@ def _take_rows(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return table.index_select(0, rows.reshape(-1)).view(*rows.shape, table.shape[1])
 
 
+_ROPE_TABLE = "cpu_interleaved_cos_sin"
+
+
+def _interleaved(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """cos, sin [N, P/2] -> [N, 2P] rows (c0, c0, c1, c1, ... | -s0, s0, -s1, s1, ...)."""
+    return torch.cat([cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)], dim=-1)
+
+
 class CpuBackend(Backend):
     name = "cpu"
     dist_backend = "gloo"
@@ -130,11 +138,22 @@ class CpuBackend(Backend):
 
     # ---- rope ----------------------------------------------------------------------------
     def rope(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
-        cos, sin = rotary.cos_sin(positions.to(x.device))  # [T, P/2] float32 each
-        cos, sin = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]
-        x0, x1 = x[..., 0::2], x[..., 1::2]
-        out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-        return out.flatten(-2)
+        """Interleaved pairs (x0, x1) -> (x0 cos - x1 sin, x1 cos + x0 sin), written as
+        x * cos2 + swap(x) * sin2 with per-pair rows cos2 = (c, c), sin2 = (-s, s): the same
+        products and sums bit for bit (negation is exact), in half the kernels."""
+        T, H, P = x.shape
+        positions = positions.to(x.device).reshape(-1)
+        table = rotary.backend_tables.get(_ROPE_TABLE) if rotary.cos_sin_cache is not None else None
+        if table is None:
+            table = _interleaved(*rotary.cos_sin(positions) if rotary.cos_sin_cache is None
+                                 else rotary.cos_sin_cache.to(x.device).chunk(2, dim=-1))
+            if rotary.cos_sin_cache is None:
+                positions = torch.arange(T, device=x.device)  # rows computed for these positions
+            else:
+                rotary.backend_tables[_ROPE_TABLE] = table
+        cs = table.index_select(0, positions).to(x.dtype)[:, None, :]  # [T, 1, 2P]
+        swapped = x.reshape(T, H, P // 2, 2).flip(-1).reshape(T, H, P)  # (x1, x0) per pair
+        return x * cs[..., :P] + swapped * cs[..., P:]
 
     # ---- attention -------------------------------------------------------------------------
     def mla_attention(

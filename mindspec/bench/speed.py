@@ -42,7 +42,7 @@ def mtp(k: int, mode: str, adaptive: bool = False, **extra) -> dict:
 
 def default_configs(ks: list[int], mtp_modules: int, bos: int, eos: int, compiled: bool,
                     asynchronous: bool = True) -> list[Config]:
-    """MTP off; vanilla (K up to the checkpoint's modules) and eagle at fixed K; K=3 adaptive;
+    """MTP off; vanilla (K up to the checkpoint's modules) and eagle at fixed K; K=3 adaptive (both modes);
     relaxed acceptance; with ``asynchronous``, async scheduling of MTP off and K=3; with
     ``compiled``, the compiled decode step for the main ones."""
     out = [Config("mtp off")]
@@ -51,7 +51,8 @@ def default_configs(ks: list[int], mtp_modules: int, bos: int, eos: int, compile
     for k in ks:
         out.append(Config(f"eagle K={k}", mtp(k, "eagle")))
     best = "vanilla" if 3 <= mtp_modules else "eagle"
-    out.append(Config(f"{best} K=3 adaptive", mtp(3, best, adaptive=True)))
+    # Adaptive speculation: vanilla chooses K or a plain step, eagle any draft count 0..K.
+    out += [Config(f"{mode} K=3 adaptive", mtp(3, mode, adaptive=True)) for mode in dict.fromkeys([best, "eagle"])]
     # Relaxed acceptance applies inside a thinking span; this code model has none, so the whole
     # output is declared one (from BOS to EOS) to measure what relaxed acceptance buys.
     out.append(Config(f"{best} K=3 relaxed", mtp(3, best, decoding_policy="relaxed", relaxed_topk=3, relaxed_delta=0.2,
