@@ -139,8 +139,7 @@ class RotaryEmbedding:
         if self.cos_sin_cache is None:
             freqs = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
             return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
-        # index_select, not cache[positions]: one row copy each instead of per-element indexing
-        return self.cos_sin_cache.index_select(0, positions.reshape(-1)).chunk(2, dim=-1)
+        return self.cos_sin_cache[positions].chunk(2, dim=-1)
 
 
 # --------------------------------------------------------------------------------------------

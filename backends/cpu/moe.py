@@ -82,11 +82,13 @@ def moe_experts(
     if T == 0:
         return torch.zeros_like(x)
     few_experts = E <= DENSE_EXPERTS_PER_CHOICE * k
+    if torch.compiler.is_compiling():  # no host round trip inside a compiled graph
+        if T * k <= FEW_PAIRS:
+            return _gathered_experts(x, topk_weights, topk_ids, experts)
+        return _dense_experts(x, topk_weights, topk_ids, experts) if few_experts else _sorted_experts(x, topk_weights, topk_ids, experts)
     if few_experts and T > 1:
         return _dense_experts(x, topk_weights, topk_ids, experts)
     if T * k <= FEW_PAIRS:
-        if torch.compiler.is_compiling():  # no host round trip inside a compiled graph
-            return _gathered_experts(x, topk_weights, topk_ids, experts)
         return _few_experts(x, topk_weights, topk_ids, experts)
     return _sorted_experts(x, topk_weights, topk_ids, experts)
 

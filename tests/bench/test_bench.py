@@ -1,0 +1,46 @@
+"""``mindspec bench``: the speculation summary it reports, and one small end-to-end run that writes
+its JSON and PNG."""
+import json
+
+import pytest
+
+from mindspec.bench import speed
+from mindspec.bench.main import main
+from mindspec.engine.outputs import SpecDecodeStats
+
+
+def test_spec_summary_counts_each_position_over_the_steps_that_drafted_it():
+    a, b = SpecDecodeStats.for_drafts(3), SpecDecodeStats.for_drafts(3)
+    a.add_step(3, 2)
+    a.add_step(3, 1)
+    b.add_step(1, 1)  # adaptive speculation: a step with one draft
+    b.add_step(3, 0)
+    # 2 sequences: 1 token each from prefill, 8 from the 4 speculative steps, 2 from plain steps
+    summary = speed.spec_summary([a, b, None], total_tokens=12, num_seqs=2)
+    assert summary == {
+        "mean_accepted_length": 2.0,  # (4 accepted + 4 bonus) / 4 steps
+        "acceptance_per_position": [0.75, 0.3333, 0.0],  # 3 of 4, 1 of 3, 0 of 3
+        "mean_drafts_per_step": 2.5,
+        "speculative_step_share": 0.6667,  # 4 of 6 steps
+    }
+    assert speed.spec_summary([SpecDecodeStats.for_drafts(3)], 10, 1) == {}
+
+
+@pytest.mark.slow
+def test_bench_writes_json_and_png(tmp_path):
+    out = tmp_path / "bench"
+    rc = main(["--batches", "1,2", "--ks", "1", "--rounds", "1", "--new-tokens", "6", "--no-compile",
+               "--no-async", "--no-hf", "--no-profile", "--out", str(out)])
+    assert rc == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    assert list(report["results"]) == ["batch 1", "batch 2"]
+    rows = report["results"]["batch 2"]
+    assert {"mtp off", "vanilla K=1", "eagle K=1", "vanilla K=3 adaptive", "eagle K=3 adaptive"} <= set(rows)
+    for name, row in rows.items():
+        assert row["tokens_per_s_median"] > 0
+        if report["configs"][name]["lossless_policy"]:
+            assert row["identical_to_mtp_off"], name  # greedy speculation changes no token
+    assert rows["mtp off"]["speedup_vs_mtp_off"] == 1.0
+    assert rows["vanilla K=1"]["mean_drafts_per_step"] == 1.0
+    assert 1.0 <= rows["vanilla K=1"]["mean_accepted_length"] <= 2.0
