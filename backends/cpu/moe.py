@@ -85,7 +85,8 @@ def moe_experts(
     if torch.compiler.is_compiling():  # no host round trip inside a compiled graph
         if T * k <= FEW_PAIRS:
             return _gathered_experts(x, topk_weights, topk_ids, experts)
-        return _dense_experts(x, topk_weights, topk_ids, experts) if few_experts else _sorted_experts(x, topk_weights, topk_ids, experts)
+        dense = few_experts and T * k >= E
+        return (_dense_experts if dense else _sorted_experts)(x, topk_weights, topk_ids, experts)
     if few_experts and T > 1:
         return _dense_experts(x, topk_weights, topk_ids, experts)
     if T * k <= FEW_PAIRS:
