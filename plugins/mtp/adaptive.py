@@ -8,7 +8,7 @@ nearly as much as a real one, and rejected drafts are pure loss (users of vLLM a
 speculation turning into a slowdown there), while fewer drafts, whose acceptance is highest, may
 still pay. So the choice is measured, not assumed: for each batch-size bucket the controller keeps
 the recent steps of every allowed draft count (its "arms"), as (tokens yielded per sequence,
-seconds), and picks the arm with the most tokens per second. Each arm is tried a few times first,
+seconds), and picks the arm with the most tokens per second (mean tokens over median seconds). Each arm is tried a few times first,
 and the arms not chosen are re-tried now and then (a few steps in a row, one arm at a time), so
 the estimate follows the acceptance rate and the context length as they change. Speculative steps
 that catch up MTP cache entries skipped by plain steps are not measured: they cost more than a
@@ -20,6 +20,7 @@ still to write).
 """
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -43,9 +44,11 @@ class _Bucket:
     steps: int = 0
 
     def throughput(self, k: int) -> float:
+        """Mean tokens over the median step time: a step slowed by something else on the machine
+        (a noisy neighbour, a page fault, GC) moves a median little and a sum a lot."""
         s = self.samples.get(k, ())
-        seconds = sum(t for _, t in s)
-        return sum(n for n, _ in s) / seconds if seconds > 0 else 0.0
+        seconds = statistics.median(t for _, t in s) if s else 0.0
+        return statistics.fmean(n for n, _ in s) / seconds if seconds > 0 else 0.0
 
 
 class AdaptiveSpeculation:

@@ -192,7 +192,8 @@ class MtpPlugin(Plugin):
                     np.array([state.in_think]), [outputs.accepted[b]],
                     self.params.think_start_token_id, self.params.think_end_token_id,
                 )[0])
-        caught_up = speculated and int(inputs.extra["mtp_layout"].last_accepted.max()) > k + 1
+        # More entries than a speculative step leaves (K+1): plain steps came before, not fewer drafts.
+        caught_up = speculated and int(inputs.extra["mtp_layout"].last_accepted.max()) > self.k + 1
         if not caught_up:  # a catch-up step is no sample of steady speculation (adaptive.py)
             tokens = sum(len(a) for a in outputs.accepted) / max(1, len(batch))
             self.adaptive.record(len(batch), k, tokens, time.perf_counter() - inputs.extra["mtp_started"])

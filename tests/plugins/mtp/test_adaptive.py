@@ -59,6 +59,21 @@ def test_picks_the_best_draft_count_among_several():
     assert ctl.summary()[16]["k"] == 1
 
 
+def test_a_few_slow_steps_do_not_flip_the_choice():
+    """A step slowed by something else on the machine (every 5th speculative one here, 10x) must
+    not outweigh the typical step: speculation stays chosen."""
+    ctl = AdaptiveSpeculation((0, 3))
+    steps = []
+    for _ in range(60):
+        k = ctl.choose(1)
+        spec_steps = sum(1 for s in steps if s == 3)
+        seconds = 20.0 if k == 3 and spec_steps % 5 == 4 else (2.0 if k == 3 else 1.0)
+        ctl.record(1, k, 2.5 if k == 3 else 1.0, seconds)
+        steps.append(k)
+    assert steps[-20:].count(3) >= 20 - adaptive.REEXPLORE_BURST
+    assert ctl.summary()[1]["tokens_per_s"][3] == 1.25
+
+
 def test_margin_prevents_flip_flopping_on_noise():
     ctl = AdaptiveSpeculation((0, 3))
     _feed(ctl, 4, 2 * adaptive.MIN_SAMPLES, {3: (1.01, 1.0), 0: (1.0, 1.0)})
