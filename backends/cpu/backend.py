@@ -65,6 +65,18 @@ def _interleaved(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.cat([cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)], dim=-1)
 
 
+def _interleaved_rows(rotary: RotaryEmbedding, positions: torch.Tensor) -> torch.Tensor:
+    """[T, 2P] interleaved cos/sin rows of ``positions``; with a cos/sin cache, looked up in its
+    interleaved copy (built once, kept in ``rotary.backend_tables``)."""
+    if rotary.cos_sin_cache is None:
+        return _interleaved(*rotary.cos_sin(positions))
+    table = rotary.backend_tables.get(_ROPE_TABLE)
+    if table is None:
+        cache = rotary.cos_sin_cache.to(positions.device)
+        table = rotary.backend_tables[_ROPE_TABLE] = _interleaved(*cache.chunk(2, dim=-1))
+    return table.index_select(0, positions)
+
+
 class CpuBackend(Backend):
     name = "cpu"
     dist_backend = "gloo"
@@ -154,16 +166,7 @@ class CpuBackend(Backend):
         if torch.compiler.is_compiling():  # Inductor fuses either form; this one compiles fastest
             return _rope_pairs(x, positions, rotary)
         T, H, P = x.shape
-        positions = positions.to(x.device).reshape(-1)
-        table = rotary.backend_tables.get(_ROPE_TABLE) if rotary.cos_sin_cache is not None else None
-        if table is None:
-            table = _interleaved(*rotary.cos_sin(positions) if rotary.cos_sin_cache is None
-                                 else rotary.cos_sin_cache.to(x.device).chunk(2, dim=-1))
-            if rotary.cos_sin_cache is None:
-                positions = torch.arange(T, device=x.device)  # rows computed for these positions
-            else:
-                rotary.backend_tables[_ROPE_TABLE] = table
-        cs = table.index_select(0, positions).to(x.dtype)[:, None, :]  # [T, 1, 2P]
+        cs = _interleaved_rows(rotary, positions.to(x.device).reshape(-1)).to(x.dtype)[:, None, :]  # [T, 1, 2P]
         swapped = x.reshape(T, H, P // 2, 2).flip(-1).reshape(T, H, P)  # (x1, x0) per pair
         return x * cs[..., :P] + swapped * cs[..., P:]
 

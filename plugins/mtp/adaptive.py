@@ -8,9 +8,9 @@ nearly as much as a real one, and rejected drafts are pure loss (users of vLLM a
 speculation turning into a slowdown there), while fewer drafts, whose acceptance is highest, may
 still pay. So the choice is measured, not assumed: for each batch-size bucket the controller keeps
 the recent steps of every allowed draft count (its "arms"), as (tokens yielded per sequence,
-seconds), and picks the arm with the most tokens per second (mean tokens over median seconds). Each arm is tried a few times first,
-and the arms not chosen are re-tried now and then (a few steps in a row, one arm at a time), so
-the estimate follows the acceptance rate and the context length as they change. Speculative steps
+seconds), and picks the arm with the most tokens per second (mean tokens over median seconds).
+Each arm is tried a few times first, and the arms not chosen are re-tried now and then (a few
+steps in a row, one arm at a time), so the estimate follows the acceptance rate and the context length as they change. Speculative steps
 that catch up MTP cache entries skipped by plain steps are not measured: they cost more than a
 steady speculative step, and counting them would make speculation look worse the longer it is off.
 
@@ -82,8 +82,9 @@ class AdaptiveSpeculation:
         if b.steps % REEXPLORE_EVERY < REEXPLORE_BURST:
             others = [k for k in self.arms if k != b.choice]
             return others[(b.steps // REEXPLORE_EVERY) % len(others)]
-        best = max(self.arms, key=b.throughput)
-        if best != b.choice and b.throughput(best) > b.throughput(b.choice) * (1 + MARGIN):
+        rate = {k: b.throughput(k) for k in self.arms}
+        best = max(self.arms, key=rate.get)
+        if best != b.choice and rate[best] > rate[b.choice] * (1 + MARGIN):
             b.choice = best
         return b.choice
 

@@ -159,7 +159,7 @@ class MtpPlugin(Plugin):
         n, k = len(batch), self._drafts(batch, inputs)
         drafts = outputs.draft_tokens.cpu().numpy()
         targets = outputs.sampled.reshape(n, k + 1)
-        accepted = self._accept(batch, inputs, outputs, drafts, targets, k)
+        accepted = self._accept(batch, inputs, outputs, drafts, targets)
         outputs.accepted = policy.emitted_tokens(drafts, targets, accepted)
         outputs.accepted_rows = [list(range(b * (k + 1), b * (k + 1) + c + 1)) for b, c in enumerate(accepted.tolist())]
         outputs.num_draft_accepted = accepted.tolist()
@@ -176,9 +176,8 @@ class MtpPlugin(Plugin):
                     last_accepted=1, in_think=self._prompt_in_think(seq.token_ids),
                 )
             return
-        speculated = self._speculating(batch, inputs)
         k = self._drafts(batch, inputs)
-        rows_per_seq = k + 1
+        speculated, rows_per_seq = k > 0, k + 1
         for b, seq in enumerate(batch.seqs):
             state = self.states[seq.seq_id]
             count = len(outputs.accepted[b])
@@ -231,12 +230,12 @@ class MtpPlugin(Plugin):
             out[rows] = state.hidden[positions[rows] - offset]
         return out
 
-    def _accept(self, batch, inputs, outputs, drafts, targets, k: int) -> np.ndarray:
+    def _accept(self, batch, inputs, outputs, drafts, targets) -> np.ndarray:
         p = self.params
         if p.decoding_policy == "strict":
             return policy.strict_accept(drafts, targets)
         md = inputs.extra["sampling_metadata"]
-        n = len(batch)
+        n, k = drafts.shape
         if p.decoding_policy == "relaxed":
             probs = torch.softmax(penalised_logits(outputs.logits, md), dim=-1).view(n, k + 1, -1).cpu()
             delta = np.array([p.relaxed_delta if self.states[s.seq_id].in_think else 0.0 for s in batch.seqs])
