@@ -193,16 +193,25 @@ def join_torchrun(args: EngineArgs, parallel: ParallelConfig, prefix: str = ""):
 
 
 def follow(engine) -> int:
-    """A rank > 0: apply rank 0's steps until it stops (exit code 0) or is lost (one line on
-    stderr naming the cause, exit code 1)."""
+    """A rank > 0: apply rank 0's steps until it stops (returns exit code 0) or is lost (one line
+    on stderr naming the cause, then the process ends at once with exit code 1)."""
     try:
         engine.follow()
         engine.close()
     except (DistributedError, RuntimeError) as exc:
         cause = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
         print(f"mindspec dp rank {engine.ctx.rank}: stopping: {cause}", file=sys.stderr, flush=True)
-        return 1
+        exit_without_teardown(1)
     return 0
+
+
+def exit_without_teardown(code: int) -> None:
+    """End a rank whose process group is broken. A normal interpreter exit tears down gloo's
+    context with a dead peer, and its worker threads can then abort the process (SIGABRT, seen on
+    CI: pytorch/pytorch#179291); a broken group has nothing left worth releasing."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # ---- entry point for LLM and the server -------------------------------------------------------------

@@ -12,7 +12,7 @@ import pickle
 import sys
 
 from .errors import DistributedError
-from .launch import RankSpec, follow, join_as_worker, rank_args, share_host_cores
+from .launch import RankSpec, exit_without_teardown, follow, join_as_worker, rank_args, share_host_cores
 
 
 def main(spec_path: str) -> int:
@@ -27,7 +27,7 @@ def main(spec_path: str) -> int:
         engine = SpmdEngine(rank_args(spec.args, spec.parallel, spec.local_rank), join_as_worker(spec))
     except (DistributedError, RuntimeError) as exc:
         print(f"mindspec dp rank {spec.rank}: cannot start: {exc}", file=sys.stderr, flush=True)
-        return 1
+        exit_without_teardown(1)  # the group may be half built; see follow()
     return follow(engine)
 
 
