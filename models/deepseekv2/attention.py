@@ -64,15 +64,22 @@ class MlaAttention:
         q = self._query(x)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_pe = self.backend.rope(q_pe, positions, self.rotary)
-        kv_a = F.linear(x, self.kv_a_proj)  # [T, R + P]
-        c_kv, k_pe = self.backend.latent_norm_rope_cache(
-            kv_a, self.kv_a_layernorm, self.eps, positions, self.rotary, cache, meta.slots
-        )
+        c_kv, k_pe = self.write_cache(x, positions, cache, meta)
         if meta.is_prefill and meta.tree_mask is None:
             out = self._prefill(q_nope, q_pe, c_kv, k_pe, meta)
         else:
             out = self._absorbed(q_nope, q_pe, cache, meta)
         return F.linear(out.reshape(x.shape[0], self.num_heads * self.v_dim), self.o_proj)
+
+    def write_cache(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: LatentCache, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (c_kv [T, R], roped k_pe [T, P]), written into ``cache`` at meta.slots.
+        The latents depend on x alone, so a caller that needs only the cache stops here."""
+        kv_a = F.linear(x, self.kv_a_proj)  # [T, R + P]
+        return self.backend.latent_norm_rope_cache(
+            kv_a, self.kv_a_layernorm, self.eps, positions, self.rotary, cache, meta.slots
+        )
 
     def _prefill(self, q_nope, q_pe, c_kv, k_pe, meta) -> torch.Tensor:
         kv = F.linear(c_kv, self.kv_b_proj).view(-1, self.num_heads, self.nope_dim + self.v_dim)

@@ -52,3 +52,8 @@ class DecoderLayer:
         h = self.self_attn.forward(h, positions, cache, meta)
         h, residual = self.backend.add_rms_norm(h, residual, self.post_attention_layernorm, self.eps)
         return self.mlp.forward(h), residual
+
+    def write_cache(self, x: torch.Tensor, positions: torch.Tensor, cache: LatentCache, meta: AttentionMetadata) -> None:
+        """The cache entries ``forward`` would write for block input x (first block: no residual),
+        without the attention output and the MLP."""
+        self.self_attn.write_cache(self.backend.rms_norm(x, self.input_layernorm, self.eps), positions, cache, meta)

@@ -219,10 +219,18 @@ class FlashCausalDeepseekV2:
     ) -> ModelOutput:
         """Prefill the main model, then the MTP module(s) over the prompt shifted by one plus the
         new (greedy) token, so every MTP cache holds the prompt; the drafts are dropped (seed 000):
-        the first decode step rewrites the entry of the new token with the token actually sampled."""
+        the first decode step rewrites the entry of the new token with the token actually sampled.
+        So the last module's output is never used: it only writes its cache (no attention output,
+        no MLP over the prompt; eagle's one module costs a projection per prompt token)."""
         out = self.forward(input_ids, positions, caches, meta, lm_head_indices)
-        shifted = torch.roll(input_ids, -1)
-        shifted[lm_head_indices] = out.logits.argmax(dim=-1)
-        steps = [DraftStep(m, positions, meta) for m in mtp_modules]
-        self.draft(shifted, out.hidden_states, lm_head_indices, steps, caches)
+        ids = torch.roll(input_ids, -1)
+        ids[lm_head_indices] = out.logits.argmax(dim=-1)
+        hidden = out.hidden_states
+        *feeding, last = mtp_modules
+        for m in feeding:  # vanilla: module m's output and draft feed module m + 1
+            step = self.forward_mtp(m, ids, hidden, positions, caches, meta, lm_head_indices)
+            ids = torch.roll(ids, -1)
+            ids[lm_head_indices] = step.logits.argmax(dim=-1)
+            hidden = step.hidden_states
+        self.mtp_modules[last].write_cache(ids, hidden, positions, caches[self.cfg.num_hidden_layers + last], meta)
         return out

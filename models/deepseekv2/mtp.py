@@ -59,11 +59,20 @@ class MtpModule:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """-> block_out [T, hidden], before the shared-head norm."""
+        out, residual = self.block.forward(self._block_input(input_ids, hidden_states), None, positions, cache, meta)
+        return out + residual
+
+    def write_cache(
+        self, input_ids: torch.Tensor, hidden_states: torch.Tensor, positions: torch.Tensor, cache: LatentCache,
+        meta: AttentionMetadata,
+    ) -> None:
+        """Only the cache entries ``forward`` writes (what a last stage whose output goes unused needs)."""
+        self.block.write_cache(self._block_input(input_ids, hidden_states), positions, cache, meta)
+
+    def _block_input(self, input_ids: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         e = self.backend.rms_norm(F.embedding(input_ids, self.embed), self.enorm, self.eps)
         h = self.backend.rms_norm(hidden_states, self.hnorm, self.eps)
-        x = F.linear(torch.cat([e, h], dim=-1), self.eh_proj)
-        out, residual = self.block.forward(x, None, positions, cache, meta)
-        return out + residual
+        return F.linear(torch.cat([e, h], dim=-1), self.eh_proj)  # [T, hidden]
 
     def logits(self, block_out: torch.Tensor) -> torch.Tensor:
         """block_out [N, hidden] -> logits [N, vocab] float32."""
