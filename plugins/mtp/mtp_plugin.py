@@ -194,8 +194,8 @@ class MtpPlugin(Plugin):
         # More entries than a speculative step leaves (K+1): plain steps came before, not fewer drafts.
         caught_up = speculated and int(inputs.extra["mtp_layout"].last_accepted.max()) > self.k + 1
         if not caught_up:  # a catch-up step is no sample of steady speculation (adaptive.py)
-            tokens = sum(len(a) for a in outputs.accepted) / max(1, len(batch))
-            self.adaptive.record(len(batch), k, tokens, time.perf_counter() - inputs.extra["mtp_started"])
+            accepted = outputs.num_draft_accepted if speculated else []
+            self.adaptive.record(len(batch), k, accepted, time.perf_counter() - inputs.extra["mtp_started"])
 
     def adopt_prefilled(self, seq, hidden_size: int, dtype: torch.dtype, device) -> None:
         """A sequence prefilled on another node (PD disaggregation): its KV arrived, its hidden

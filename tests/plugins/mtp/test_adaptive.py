@@ -14,48 +14,77 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
 # ---- the controller -----------------------------------------------------------------------------
-def _feed(ctl: AdaptiveSpeculation, batch: int, steps: int, yields: dict[int, tuple[float, float]]):
-    """Run `steps` decisions; a step with k drafts yields (tokens, seconds) = yields[k]. Returns the choices."""
+def _feed(ctl: AdaptiveSpeculation, batch: int, steps: int, seconds: dict[int, float], runs: list[int]):
+    """Run `steps` decisions. Sequence b of a step would keep runs[b] drafts if it had enough, so
+    a step with k drafts keeps min(runs[b], k) and takes seconds[k]. Returns the choices."""
     choices = []
     for _ in range(steps):
         k = ctl.choose(batch)
         choices.append(k)
-        ctl.record(batch, k, *yields[k])
+        ctl.record(batch, k, [min(r, k) for r in runs], seconds[k])
     return choices
 
 
-ON_WINS = {3: (2.5, 2.0), 0: (1.0, 1.0)}  # speculation: 2.5 tokens in 2 s (1.25/s); plain: 1 token in 1 s
+HALF = [1, 2]  # K=3 yields 2.5 tokens per sequence (1 + mean of 1 and 2 kept drafts)
+ON_WINS = {3: 2.0, 0: 1.0}  # with HALF: speculation 2.5 tokens in 2 s (1.25/s); plain 1 token in 1 s
+# Accepted at position 1, 2, 3 when reached: 0.8, 0.75, 2/3 -> 1.8, 2.4, 2.8 tokens for k = 1, 2, 3.
+RUNS = [0] * 3 + [1] * 3 + [2] * 3 + [3] * 6
 
 
 def test_explores_both_kinds_then_keeps_the_faster():
     ctl = AdaptiveSpeculation((0, 3))
-    first = _feed(ctl, 1, 2 * adaptive.MIN_SAMPLES, ON_WINS)
+    first = _feed(ctl, 1, 2 * adaptive.MIN_SAMPLES, ON_WINS, HALF)
     assert first.count(3) == first.count(0) == adaptive.MIN_SAMPLES
     assert first[0] == 3  # speculation is tried first
-    later = _feed(ctl, 1, 40, ON_WINS)
+    later = _feed(ctl, 1, 40, ON_WINS, HALF)
     assert set(later) == {3}
     assert ctl.summary()[1] == {"k": 3, "tokens_per_s": {3: 1.25, 0: 1.0}}
 
 
+def test_expected_tokens_from_acceptance_per_position():
+    acc = adaptive.Acceptance(3)
+    acc.record(3, [min(r, 3) for r in RUNS])
+    assert [round(acc.tokens(k), 6) for k in range(4)] == [1.0, 1.8, 2.4, 2.8]
+    acc.record(1, [min(r, 1) for r in RUNS])  # one draft: position 1 again, the later ones decay only
+    assert acc.tokens(1) == pytest.approx(1.8) and acc.tokens(3) == pytest.approx(2.8)
+    acc.record(2, [0] * 15)  # nothing accepted: position 1 drops, positions 2-3 keep their rate
+    alpha1 = (12 * adaptive.DECAY ** 2 + 12 * adaptive.DECAY) / (15 * adaptive.DECAY ** 2 + 15 * adaptive.DECAY + 15)
+    assert acc.tokens(1) == pytest.approx(1 + alpha1)
+    assert acc.tokens(3) == pytest.approx(1 + alpha1 * (1 + 0.75 + 0.75 * 2 / 3))
+
+
+def test_every_arm_learns_from_every_speculative_step():
+    """Steps of one arm that happened to write easy text do not make that arm look better than
+    the others: acceptance is pooled over arms, only step time is per arm."""
+    ctl = AdaptiveSpeculation(range(4))
+    seconds = {0: 1.0, 1: 1.5, 2: 2.2, 3: 3.0}
+    _feed(ctl, 16, 4 * adaptive.MIN_SAMPLES, seconds, RUNS)
+    ctl.record(16, 2, [2] * 15, seconds[2])  # a lucky stretch for k = 2 ...
+    ctl.record(16, 3, [min(r, 3) for r in RUNS], seconds[3])
+    ratio = ctl.throughput(16, 3) / ctl.throughput(16, 2)
+    assert ratio == pytest.approx(ctl.acceptance.tokens(3) / ctl.acceptance.tokens(2) * 2.2 / 3.0)
+    assert ctl.acceptance.tokens(2) < 2.6  # the lucky step moved the pooled estimate, not k = 2's alone
+
+
 def test_switches_off_when_speculation_loses_and_back_when_it_wins():
     ctl = AdaptiveSpeculation((0, 3))
-    loses = {3: (1.5, 2.0), 0: (1.0, 1.0)}  # 0.75/s against 1/s
-    _feed(ctl, 32, 2 * adaptive.MIN_SAMPLES, loses)
-    assert set(_feed(ctl, 32, 20, loses)) == {0}
-    # Speculation becomes cheaper; the estimate follows as re-explored samples replace old ones
-    # (one every REEXPLORE_EVERY steps; a window's worth is more than enough).
-    choices = _feed(ctl, 32, adaptive.REEXPLORE_EVERY * adaptive.WINDOW, {3: (3.0, 1.0), 0: (1.0, 1.0)})
+    loses = [0, 1]  # 1.5 tokens in 2 s: 0.75/s against 1/s
+    _feed(ctl, 32, 2 * adaptive.MIN_SAMPLES, ON_WINS, loses)
+    assert set(_feed(ctl, 32, 20, ON_WINS, loses)) == {0}
+    # Speculation becomes cheaper and better accepted; the estimate follows as re-explored steps
+    # replace old ones (a few every REEXPLORE_EVERY steps; a window's worth is more than enough).
+    choices = _feed(ctl, 32, adaptive.REEXPLORE_EVERY * adaptive.WINDOW, {3: 1.0, 0: 1.0}, [2, 2])
     assert choices[-1] == 3
 
 
 def test_picks_the_best_draft_count_among_several():
     """Eagle's arms 0..K: at a large batch one draft can beat both three and none."""
     ctl = AdaptiveSpeculation(range(4))
-    yields = {0: (1.0, 1.0), 1: (1.8, 1.5), 2: (2.4, 2.2), 3: (2.8, 3.0)}  # 1.0, 1.2, 1.09, 0.93 per s
-    first = _feed(ctl, 16, 4 * adaptive.MIN_SAMPLES, yields)
+    seconds = {0: 1.0, 1: 1.5, 2: 2.2, 3: 3.0}  # with RUNS: 1.0, 1.2, 1.09, 0.93 tokens per s
+    first = _feed(ctl, 16, 4 * adaptive.MIN_SAMPLES, seconds, RUNS)
     assert first[:4] == [3, 2, 1, 0]  # round robin, the most speculative first
     assert all(first.count(k) == adaptive.MIN_SAMPLES for k in range(4))
-    assert set(_feed(ctl, 16, 40, yields)) == {1}
+    assert set(_feed(ctl, 16, 40, seconds, RUNS)) == {1}
     assert ctl.summary()[16]["k"] == 1
 
 
@@ -68,7 +97,7 @@ def test_a_few_slow_steps_do_not_flip_the_choice():
         k = ctl.choose(1)
         spec_steps = sum(1 for s in steps if s == 3)
         seconds = 20.0 if k == 3 and spec_steps % 5 == 4 else (2.0 if k == 3 else 1.0)
-        ctl.record(1, k, 2.5 if k == 3 else 1.0, seconds)
+        ctl.record(1, k, [min(r, k) for r in HALF], seconds)
         steps.append(k)
     assert steps[-20:].count(3) >= 20 - adaptive.REEXPLORE_BURST
     assert ctl.summary()[1]["tokens_per_s"][3] == 1.25
@@ -76,28 +105,28 @@ def test_a_few_slow_steps_do_not_flip_the_choice():
 
 def test_margin_prevents_flip_flopping_on_noise():
     ctl = AdaptiveSpeculation((0, 3))
-    _feed(ctl, 4, 2 * adaptive.MIN_SAMPLES, {3: (1.01, 1.0), 0: (1.0, 1.0)})
+    _feed(ctl, 4, 2 * adaptive.MIN_SAMPLES, {3: 1.5, 0: 1.0}, [0, 1])  # 1.5 tokens in 1.5 s: 1.0/s
     # 1% apart: inside the margin, the current choice (speculate) stays
-    assert set(_feed(ctl, 4, 30, {3: (1.0, 1.0), 0: (1.01, 1.0)})[:adaptive.REEXPLORE_EVERY - 10]) == {3}
+    assert set(_feed(ctl, 4, 30, {3: 1.515, 0: 1.0}, [0, 1])[:adaptive.REEXPLORE_EVERY - 10]) == {3}
 
 
 def test_reexplores_the_other_arms_now_and_then():
     ctl = AdaptiveSpeculation((0, 3))
-    choices = _feed(ctl, 8, 3 * adaptive.REEXPLORE_EVERY, {3: (3.0, 1.0), 0: (1.0, 1.0)})
+    choices = _feed(ctl, 8, 3 * adaptive.REEXPLORE_EVERY, {3: 1.0, 0: 1.0}, [2, 2])
     plain_after_warmup = choices[2 * adaptive.MIN_SAMPLES:].count(0)
     assert 1 <= plain_after_warmup <= 3 * adaptive.REEXPLORE_BURST
     many = AdaptiveSpeculation(range(4))
-    choices = _feed(many, 8, 4 * adaptive.REEXPLORE_EVERY, {k: (1.0 + k, 1.0) for k in range(4)})
+    choices = _feed(many, 8, 4 * adaptive.REEXPLORE_EVERY, {k: 1.0 for k in range(4)}, [3])
     assert {0, 1, 2} <= set(choices[4 * adaptive.MIN_SAMPLES:])  # each arm not chosen is re-tried in turn
 
 
 def test_buckets_are_independent_and_disabled_always_speculates():
     ctl = AdaptiveSpeculation((0, 3))
-    _feed(ctl, 64, 30, {3: (1.2, 2.0), 0: (1.0, 1.0)})
+    _feed(ctl, 64, 30, {3: 2.0, 0: 1.0}, [0, 0, 1])
     assert ctl.choose(1) == 3  # a fresh bucket explores speculation first
     assert [batch_bucket(b) for b in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, 32]
     off = AdaptiveSpeculation((0, 3), enabled=False)
-    assert set(_feed(off, 64, 10, {3: (1.0, 9.0), 0: (1.0, 1.0)})) == {3}
+    assert set(_feed(off, 64, 10, {3: 9.0, 0: 1.0}, [0])) == {3}
     assert off.summary() == {}
     with pytest.raises(ValueError, match="draft counts"):
         AdaptiveSpeculation(())
@@ -118,7 +147,7 @@ class ScriptedSpeculation:
         self.log.append(k)
         return k
 
-    def record(self, batch_size, k, tokens, seconds):
+    def record(self, batch_size, k, accepted, seconds):
         self.recorded.append(k)
 
 
