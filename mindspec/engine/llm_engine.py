@@ -162,7 +162,7 @@ class LLMEngine:
         self.spec_stats = SpecDecodeStats.for_drafts(len(self.spec_stats.accepted_per_position))
         for plugin in self.plugin_manager.plugins:
             if hasattr(plugin, "adaptive"):
-                plugin.adaptive.buckets.clear()
+                plugin.adaptive.reset()
 
     # ---- PD disaggregation ------------------------------------------------------------------------
     def prefill_for_handoff(self, prompt: Prompt, params: Optional[SamplingParams] = None) -> PrefillHandoff:

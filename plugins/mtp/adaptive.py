@@ -95,6 +95,11 @@ class AdaptiveSpeculation:
         self.buckets: dict[int, _Bucket] = {}
         self.acceptance = Acceptance(self.max_k)
 
+    def reset(self) -> None:
+        """Forget every measurement (warm-up steps on dummy prompts are no sample of serving)."""
+        self.buckets.clear()
+        self.acceptance = Acceptance(self.max_k)
+
     def _bucket(self, batch_size: int) -> _Bucket:
         key = batch_bucket(batch_size)
         b = self.buckets.get(key)

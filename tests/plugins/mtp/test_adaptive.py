@@ -124,6 +124,8 @@ def test_buckets_are_independent_and_disabled_always_speculates():
     ctl = AdaptiveSpeculation((0, 3))
     _feed(ctl, 64, 30, {3: 2.0, 0: 1.0}, [0, 0, 1])
     assert ctl.choose(1) == 3  # a fresh bucket explores speculation first
+    ctl.reset()  # what warm-up does with its dummy steps
+    assert ctl.summary() == {} and ctl.acceptance.tokens(3) == 1.0
     assert [batch_bucket(b) for b in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, 32]
     off = AdaptiveSpeculation((0, 3), enabled=False)
     assert set(_feed(off, 64, 10, {3: 9.0, 0: 1.0}, [0])) == {3}
