@@ -179,11 +179,7 @@ class FlashCausalDeepseekV2:
             draft = out.logits.argmax(dim=-1)  # [B]
             drafts.append(draft)
             if k + 1 < len(steps):
-                # A global roll is safe: what crosses a sequence boundary lands on padding rows, and
-                # each sequence's lm_head row is overwritten with its own draft.
-                ids = torch.roll(ids, -1)
-                ids[lm_head_indices] = draft
-                hidden = out.hidden_states
+                ids, hidden = _shift_in(ids, draft, lm_head_indices), out.hidden_states
         return torch.stack(drafts, dim=1)
 
     def forward_speculative(
@@ -223,14 +219,19 @@ class FlashCausalDeepseekV2:
         So the last module's output is never used: it only writes its cache (no attention output,
         no MLP over the prompt; eagle's one module costs a projection per prompt token)."""
         out = self.forward(input_ids, positions, caches, meta, lm_head_indices)
-        ids = torch.roll(input_ids, -1)
-        ids[lm_head_indices] = out.logits.argmax(dim=-1)
-        hidden = out.hidden_states
+        ids, hidden = _shift_in(input_ids, out.logits.argmax(dim=-1), lm_head_indices), out.hidden_states
         *feeding, last = mtp_modules
         for m in feeding:  # vanilla: module m's output and draft feed module m + 1
             step = self.forward_mtp(m, ids, hidden, positions, caches, meta, lm_head_indices)
-            ids = torch.roll(ids, -1)
-            ids[lm_head_indices] = step.logits.argmax(dim=-1)
-            hidden = step.hidden_states
+            ids, hidden = _shift_in(ids, step.logits.argmax(dim=-1), lm_head_indices), step.hidden_states
         self.mtp_modules[last].write_cache(ids, hidden, positions, caches[self.cfg.num_hidden_layers + last], meta)
         return out
+
+
+def _shift_in(ids: torch.Tensor, new: torch.Tensor, lm_head_indices: torch.Tensor) -> torch.Tensor:
+    """The next MTP stage's tokens: ids [T] rolled left by one, each sequence's lm_head row set to
+    its new token [B]. A global roll is safe: what crosses a sequence boundary lands on padding
+    rows (decode) or on the lm_head row, which is overwritten."""
+    ids = torch.roll(ids, -1)
+    ids[lm_head_indices] = new
+    return ids

@@ -62,10 +62,13 @@ class Acceptance:
         self.verified[:k] += (positions <= a).sum(axis=0)  # reached: every draft before was kept
         self.accepted[:k] += (positions < a).sum(axis=0)
 
+    def expected_tokens(self) -> np.ndarray:
+        """[max_k + 1]: expected tokens per sequence from a step with k = 0..max_k drafts."""
+        alpha = np.divide(self.accepted, self.verified, out=np.zeros_like(self.verified), where=self.verified > 0)
+        return 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(alpha))])
+
     def tokens(self, k: int) -> float:
-        """Expected tokens per sequence from a step with k drafts."""
-        alpha = np.divide(self.accepted[:k], self.verified[:k], out=np.zeros(k), where=self.verified[:k] > 0)
-        return 1.0 + float(np.cumprod(alpha).sum())
+        return float(self.expected_tokens()[k])
 
 
 @dataclass
@@ -118,7 +121,8 @@ class AdaptiveSpeculation:
         if b.steps % REEXPLORE_EVERY < REEXPLORE_BURST:
             others = [k for k in self.arms if k != b.choice]
             return others[(b.steps // REEXPLORE_EVERY) % len(others)]
-        rate = {k: self._rate(b, k) for k in self.arms}
+        tokens = self.acceptance.expected_tokens()  # once per decision, shared by the arms
+        rate = {k: self._rate(b, k, tokens) for k in self.arms}
         best = max(self.arms, key=rate.get)
         if best != b.choice and rate[best] > rate[b.choice] * (1 + MARGIN):
             b.choice = best
@@ -134,15 +138,17 @@ class AdaptiveSpeculation:
 
     def throughput(self, batch_size: int, k: int) -> float:
         """Expected tokens per sequence per second of a step with k drafts at this batch size."""
-        return self._rate(self._bucket(batch_size), k)
+        return self._rate(self.buckets[batch_bucket(batch_size)], k, self.acceptance.expected_tokens())
 
-    def _rate(self, b: _Bucket, k: int) -> float:
+    @staticmethod
+    def _rate(b: _Bucket, k: int, tokens: np.ndarray) -> float:
         seconds = b.median_seconds(k)
-        return self.acceptance.tokens(k) / seconds if seconds > 0 else 0.0
+        return float(tokens[k]) / seconds if seconds > 0 else 0.0
 
     def summary(self) -> dict:
         """Per bucket: the draft count now chosen and each arm's tokens per sequence per second."""
+        tokens = self.acceptance.expected_tokens()
         return {
-            bucket: {"k": b.choice, "tokens_per_s": {k: round(self._rate(b, k), 2) for k in self.arms}}
+            bucket: {"k": b.choice, "tokens_per_s": {k: round(self._rate(b, k, tokens), 2) for k in self.arms}}
             for bucket, b in sorted(self.buckets.items())
         }
