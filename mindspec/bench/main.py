@@ -2,6 +2,7 @@
 
     mindspec bench --out benchmarks/results/bench_cpu        # cpu, default model, ~30-60 min
     mindspec bench --batches 1 --ks 3 --rounds 3 --no-compile  # a quick look
+    mindspec bench --batching continuous ...                 # b running at once, refilled as they finish
     mindspec bench --backend cuda ...                        # the cuda backend's kernel and e2e benchmarks
 """
 from __future__ import annotations
@@ -28,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
     p.add_argument("--out", default="benchmarks/results/bench_cpu", help="output path without suffix (.json, .png)")
     p.add_argument("--batches", default="1,4,16,32")
+    p.add_argument("--batching", choices=speed.BATCHING, default="static",
+                   help="static: groups of b prompts, each run to its slowest sequence; continuous: "
+                        f"{speed.WAVES} x b prompts in one run, at most b at once (see mindspec.bench.speed)")
     p.add_argument("--ks", default="1,2,3,4", help="speculative token counts to compare")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=64)
@@ -54,15 +58,19 @@ def run(args: argparse.Namespace) -> int:
     ks = [int(k) for k in args.ks.split(",")]
     configs = speed.default_configs(ks, hf_config.get("num_nextn_predict_layers", 0), hf_config.get("bos_token_id", 0),
                                     hf_config.get("eos_token_id", 1), args.compile, args.asynchronous)
+    # KV blocks for the most sequences ever running at once: max(batches) in both modes (continuous
+    # batching queues the rest without blocks); +16 tokens per sequence cover BOS and the drafts.
     num_blocks = max(batches + [MIN_PROMPTS]) * -(-(args.prompt_tokens + args.new_tokens + 16) // 16) + 8
-    llms = {c.name: _llm(model_dir, c, num_blocks) for c in configs}
+    llms = {c.name: _llm(model_dir, c, num_blocks, max(batches)) for c in configs}
     tokenizer = next(iter(llms.values())).tokenizer.hf_tokenizer
-    prompts = heldout_prompts(tokenizer, max(batches + [MIN_PROMPTS]), args.prompt_tokens)
+    count = max(speed.prompt_count(b, MIN_PROMPTS, args.batching) for b in batches)
+    prompts = heldout_prompts(tokenizer, count, args.prompt_tokens)
     hf = _hf_model(model_dir) if args.hf else None
     report = {
         "model": model_dir, "backend": "cpu", "device": platform.processor() or platform.machine(),
-        "threads": args.threads, "rounds": args.rounds, "new_tokens": args.new_tokens,
+        "batching": args.batching, "threads": args.threads, "rounds": args.rounds, "new_tokens": args.new_tokens,
         "prompt_tokens": args.prompt_tokens, "dtype": "float32", "greedy": True,
+        "prompts_per_batch": {f"batch {b}": speed.prompt_count(b, MIN_PROMPTS, args.batching) for b in batches},
         "configs": {c.name: {"plugin_params": c.plugin_params, "decode_graphs": c.decode_graphs,
                                "async_scheduling": c.async_scheduling, "lossless_policy": c.lossless}
                     for c in configs},
@@ -71,9 +79,10 @@ def run(args: argparse.Namespace) -> int:
     }
     for batch in batches:
         t = time.time()
-        report["results"][f"batch {batch}"] = speed.bench_batch(llms, hf, prompts, batch, MIN_PROMPTS, args.rounds, params)
+        report["results"][f"batch {batch}"] = speed.bench_batch(llms, hf, prompts, batch, MIN_PROMPTS, args.rounds,
+                                                                params, args.batching)
         row = report["results"][f"batch {batch}"]
-        print(f"batch {batch} ({time.time() - t:.0f} s): " +
+        print(f"batch {batch} ({args.batching}, {time.time() - t:.0f} s): " +
               ", ".join(f"{n} {r['tokens_per_s_median']:.0f} tok/s" for n, r in row.items()), flush=True)
     if args.profile:
         report["profile"] = _profile(llms, prompts, params)
@@ -99,12 +108,14 @@ def _profile(llms: dict, prompts: list[list[int]], params: SamplingParams) -> di
     return out
 
 
-def _llm(model_dir: str, config: "speed.Config", num_blocks: int):
+def _llm(model_dir: str, config: "speed.Config", num_blocks: int, max_batch: int):
     from mindspec.llm import LLM
 
+    # The running limit must not cut a static group; continuous runs lower it per run.
     return LLM(model=model_dir, dtype="float32", cache_block_size=16, num_blocks=num_blocks, progress=False,
                plugin_params=config.plugin_params, decode_graphs=config.decode_graphs,
-               async_scheduling=config.async_scheduling, max_batch_size=256, max_prefill_batch_size=64)
+               async_scheduling=config.async_scheduling, max_batch_size=max(256, max_batch),
+               max_prefill_batch_size=64)
 
 
 def _hf_model(model_dir: str):

@@ -18,8 +18,9 @@ def plot_report(report: dict, path: Path) -> None:
     rows = -(-panels // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.8 * rows), squeeze=False)
     axes = axes.ravel()
+    batching = report.get("batching", "static")  # reports from before the option were static
     for ax, batch in zip(axes, batches):
-        _speedups(ax, batch, report["results"][batch])
+        _speedups(ax, batch, report["results"][batch], batching)
     _acceptance(axes[len(batches)], batches[0], report["results"][batches[0]])
     if profiles:
         _profile(axes[len(batches) + 1], profiles)
@@ -30,7 +31,7 @@ def plot_report(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _speedups(ax, batch: str, rows: dict) -> None:
+def _speedups(ax, batch: str, rows: dict, batching: str) -> None:
     names = list(rows)
     values = [rows[n]["speedup_vs_mtp_off"] for n in names]
     colors = ["#c44e52" if n == "transformers generate" else "#55a868" if "compile" in n else "#4c72b0" for n in names]
@@ -38,7 +39,7 @@ def _speedups(ax, batch: str, rows: dict) -> None:
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks(range(len(names)), names, rotation=65, ha="right", fontsize=7)
     ax.set_ylabel("tokens/s relative to MTP off (median)")
-    ax.set_title(f"{batch}: greedy, cpu", fontsize=10)
+    ax.set_title(f"{batch} ({batching} batching): greedy, cpu", fontsize=10)
 
 
 def _acceptance(ax, batch: str, rows: dict) -> None:

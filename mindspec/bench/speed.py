@@ -3,15 +3,30 @@
 Every configuration is a separate ``LLM`` on the same checkpoint, all in this one process, and the
 runs are interleaved round by round (A, B, C, ..., A, B, C, ...): a noisy shared machine then slows
 every configuration alike, and the median over rounds is reported. Greedy decoding of held-out
-prompts, ``batch`` prompts submitted together. Reported per configuration and batch size: output
-tokens per second, latency per output token of one sequence, the mean number of tokens a step
-yields per sequence (accepted drafts + 1), the acceptance rate per draft position, the share of
-steps that speculated (adaptive speculation), and whether the tokens equal MTP off (lossless).
+prompts. Reported per configuration and batch size: output tokens per second, latency per output
+token of one sequence, the mean number of tokens a step yields per sequence (accepted drafts + 1),
+the acceptance rate per draft position, the share of steps that speculated (adaptive speculation),
+and whether the tokens equal MTP off (lossless).
+
+"batch b" means one of two things (``batching``):
+
+* static: ``max(b, min_prompts)`` prompts in groups of b, one ``generate`` call per group, each
+  running until its slowest sequence is done. With speculation sequences finish at different
+  steps, so the tail of every group runs with fewer than b sequences. Latency per token: the mean
+  over groups of (group time / max_tokens).
+* continuous: ``max(WAVES * b, min_prompts)`` prompts in ONE ``generate`` call with the scheduler
+  limited to b running sequences, so a waiting prompt is admitted as soon as one finishes (what a
+  server sees; vLLM's ``benchmark_throughput`` does the same with its max-running limit). Only the
+  end of the run has fewer than b sequences. Latency per token: wall time * b / output tokens, the
+  time between one running slot's tokens (equal to the static measure when every slot is busy).
+  transformers ``generate`` has no continuous batching: it runs the same prompts in static groups
+  of b.
 """
 from __future__ import annotations
 
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -20,6 +35,11 @@ import torch
 
 from mindspec.llm import LLM
 from mindspec.text_generator.sampling.params import SamplingParams
+
+BATCHING = ("static", "continuous")
+# Continuous batching: prompts per run = WAVES x the running limit, so the end-of-run tail (fewer
+# than b sequences left) is amortised over 4 waves of admissions instead of dominating the run.
+WAVES = 4
 
 
 @dataclass
@@ -75,7 +95,13 @@ class Measurement:
     spec: dict = field(default_factory=dict)
 
 
+def prompt_count(batch: int, min_prompts: int, batching: str) -> int:
+    """Prompts measured per configuration, round and batch size."""
+    return max(WAVES * batch if batching == "continuous" else batch, min_prompts)
+
+
 def run_mindspec(llm: LLM, groups: list[list[list[int]]], params: SamplingParams, m: Measurement) -> None:
+    """Static batching: one ``generate`` per group."""
     outs, latencies = [], []
     start = time.perf_counter()
     for group in groups:
@@ -83,11 +109,37 @@ def run_mindspec(llm: LLM, groups: list[list[list[int]]], params: SamplingParams
         res = llm.generate(group, params)
         latencies.append((time.perf_counter() - t) / params.max_tokens)
         outs += res
-    seconds = time.perf_counter() - start
-    m.tokens_per_s.append(sum(len(o.token_ids) for o in outs) / seconds)
-    m.latency_per_token_ms.append(1e3 * statistics.mean(latencies))
+    _record(m, outs, time.perf_counter() - start, statistics.mean(latencies))
+
+
+def run_continuous(llm: LLM, prompts: list[list[int]], batch: int, params: SamplingParams, m: Measurement) -> None:
+    """Continuous batching: every prompt in one ``generate``, at most ``batch`` running; the
+    scheduler admits a waiting prompt as soon as a running one finishes."""
+    with max_running(llm, batch):
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)  # outputs in prompt order, as the static runs
+        seconds = time.perf_counter() - start
+    _record(m, outs, seconds, seconds * batch / sum(len(o.token_ids) for o in outs))
+
+
+@contextmanager
+def max_running(llm: LLM, batch: int):
+    """The scheduler's running-sequence limit (read every step) set to ``batch`` for a run; restored
+    after, so later runs on the same LLM (the profile) see the limit it was built with."""
+    config = llm.engine.scheduler.config
+    saved, config.max_batch_size = config.max_batch_size, batch
+    try:
+        yield
+    finally:
+        config.max_batch_size = saved
+
+
+def _record(m: Measurement, outs: list, seconds: float, latency_s: float) -> None:
+    tokens = sum(len(o.token_ids) for o in outs)
+    m.tokens_per_s.append(tokens / seconds)
+    m.latency_per_token_ms.append(1e3 * latency_s)
     m.token_ids = [o.token_ids for o in outs]
-    m.spec = spec_summary([o.spec_decode for o in outs], sum(len(o.token_ids) for o in outs), len(outs))
+    m.spec = spec_summary([o.spec_decode for o in outs], tokens, len(outs))
 
 
 def spec_summary(stats, total_tokens: int, num_seqs: int) -> dict:
@@ -149,15 +201,21 @@ def summarise(results: dict[str, Measurement], baseline: str = "mtp off") -> dic
 
 
 def bench_batch(llms: dict[str, LLM], hf, prompts: list[list[int]], batch: int, min_prompts: int,
-                rounds: int, params: SamplingParams) -> dict:
-    count = max(batch, min_prompts)
+                rounds: int, params: SamplingParams, batching: str = "static") -> dict:
+    count = prompt_count(batch, min_prompts, batching)
+    if len(prompts) < count:
+        raise ValueError(f"batch {batch} ({batching}) needs {count} prompts, got {len(prompts)}")
+    prompts = prompts[:count]
     groups = [prompts[i : i + batch] for i in range(0, count, batch)]
     results = {name: Measurement() for name in llms}
     if hf is not None:
         results["transformers generate"] = Measurement()
     for _ in range(rounds):
         for name, llm in llms.items():
-            run_mindspec(llm, groups, params, results[name])
+            if batching == "continuous":
+                run_continuous(llm, prompts, batch, params, results[name])
+            else:
+                run_mindspec(llm, groups, params, results[name])
         if hf is not None:
             run_hf(hf, groups, params.max_tokens, results["transformers generate"])
     return summarise(results)

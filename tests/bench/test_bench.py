@@ -44,3 +44,61 @@ def test_bench_writes_json_and_png(tmp_path):
     assert rows["mtp off"]["speedup_vs_mtp_off"] == 1.0
     assert rows["vanilla K=1"]["mean_drafts_per_step"] == 1.0
     assert 1.0 <= rows["vanilla K=1"]["mean_accepted_length"] <= 2.0
+
+
+def test_prompt_count_continuous_runs_waves_of_the_running_limit():
+    assert speed.prompt_count(1, 8, "static") == 8
+    assert speed.prompt_count(16, 8, "static") == 16
+    assert speed.prompt_count(1, 8, "continuous") == 8
+    assert speed.prompt_count(16, 8, "continuous") == speed.WAVES * 16
+
+
+@pytest.mark.slow
+def test_continuous_bench_runs_every_prompt_in_one_generate_with_at_most_b_running(tmp_path, monkeypatch):
+    from mindspec.bench import main as bench_main
+    from mindspec.engine.scheduler import Scheduler
+    from mindspec.llm import LLM
+
+    # Observed where it happens: the sequences the scheduler holds running after each schedule,
+    # and the prompts and outputs of every LLM.generate call.
+    running, calls, built = [], [], []
+    schedule = Scheduler.schedule
+
+    def recording_schedule(self):
+        batch = schedule(self)
+        running.append(len(self.running))
+        return batch
+
+    generate = LLM.generate
+
+    def recording_generate(self, prompts, params=None):
+        outs = generate(self, prompts, params)
+        calls.append((len(prompts), [len(o.token_ids) for o in outs]))
+        return outs
+
+    make_llm = bench_main._llm
+
+    def recording_llm(*args):
+        built.append(make_llm(*args))
+        return built[-1]
+
+    monkeypatch.setattr(Scheduler, "schedule", recording_schedule)
+    monkeypatch.setattr(LLM, "generate", recording_generate)
+    monkeypatch.setattr(bench_main, "_llm", recording_llm)
+    out = tmp_path / "bench"
+    rc = main(["--batching", "continuous", "--batches", "2", "--ks", "1", "--rounds", "1", "--new-tokens", "6",
+               "--no-compile", "--no-async", "--no-hf", "--no-profile", "--out", str(out)])
+    assert rc == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["batching"] == "continuous"
+    assert report["prompts_per_batch"] == {"batch 2": 8}  # WAVES x 2
+    assert list(report["results"]) == ["batch 2"]
+    rows = report["results"]["batch 2"]
+    # One generate per configuration with all 8 prompts, each run to its 6 tokens.
+    assert calls == [(8, [6] * 8)] * len(built) and len(built) == len(rows)
+    assert max(running) == 2  # never more than b running, and the limit is used
+    assert all(llm.engine.scheduler.config.max_batch_size == 256 for llm in built)  # restored after the run
+    for name, row in rows.items():
+        assert row["tokens_per_s_median"] > 0
+        if report["configs"][name]["lossless_policy"]:
+            assert row["identical_to_mtp_off"], name
