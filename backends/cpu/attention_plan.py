@@ -10,7 +10,7 @@ plan: with no cached context its keys are the new tokens themselves.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -30,6 +30,7 @@ class AttentionPlan:
     tok_seq: Optional[torch.Tensor]  # [T] int64
     tok_pos: Optional[torch.Tensor]  # [T] int64
     bias: torch.Tensor  # [B, Q, 1, S] float32, 0 where key s is visible to query q, else -inf
+    _head_bias: dict = field(default_factory=dict, repr=False)
 
     # Sizes come from tensor shapes, not the int fields, so that a compiled forward sees them as
     # symbolic sizes rather than constants to specialise (and recompile) on.
@@ -41,6 +42,16 @@ class AttentionPlan:
         out = x.new_zeros((B, Q) + tuple(x.shape[1:]))
         out[self.tok_seq, self.tok_pos] = x
         return out
+
+    def head_bias(self, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
+        """The bias repeated per head, [B, Q * H, S] in ``dtype`` (0 and -inf are exact in any
+        float dtype): the addend of a baddbmm over [B, Q * H] query rows; once per forward."""
+        key = (num_heads, dtype)
+        bias = self._head_bias.get(key)
+        if bias is None:
+            B, Q, _, S = self.bias.shape
+            bias = self._head_bias[key] = self.bias.expand(B, Q, num_heads, S).reshape(B, Q * num_heads, S).to(dtype)
+        return bias
 
     def from_grid(self, x: torch.Tensor) -> torch.Tensor:
         """[B, Q, ...] -> flat [T, ...]."""

@@ -77,9 +77,39 @@ def _interleaved_rows(rotary: RotaryEmbedding, positions: torch.Tensor) -> torch
     return table.index_select(0, positions)
 
 
+class _LastCall:
+    """A one-entry memo keyed on the identity of its arguments (ints by value). Every layer of a
+    forward passes the same positions and slots tensors (the model never writes them in place),
+    so what is derived from them is computed by the first layer and reused by the others; holding
+    the key keeps its id from being reused by another tensor."""
+
+    def __init__(self):
+        self.key: Optional[tuple] = None
+        self.value = None
+
+    def get(self, *key):
+        if self.key is None:
+            return None
+        hit = all(a is b or (type(a) is int and a == b) for a, b in zip(self.key, key))
+        return self.value if hit else None
+
+    def put(self, value, *key):
+        self.key, self.value = key, value
+        return value
+
+
+def _swap_pairs(P: int, device: torch.device) -> torch.Tensor:
+    """[P] int64 column order (1, 0, 3, 2, ...): x.index_select(-1, it) swaps each pair."""
+    return torch.arange(P, device=device).view(-1, 2).flip(-1).reshape(-1)
+
+
 class CpuBackend(Backend):
     name = "cpu"
     dist_backend = "gloo"
+
+    def __init__(self, device: Optional[str] = None):
+        super().__init__(device)
+        self._rope_memo, self._spill_memo = _LastCall(), _LastCall()
 
     def default_device(self) -> str:
         return "cpu"
@@ -110,9 +140,8 @@ class CpuBackend(Backend):
     ) -> None:
         rows = getattr(cache, "rows", None)
         if rows is not None:  # touches only `rows`: a compiled forward must not see aliased views
-            slots = slots.to(device=rows.device, dtype=torch.int64)
-            spill = torch.where(slots >= 0, slots, rows.shape[0] - 1)
-            rows.index_copy_(0, spill, torch.cat([c_kv, k_pe], dim=-1).to(rows.dtype))
+            new = torch.cat([c_kv, k_pe], dim=-1)
+            rows.index_copy_(0, self._spill_rows(slots, rows), new if new.dtype == rows.dtype else new.to(rows.dtype))
             return
         slots = slots.to(device=cache.c_kv.device, dtype=torch.int64)
         keep = slots >= 0
@@ -126,11 +155,23 @@ class CpuBackend(Backend):
         cache.c_kv[block, offset] = c_kv.to(cache.c_kv.dtype)
         cache.k_pe[block, offset] = k_pe.to(cache.k_pe.dtype)
 
+    def _spill_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """[T] int64 row of each slot, -1 sent to the spill row; once per forward (every layer
+        writes the same slots), except inside a compiled graph."""
+        if not torch.compiler.is_compiling():
+            spill = self._spill_memo.get(slots, rows.shape[0])
+            if spill is not None:
+                return spill
+        flat = slots.to(device=rows.device, dtype=torch.int64)
+        spill = torch.where(flat >= 0, flat, rows.shape[0] - 1)
+        return spill if torch.compiler.is_compiling() else self._spill_memo.put(spill, slots, rows.shape[0])
+
     def _gather_latent(self, cache: LatentCache, meta: AttentionMetadata, dtype: torch.dtype) -> torch.Tensor:
         """The latent rows of every key of every sequence -> [B, S, R + P] in ``dtype``."""
         flat = getattr(cache, "rows", None)
         if flat is not None:
-            return _take_rows(flat, cache_rows(meta, cache.rows_per_block, flat.device)).to(dtype)
+            kv = _take_rows(flat, cache_rows(meta, cache.rows_per_block, flat.device))
+            return kv if kv.dtype == dtype else kv.to(dtype)
         rows = cache_rows(meta, cache.block_size, cache.c_kv.device)
         if cache.latent is not None:
             return _take_rows(cache.latent.view(-1, cache.latent.shape[-1]), rows).to(dtype)
@@ -162,13 +203,21 @@ class CpuBackend(Backend):
     def rope(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
         """Interleaved pairs (x0, x1) -> (x0 cos - x1 sin, x1 cos + x0 sin), written as
         x * cos2 + swap(x) * sin2 with per-pair rows cos2 = (c, c), sin2 = (-s, s): the same
-        products and sums bit for bit (negation is exact), in half the kernels."""
+        products and sums bit for bit (negation is exact), in four kernels."""
         if torch.compiler.is_compiling():  # Inductor fuses either form; this one compiles fastest
             return _rope_pairs(x, positions, rotary)
-        T, H, P = x.shape
-        cs = _interleaved_rows(rotary, positions.to(x.device).reshape(-1)).to(x.dtype)[:, None, :]  # [T, 1, 2P]
-        swapped = x.reshape(T, H, P // 2, 2).flip(-1).reshape(T, H, P)  # (x1, x0) per pair
-        return x * cs[..., :P] + swapped * cs[..., P:]
+        cos2, sin2, swap = self._rope_rows(rotary, positions, x.dtype)  # [T, 1, P] each, [P]
+        return x * cos2 + x.index_select(-1, swap) * sin2
+
+    def _rope_rows(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype):
+        """(cos2, sin2 [T, 1, P], pair swap [P]) for ``positions``, once per forward."""
+        rows = self._rope_memo.get(positions, rotary, dtype)
+        if rows is None:
+            cs = _interleaved_rows(rotary, positions.to(self.device).reshape(-1)).to(dtype)[:, None, :]  # [T, 1, 2P]
+            P = cs.shape[-1] // 2
+            rows = (cs[..., :P], cs[..., P:], _swap_pairs(P, self.device))
+            self._rope_memo.put(rows, positions, rotary, dtype)
+        return rows
 
     # ---- attention -------------------------------------------------------------------------
     def mla_attention(
@@ -186,9 +235,13 @@ class CpuBackend(Backend):
         B, Q, _, S = plan.bias.shape
         kv = self._gather_latent(cache, meta, q_lat.dtype)  # [B, S, R+P]
         q = plan.to_grid(torch.cat([q_lat, q_pe], dim=-1)).view(B, Q * H, -1)  # [B, Q*H, R+P]
-        scores = torch.bmm(q, kv.transpose(1, 2)).view(B, Q, H, S) * scale
-        probs = torch.softmax(scores.float() + plan.bias, dim=-1).to(q_lat.dtype)  # [B, Q, H, S]
-        out = torch.bmm(probs.view(B, Q * H, S), kv[..., :R])  # [B, Q*H, R]
+        if torch.compiler.is_compiling():
+            scores = torch.bmm(q, kv.transpose(1, 2)).view(B, Q, H, S) * scale
+            probs = torch.softmax(scores.float() + plan.bias, dim=-1).to(q_lat.dtype).view(B, Q * H, S)
+        else:  # scale, product and mask in one kernel
+            scores = torch.baddbmm(plan.head_bias(H, q.dtype), q, kv.transpose(1, 2), alpha=scale)  # [B, Q*H, S]
+            probs = scores.softmax(-1) if scores.dtype == torch.float32 else scores.softmax(-1, torch.float32).to(q.dtype)
+        out = torch.bmm(probs, kv[..., :R])  # [B, Q*H, R]
         return plan.from_grid(out.view(B, Q, H, R))
 
     def mla_prefill(

@@ -33,38 +33,44 @@ class MlaAttention:
         self.num_heads = cfg.num_attention_heads
         self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
+        kv_a = w.take("kv_a_proj_with_mqa.weight")  # [R + P, hidden]
         if cfg.q_lora_rank is None:
             self.q_proj = w.take("q_proj.weight")  # [H * (nope + rope), hidden]
-            self.q_a_proj = None
+            self.qkv_a_proj = None
+            self.kv_a_proj = kv_a
         else:
-            self.q_a_proj = w.take("q_a_proj.weight")  # [q_lora, hidden]
+            # One GEMM for both down-projections of the block input (vLLM's fused_qkv_a_proj):
+            # rows [q_a | kv_a]; kv_a_proj stays a view for callers that need only the latents.
+            self.q_lora_rank = cfg.q_lora_rank
+            self.qkv_a_proj = torch.cat([w.take("q_a_proj.weight"), kv_a])  # [q_lora + R + P, hidden]
+            self.kv_a_proj = self.qkv_a_proj[self.q_lora_rank :]
             self.q_a_layernorm = w.take("q_a_layernorm.weight")
             self.q_b_proj = w.take("q_b_proj.weight")  # [H * (nope + rope), q_lora]
-        self.kv_a_proj = w.take("kv_a_proj_with_mqa.weight")  # [R + P, hidden]
         self.kv_a_layernorm = w.take("kv_a_layernorm.weight")  # [R]
         kv_b = w.take("kv_b_proj.weight")  # [H * (nope + v), R], rows per head: [k_nope | v]
         self.kv_b_proj = kv_b
         per_head = kv_b.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         self.w_uk = per_head[:, : self.nope_dim].contiguous()  # [H, nope, R]
-        self.w_uv = per_head[:, self.nope_dim :].contiguous()  # [H, v, R]
+        self.w_uv_t = per_head[:, self.nope_dim :].transpose(1, 2).contiguous()  # [H, R, v]: W_UV^T per head
         self.o_proj = w.take("o_proj.weight")  # [hidden, H * v]
 
-    def _query(self, x: torch.Tensor) -> torch.Tensor:
-        if self.q_a_proj is None:
-            q = F.linear(x, self.q_proj)
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (q [T, H, nope + rope], kv_a [T, R + P])."""
+        if self.qkv_a_proj is None:
+            q, kv_a = F.linear(x, self.q_proj), F.linear(x, self.kv_a_proj)
         else:
-            q_a = self.backend.rms_norm(F.linear(x, self.q_a_proj), self.q_a_layernorm, self.eps)
-            q = F.linear(q_a, self.q_b_proj)
-        return q.view(x.shape[0], self.num_heads, self.nope_dim + self.rope_dim)  # [T, H, nope + rope]
+            q_a, kv_a = F.linear(x, self.qkv_a_proj).split([self.q_lora_rank, self.kv_a_proj.shape[0]], dim=-1)
+            q = F.linear(self.backend.rms_norm(q_a, self.q_a_layernorm, self.eps), self.q_b_proj)
+        return q.view(x.shape[0], self.num_heads, self.nope_dim + self.rope_dim), kv_a
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, cache: LatentCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; writes the new tokens' latents into ``cache``."""
-        q = self._query(x)
+        q, kv_a = self._project(x)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_pe = self.backend.rope(q_pe, positions, self.rotary)
-        c_kv, k_pe = self.write_cache(x, positions, cache, meta)
+        c_kv, k_pe = self._write_latents(kv_a, positions, cache, meta)
         if meta.is_prefill and meta.tree_mask is None:
             out = self._prefill(q_nope, q_pe, c_kv, k_pe, meta)
         else:
@@ -73,10 +79,15 @@ class MlaAttention:
 
     def write_cache(
         self, x: torch.Tensor, positions: torch.Tensor, cache: LatentCache, meta: AttentionMetadata
+    ) -> None:
+        """Only the cache entries ``forward`` writes for x [T, hidden]: the latents depend on x
+        alone, so a caller that needs no attention output stops here."""
+        self._write_latents(F.linear(x, self.kv_a_proj), positions, cache, meta)
+
+    def _write_latents(
+        self, kv_a: torch.Tensor, positions: torch.Tensor, cache: LatentCache, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> (c_kv [T, R], roped k_pe [T, P]), written into ``cache`` at meta.slots.
-        The latents depend on x alone, so a caller that needs only the cache stops here."""
-        kv_a = F.linear(x, self.kv_a_proj)  # [T, R + P]
+        """kv_a [T, R + P] -> (c_kv [T, R], roped k_pe [T, P]), written into ``cache`` at meta.slots."""
         return self.backend.latent_norm_rope_cache(
             kv_a, self.kv_a_layernorm, self.eps, positions, self.rotary, cache, meta.slots
         )
@@ -89,4 +100,4 @@ class MlaAttention:
     def _absorbed(self, q_nope, q_pe, cache, meta) -> torch.Tensor:
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, R]
         o_lat = self.backend.mla_attention(q_lat, q_pe, cache, meta, self.scale)  # [T, H, R]
-        return torch.bmm(o_lat.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
+        return torch.bmm(o_lat.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # [T, H, v]

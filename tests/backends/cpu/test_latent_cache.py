@@ -29,6 +29,23 @@ def test_write_skips_negative_slots_and_lands_in_shared_buffer():
     assert cache.num_blocks == NB and cache.block_size == BS
 
 
+def test_each_slots_tensor_gets_its_own_rows():
+    """Rows are derived once per slots tensor (all layers of a forward write the same slots):
+    a new tensor with other slots, or the same slots in another cache, writes where it says."""
+    be = CpuBackend()
+    first, second = (be.allocate_latent_cache(NB, BS, R, P, torch.float32) for _ in range(2))
+    c_kv, k_pe = torch.ones(2, R), torch.ones(2, P)
+    be.write_latent_cache(first, c_kv, k_pe, torch.tensor([3, -1]))
+    be.write_latent_cache(first, 2 * c_kv, 2 * k_pe, torch.tensor([-1, 8]))
+    slots = torch.tensor([5, 6])
+    be.write_latent_cache(second, c_kv, k_pe, slots)
+    be.write_latent_cache(second, 3 * c_kv, 3 * k_pe, slots)
+    rows = first.latent.view(NB * BS, R + P)
+    assert rows[3].eq(1).all() and rows[8].eq(2).all() and torch.count_nonzero(rows) == 2 * (R + P)
+    rows = second.latent.view(NB * BS, R + P)
+    assert rows[5].eq(3).all() and rows[6].eq(3).all() and torch.count_nonzero(rows) == 2 * (R + P)
+
+
 def test_write_to_separate_latent_and_rope_tensors():
     """A LatentCache of two separate tensors (Ascend's layout) is written the same way."""
     be = CpuBackend()

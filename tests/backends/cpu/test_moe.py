@@ -150,8 +150,8 @@ def test_every_expert_path_matches_naive_loop(path):
 
 
 @pytest.mark.parametrize("num_experts,top_k,tokens,path", [
-    (6, 2, 1, "_few_experts"),  # one token: only its experts' weights are read
-    (6, 2, 4, "_dense_experts"),  # few experts, several tokens (MTP verification): two batched GEMMs
+    (6, 2, 1, "_dense_experts"),  # few experts: two batched GEMMs, even for one token
+    (6, 2, 4, "_dense_experts"),  # and for an MTP verification's tokens
     (6, 2, 64, "_dense_experts"),
     (64, 2, 4, "_few_experts"),  # many experts, a handful of pairs
     (64, 2, 32, "_sorted_experts"),

@@ -115,3 +115,20 @@ def test_unknown_rope_type_is_rejected(kind):
         rope_parameters({"rope_scaling": {"type": kind, "factor": 2.0}})
     with pytest.raises(ValueError, match=kind):
         rope_parameters({"rope_parameters": {"rope_type": kind, "factor": 2.0, "rope_theta": 1e4}})
+
+
+def test_rope_rows_are_reused_only_for_the_same_positions_tensor():
+    """The cos/sin rows are derived once per positions tensor (every layer of a forward passes
+    the same one); a new tensor, even of the same shape, gets its own rows."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
+    rot = RotaryEmbedding(inv_freq=inv_freq, attention_factor=1.0)
+    rot.build_cache(64)
+    be = CpuBackend()
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(1))
+    for positions in (torch.tensor([0, 5]), torch.tensor([7, 9]), torch.tensor([7, 9])):
+        for _ in range(2):
+            out = be.rope(x, positions, rot)
+            torch.testing.assert_close(out.double(), ref.rope(x, positions, inv_freq, 1.0), atol=1e-5, rtol=1e-5)
+    other = RotaryEmbedding(inv_freq=inv_freq, attention_factor=1.25)
+    torch.testing.assert_close(be.rope(x, positions, other).double(), ref.rope(x, positions, inv_freq, 1.25),
+                               atol=1e-5, rtol=1e-5)
