@@ -2,7 +2,7 @@
 
     mindspec bench --out benchmarks/results/bench_cpu        # cpu, default model, ~30-60 min
     mindspec bench --batches 1 --ks 3 --rounds 3 --no-compile  # a quick look
-    mindspec bench --batching continuous ...                 # b running at once, refilled as they finish
+    mindspec bench --batching static ...                     # groups of b, each run to its slowest sequence
     mindspec bench --backend cuda ...                        # the cuda backend's kernel and e2e benchmarks
 """
 from __future__ import annotations
@@ -29,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
     p.add_argument("--out", default="benchmarks/results/bench_cpu", help="output path without suffix (.json, .png)")
     p.add_argument("--batches", default="1,4,16,32")
-    p.add_argument("--batching", choices=speed.BATCHING, default="static",
+    # Continuous by default: what a server sees (vLLM's throughput benchmark does the same).
+    p.add_argument("--batching", choices=speed.BATCHING, default="continuous",
                    help="static: groups of b prompts, each run to its slowest sequence; continuous: "
                         f"{speed.WAVES} x b prompts in one run, at most b at once (see mindspec.bench.speed)")
     p.add_argument("--ks", default="1,2,3,4", help="speculative token counts to compare")

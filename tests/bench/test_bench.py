@@ -29,12 +29,12 @@ def test_spec_summary_counts_each_position_over_the_steps_that_drafted_it():
 @pytest.mark.slow
 def test_bench_writes_json_and_png(tmp_path):
     out = tmp_path / "bench"
-    rc = main(["--batches", "1,2", "--ks", "1", "--rounds", "1", "--new-tokens", "6", "--no-compile",
+    rc = main(["--batching", "static", "--batches", "1,2", "--ks", "1", "--rounds", "1", "--new-tokens", "6", "--no-compile",
                "--no-async", "--no-hf", "--no-profile", "--out", str(out)])
     assert rc == 0
     report = json.loads(out.with_suffix(".json").read_text())
     assert out.with_suffix(".png").stat().st_size > 10_000
-    assert list(report["results"]) == ["batch 1", "batch 2"]
+    assert list(report["results"]) == ["batch 1", "batch 2"] and report["batching"] == "static"
     rows = report["results"]["batch 2"]
     assert {"mtp off", "vanilla K=1", "eagle K=1", "vanilla K=3 adaptive", "eagle K=3 adaptive"} <= set(rows)
     for name, row in rows.items():
