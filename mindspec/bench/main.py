@@ -78,10 +78,11 @@ def run(args: argparse.Namespace) -> int:
         "results": {},
         "command": getattr(args, "command_line", "mindspec bench"),
     }
+    compiled = frozenset(c.name for c in configs if c.decode_graphs)
     for batch in batches:
         t = time.time()
         report["results"][f"batch {batch}"] = speed.bench_batch(llms, hf, prompts, batch, MIN_PROMPTS, args.rounds,
-                                                                params, args.batching)
+                                                                params, args.batching, compiled)
         row = report["results"][f"batch {batch}"]
         print(f"batch {batch} ({args.batching}, {time.time() - t:.0f} s): " +
               ", ".join(f"{n} {r['tokens_per_s_median']:.0f} tok/s" for n, r in row.items()), flush=True)

@@ -201,7 +201,10 @@ def summarise(results: dict[str, Measurement], baseline: str = "mtp off") -> dic
 
 
 def bench_batch(llms: dict[str, LLM], hf, prompts: list[list[int]], batch: int, min_prompts: int,
-                rounds: int, params: SamplingParams, batching: str = "static") -> dict:
+                rounds: int, params: SamplingParams, batching: str = "static",
+                warm_up: frozenset = frozenset()) -> dict:
+    """``warm_up``: configurations that run once untimed first (a compiled decode step compiles
+    its graphs for this batch's shapes then, not inside a timed round)."""
     count = prompt_count(batch, min_prompts, batching)
     if len(prompts) < count:
         raise ValueError(f"batch {batch} ({batching}) needs {count} prompts, got {len(prompts)}")
@@ -210,12 +213,18 @@ def bench_batch(llms: dict[str, LLM], hf, prompts: list[list[int]], batch: int, 
     results = {name: Measurement() for name in llms}
     if hf is not None:
         results["transformers generate"] = Measurement()
+    for name in warm_up:
+        _run(llms[name], prompts, groups, batch, params, batching, Measurement())
     for _ in range(rounds):
         for name, llm in llms.items():
-            if batching == "continuous":
-                run_continuous(llm, prompts, batch, params, results[name])
-            else:
-                run_mindspec(llm, groups, params, results[name])
+            _run(llm, prompts, groups, batch, params, batching, results[name])
         if hf is not None:
             run_hf(hf, groups, params.max_tokens, results["transformers generate"])
     return summarise(results)
+
+
+def _run(llm: LLM, prompts, groups, batch: int, params: SamplingParams, batching: str, m: Measurement) -> None:
+    if batching == "continuous":
+        run_continuous(llm, prompts, batch, params, m)
+    else:
+        run_mindspec(llm, groups, params, m)

@@ -102,3 +102,27 @@ def test_continuous_bench_runs_every_prompt_in_one_generate_with_at_most_b_runni
         assert row["tokens_per_s_median"] > 0
         if report["configs"][name]["lossless_policy"]:
             assert row["identical_to_mtp_off"], name
+
+
+class _CountingLLM:
+    """Stands in for an LLM: echoes each prompt's first token, counts its generate calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def generate(self, prompts, params):
+        from types import SimpleNamespace
+
+        self.calls += 1
+        return [SimpleNamespace(token_ids=[p[0]] * params.max_tokens, spec_decode=None) for p in prompts]
+
+
+def test_warm_up_runs_a_configuration_once_untimed():
+    from mindspec.text_generator.sampling.params import SamplingParams
+
+    llms = {"mtp off": _CountingLLM(), "compiled": _CountingLLM()}
+    prompts = [[i] for i in range(4)]
+    rows = speed.bench_batch(llms, None, prompts, 2, 4, 3, SamplingParams(max_tokens=2), "static",
+                             warm_up=frozenset({"compiled"}))
+    assert llms["mtp off"].calls == 3 * 2 and llms["compiled"].calls == 4 * 2  # 2 groups per round
+    assert len(rows["compiled"]["tokens_per_s_rounds"]) == 3
