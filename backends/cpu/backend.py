@@ -78,7 +78,7 @@ def _interleaved_rows(rotary: RotaryEmbedding, positions: torch.Tensor) -> torch
 
 
 class _LastCall:
-    """A one-entry memo keyed on the identity of its arguments (ints by value). Every layer of a
+    """A one-entry memo keyed on the identity of its arguments (ints and devices by value). Every layer of a
     forward passes the same positions and slots tensors (the model never writes them in place),
     so what is derived from them is computed by the first layer and reused by the others; holding
     the key keeps its id from being reused by another tensor."""
@@ -90,7 +90,7 @@ class _LastCall:
     def get(self, *key):
         if self.key is None:
             return None
-        hit = all(a is b or (type(a) is int and a == b) for a, b in zip(self.key, key))
+        hit = all(a is b or (type(a) in (int, torch.device) and a == b) for a, b in zip(self.key, key))
         return self.value if hit else None
 
     def put(self, value, *key):
@@ -206,17 +206,18 @@ class CpuBackend(Backend):
         products and sums bit for bit (negation is exact), in four kernels."""
         if torch.compiler.is_compiling():  # Inductor fuses either form; this one compiles fastest
             return _rope_pairs(x, positions, rotary)
-        cos2, sin2, swap = self._rope_rows(rotary, positions, x.dtype)  # [T, 1, P] each, [P]
+        cos2, sin2, swap = self._rope_rows(rotary, positions, x)  # [T, 1, P] each, [P]
         return x * cos2 + x.index_select(-1, swap) * sin2
 
-    def _rope_rows(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype):
-        """(cos2, sin2 [T, 1, P], pair swap [P]) for ``positions``, once per forward."""
-        rows = self._rope_memo.get(positions, rotary, dtype)
+    def _rope_rows(self, rotary: RotaryEmbedding, positions: torch.Tensor, x: torch.Tensor):
+        """(cos2, sin2 [T, 1, P], pair swap [P]) for ``positions``, in x's dtype and on x's device
+        (the npu backend composes this op on its tensors); once per forward."""
+        rows = self._rope_memo.get(positions, rotary, x.dtype, x.device)
         if rows is None:
-            cs = _interleaved_rows(rotary, positions.to(self.device).reshape(-1)).to(dtype)[:, None, :]  # [T, 1, 2P]
+            cs = _interleaved_rows(rotary, positions.to(x.device).reshape(-1)).to(x.dtype)[:, None, :]  # [T, 1, 2P]
             P = cs.shape[-1] // 2
-            rows = (cs[..., :P], cs[..., P:], _swap_pairs(P, self.device))
-            self._rope_memo.put(rows, positions, rotary, dtype)
+            rows = (cs[..., :P], cs[..., P:], _swap_pairs(P, x.device))
+            self._rope_memo.put(rows, positions, rotary, x.dtype, x.device)
         return rows
 
     # ---- attention -------------------------------------------------------------------------

@@ -132,3 +132,12 @@ def test_rope_rows_are_reused_only_for_the_same_positions_tensor():
     other = RotaryEmbedding(inv_freq=inv_freq, attention_factor=1.25)
     torch.testing.assert_close(be.rope(x, positions, other).double(), ref.rope(x, positions, inv_freq, 1.25),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_rope_rows_are_built_on_the_device_of_x():
+    """The npu backend composes this op on its device's tensors through a CpuBackend(): the rows
+    must follow x, not the backend's own device (the meta device stands in for another one)."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
+    rot = RotaryEmbedding(inv_freq=inv_freq.to("meta"), attention_factor=1.0)
+    out = CpuBackend().rope(torch.randn(2, 3, 8, device="meta"), torch.tensor([0, 5]), rot)
+    assert out.device.type == "meta" and out.shape == (2, 3, 8)
