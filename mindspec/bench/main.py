@@ -1,7 +1,8 @@
 """``mindspec bench``: the speed comparison and the decode-step profile, written as JSON + PNG.
 
-    mindspec bench --out benchmarks/results/bench_cpu        # cpu, default model, ~30-60 min
-    mindspec bench --batches 1 --ks 3 --rounds 3 --no-compile  # a quick look
+    mindspec bench --out benchmarks/results/bench_cpu        # cpu, default model, ~15-30 min
+    mindspec bench --batches 1 --ks 3 --rounds 3             # a quick look
+    mindspec bench --compile ...                             # also the torch.compile'd decode step
     mindspec bench --batching static ...                     # groups of b, each run to its slowest sequence
     mindspec bench --backend cuda ...                        # the cuda backend's kernel and e2e benchmarks
 """
@@ -38,8 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="also measure the torch.compile'd decode step (compiling takes minutes)")
+    # Off by default: on a 2-core cpu compiling the speculative graphs took over 26 minutes.
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                   help="also measure the torch.compile'd decode step (compiling takes minutes to an hour)")
     p.add_argument("--async", dest="asynchronous", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure async scheduling (MTP off and K=3)")
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
