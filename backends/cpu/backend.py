@@ -78,10 +78,11 @@ def _interleaved_rows(rotary: RotaryEmbedding, positions: torch.Tensor) -> torch
 
 
 class _LastCall:
-    """A one-entry memo keyed on the identity of its arguments (ints and devices by value). Every layer of a
-    forward passes the same positions and slots tensors (the model never writes them in place),
-    so what is derived from them is computed by the first layer and reused by the others; holding
-    the key keeps its id from being reused by another tensor."""
+    """A one-entry memo keyed on the identity of its arguments (ints and devices by value).
+    Every layer of a forward passes the same positions and slots tensors (the model never writes
+    them in place), so what is derived from them is computed by the first layer and reused by the
+    others; holding the key keeps its id from being reused by another tensor. (The per-forward
+    ``meta.scratch`` cannot hold these: ``rope`` and ``write_latent_cache`` receive no metadata.)"""
 
     def __init__(self):
         self.key: Optional[tuple] = None
@@ -96,6 +97,11 @@ class _LastCall:
     def put(self, value, *key):
         self.key, self.value = key, value
         return value
+
+
+def _spill(slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    flat = slots.to(device=rows.device, dtype=torch.int64)
+    return torch.where(flat >= 0, flat, rows.shape[0] - 1)  # the last row takes writes for slot -1
 
 
 def _swap_pairs(P: int, device: torch.device) -> torch.Tensor:
@@ -157,14 +163,11 @@ class CpuBackend(Backend):
 
     def _spill_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """[T] int64 row of each slot, -1 sent to the spill row; once per forward (every layer
-        writes the same slots), except inside a compiled graph."""
-        if not torch.compiler.is_compiling():
-            spill = self._spill_memo.get(slots, rows.shape[0])
-            if spill is not None:
-                return spill
-        flat = slots.to(device=rows.device, dtype=torch.int64)
-        spill = torch.where(flat >= 0, flat, rows.shape[0] - 1)
-        return spill if torch.compiler.is_compiling() else self._spill_memo.put(spill, slots, rows.shape[0])
+        writes the same slots), except inside a compiled graph, which keeps no host state."""
+        if torch.compiler.is_compiling():
+            return _spill(slots, rows)
+        spill = self._spill_memo.get(slots, rows.shape[0])
+        return spill if spill is not None else self._spill_memo.put(_spill(slots, rows), slots, rows.shape[0])
 
     def _gather_latent(self, cache: LatentCache, meta: AttentionMetadata, dtype: torch.dtype) -> torch.Tensor:
         """The latent rows of every key of every sequence -> [B, S, R + P] in ``dtype``."""
