@@ -128,6 +128,12 @@ class AdaptiveSpeculation:
             b.choice = best
         return b.choice
 
+    def planned(self, batch_size: int) -> int:
+        """The draft count steps of this batch size currently get (K until measured; no side
+        effects: a prefill asks this to decide which MTP caches its prompts need)."""
+        b = self.buckets.get(batch_bucket(batch_size))
+        return b.choice if self.enabled and b is not None else self.max_k
+
     def record(self, batch_size: int, k: int, accepted: Sequence[int], seconds: float) -> None:
         """One finished step with ``k`` drafts: the drafts each sequence kept, and its wall time."""
         if not self.enabled or seconds <= 0 or k not in self.arms:

@@ -6,18 +6,24 @@ forward; the decoding policy keeps 1..K+1 tokens per sequence. Rejected drafts n
 the sequence length is the rollback, and the next step overwrites their slots.
 
 Per-sequence cache (MindIE's mtp_hidden_states / mtp_last_token_num): the main model's hidden
-states of the last positions and how many tokens still lack an MTP cache entry (the tokens the
-last step accepted; more after steps that ran without speculation).
+states of the last positions and, per MTP module, how many tokens still lack its cache entry (the
+tokens the last step that used it accepted: 1 after prefill; more after steps without it).
 
 Adaptive speculation (adaptive.py, on by default): per decode step the plugin picks how many
 drafts to verify, k in 0..K, whichever the measured throughput at this batch size favours (k = 0
-is a plain decode step). MTP Eagle may use any k: its one module writes every cache entry in its
-first draft step. MTP Vanilla chooses between K and 0: module j > 0 writes its entries only when it
-drafts, so a step with fewer drafts would leave the later modules' caches behind. A plain step
-leaves the MTP caches behind by one entry per sequence; the next speculative step writes the
-missed entries first. A sequence never falls more than CATCH_UP entries behind: then the step
-speculates whatever the controller prefers, since entries never written would lower that
-sequence's acceptance for the rest of its life (and make speculation look worse than it is).
+is a plain decode step). A step with k drafts runs the first k draft steps: MTP Eagle's one module
+(any k > 0), MTP Vanilla's modules 0..k-1. Each module it skips falls behind by the tokens the step
+accepts; the next step that uses the module writes the missed entries first (the window of
+decode_inputs: ``last_accepted`` is the deepest used module's lag). Module 0, which every
+speculative step uses, never falls more than CATCH_UP entries behind: then the step speculates
+however few drafts the controller allows, since entries never written would lower that sequence's
+acceptance for the rest of its life. Vanilla's later modules are not forced: at a large batch,
+where one draft per step pays and three do not, catching them up would cost two decoder layers
+per token. A later module more than CATCH_UP entries behind gives up its oldest missed entries
+(vLLM's speculative_disable_by_batch_size leaves a disabled request's draft cache stale for good);
+verification keeps every choice lossless, a stale entry only weakens that module's drafts. For the
+same reason a vanilla prefill runs only the modules that the controller's choice at the coming
+batch size uses (all K until measured); the others start behind by the prompt.
 """
 from __future__ import annotations
 
@@ -42,14 +48,14 @@ from . import decoding_policy as policy
 from .adaptive import AdaptiveSpeculation
 from .params import MtpParams, parse_mtp_params
 
-CATCH_UP = 32  # most MTP entries a sequence may lack before a step must speculate
+CATCH_UP = 32  # most MTP entries a module may lack: module 0 is then caught up, later ones give up the oldest
 
 
 @dataclass
 class MtpSeqState:
     hidden: torch.Tensor  # [m, hidden] main hidden states of positions hidden_end - m .. hidden_end - 1
     hidden_end: int
-    last_accepted: int  # tokens without an MTP cache entry yet: accepted by the last step (1 after prefill)
+    lag: np.ndarray  # [modules] int64: tokens without an entry in each MTP module's cache (1 after prefill)
     in_think: bool = False
     hidden_from: int = 0  # first position with a real hidden state (> 0 after a PD hand-off)
 
@@ -75,24 +81,23 @@ class MtpPlugin(Plugin):
         self.dummy_block_id = cache_config.dummy_block_id
         self.num_lookahead_tokens = self.k  # the main model writes K draft positions past the last token
         self.keep_hidden = self.k + CATCH_UP  # vanilla's history (K-1) + the entries to catch up
+        self.cache_modules = len(set(self.modules))  # MTP caches this plugin keeps: K (vanilla) or 1
         self.states: dict[int, MtpSeqState] = {}
-        arms = range(self.k + 1) if self.mode == "eagle" else (0, self.k)
-        self.adaptive = AdaptiveSpeculation(arms, self.params.adaptive_speculation)
+        self.adaptive = AdaptiveSpeculation(range(self.k + 1), self.params.adaptive_speculation)
 
     # ---- hooks ---------------------------------------------------------------------------------
     def model_inputs_update(self, batch: StepBatch, inputs: StepInputs) -> StepInputs:
         inputs.extra["mtp_started"] = time.perf_counter()
         if batch.is_prefill:
-            inputs.extra["mtp_modules"] = self.modules if self.mode == "vanilla" else [0]
+            inputs.extra["mtp_modules"] = self.modules[: self._prefill_modules(batch)]
             return inputs
         k = self.adaptive.choose(len(batch))
-        if k == 0 and any(self.states[s.seq_id].last_accepted >= CATCH_UP for s in batch.seqs):
+        if k == 0 and any(self.states[s.seq_id].lag[0] >= CATCH_UP for s in batch.seqs):
             k = min(a for a in self.adaptive.arms if a)  # a plain step now would leave an entry unwritten for good
         inputs.extra["mtp_k"] = k
         if k == 0:  # a plain decode step: the base inputs as composed
             return inputs
-        last_accepted = np.array([self.states[s.seq_id].last_accepted for s in batch.seqs], dtype=np.int64)
-        inputs = self._speculative_inputs(batch, inputs, last_accepted, k)
+        inputs = self._speculative_inputs(batch, inputs, self._window(batch.seqs, k), k)
         inputs.hidden_states = self._gather_hidden(batch.seqs, inputs.extra["mtp_layout"])
         return inputs
 
@@ -104,8 +109,9 @@ class MtpPlugin(Plugin):
         if batch.is_prefill:
             return self.model_inputs_update(batch, inputs)
         inputs.extra["mtp_k"] = self.k
-        last_accepted = np.array([n if n else self.states[s.seq_id].last_accepted
-                                  for s, n in zip(batch.seqs, pending)], dtype=np.int64)
+        # A sequence whose prefill is still running has no state yet: its pending count is its window.
+        last_accepted = np.array([n if n else self._window([s], self.k)[0] for s, n in zip(batch.seqs, pending)],
+                                 dtype=np.int64)
         return self._speculative_inputs(batch, inputs, last_accepted, self.k)
 
     def fill_in_model_result(self, batch: StepBatch, inputs: StepInputs, pending: np.ndarray,
@@ -169,23 +175,28 @@ class MtpPlugin(Plugin):
         hidden = outputs.hidden_states
         if batch.is_prefill:
             ends = np.cumsum(inputs.model_inputs.q_lens)
+            prefilled = len(inputs.extra["mtp_modules"])
             for seq, end, q in zip(batch.seqs, ends, inputs.model_inputs.q_lens):
                 keep = min(int(q), self.keep_hidden)
+                lag = self._fresh_lag()
+                lag[prefilled:] = min(int(q), CATCH_UP)  # this prefill's entries, as far as its hidden states reach
                 self.states[seq.seq_id] = MtpSeqState(
                     hidden=hidden[end - keep : end].clone(), hidden_end=seq.num_cached_tokens + int(q),
-                    last_accepted=1, in_think=self._prompt_in_think(seq.token_ids),
+                    lag=lag, in_think=self._prompt_in_think(seq.token_ids),
                 )
             return
         k = self._drafts(batch, inputs)
         speculated, rows_per_seq = k > 0, k + 1
+        used = self._modules_used(k)
         for b, seq in enumerate(batch.seqs):
             state = self.states[seq.seq_id]
             count = len(outputs.accepted[b])
             rows = hidden[b * rows_per_seq : b * rows_per_seq + count]  # positions n-1 .. n-2+count
             state.hidden = torch.cat([state.hidden, rows])[-self.keep_hidden :]
             state.hidden_end += count
-            # A speculative step wrote the MTP entries of the tokens before it; a plain one did not.
-            state.last_accepted = count if speculated else state.last_accepted + count  # <= CATCH_UP
+            # The modules this step ran wrote the entries of the tokens before it; the others did not.
+            state.lag[:used] = count
+            np.minimum(state.lag[used:] + count, CATCH_UP, out=state.lag[used:])  # module 0: <= CATCH_UP anyway
             if self.params.think_start_token_id is not None:
                 state.in_think = bool(policy.update_think_state(
                     np.array([state.in_think]), [outputs.accepted[b]],
@@ -204,7 +215,7 @@ class MtpPlugin(Plugin):
         n_prompt = seq.num_prompt_tokens
         self.states[seq.seq_id] = MtpSeqState(
             hidden=torch.zeros(1, hidden_size, dtype=dtype, device=device), hidden_end=n_prompt,
-            last_accepted=1, in_think=self._prompt_in_think(seq.prompt_token_ids), hidden_from=n_prompt,
+            lag=self._fresh_lag(), in_think=self._prompt_in_think(seq.prompt_token_ids), hidden_from=n_prompt,
         )
 
     def plugin_cache_clear(self, seq_ids: list[int]) -> None:
@@ -215,6 +226,24 @@ class MtpPlugin(Plugin):
     def _drafts(self, batch: StepBatch, inputs: StepInputs) -> int:
         """Drafts this step verifies per sequence (0: prefill or a plain step)."""
         return 0 if batch.is_prefill else inputs.extra.get("mtp_k", self.k)
+
+    def _modules_used(self, k: int) -> int:
+        """MTP caches a step with k drafts writes: vanilla's modules 0..k-1, eagle's one module."""
+        return min(k, self.cache_modules)
+
+    def _prefill_modules(self, batch: StepBatch) -> int:
+        """MTP modules a prefill runs: those the next decode steps will use, judged by the batch
+        size they will run at (every tracked sequence plus these). At least module 0."""
+        return max(1, self._modules_used(self.adaptive.planned(len(self.states) + len(batch))))
+
+    def _fresh_lag(self) -> np.ndarray:
+        return np.ones(self.cache_modules, dtype=np.int64)  # the prompt's entries; the new token's is missing
+
+    def _window(self, seqs, k: int) -> np.ndarray:
+        """[B] entries a step with k drafts writes per sequence: the lag of the deepest module it
+        uses (lags never decrease with depth, so the shallower modules' entries are rewritten)."""
+        deepest = self._modules_used(k) - 1
+        return np.array([self.states[s.seq_id].lag[deepest] for s in seqs], dtype=np.int64)
 
     def _speculating(self, batch: StepBatch, inputs: StepInputs) -> bool:
         return self._drafts(batch, inputs) > 0

@@ -127,6 +127,7 @@ def test_buckets_are_independent_and_disabled_always_speculates():
     ctl.reset()  # what warm-up does with its dummy steps
     assert ctl.summary() == {} and ctl.acceptance.tokens(3) == 1.0
     assert [batch_bucket(b) for b in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, 32]
+    assert ctl.planned(64) == ctl.choose(64) and ctl.planned(1) == 3  # no bucket: K, none created
     off = AdaptiveSpeculation((0, 3), enabled=False)
     assert set(_feed(off, 64, 10, {3: 9.0, 0: 1.0}, [0])) == {3}
     assert off.summary() == {}
@@ -137,11 +138,16 @@ def test_buckets_are_independent_and_disabled_always_speculates():
 # ---- losslessness under alternating steps ----------------------------------------------------------
 class ScriptedSpeculation:
     """Stands in for the controller: the draft count of each step from a fixed pattern (True: K,
-    False: a plain step)."""
+    False: a plain step); prefills plan for ``planned`` drafts (K by default)."""
 
-    def __init__(self, pattern, k):
-        self.arms = (0, k)
+    def __init__(self, pattern, k, planned=None):
+        self.arms = tuple(range(k + 1))  # the plugin's arms in both modes
         self.pattern, self.i, self.log, self.recorded = [k if p is True else int(p) for p in pattern], 0, [], []
+        self.plan, self.plan_asked = k if planned is None else planned, []
+
+    def planned(self, batch_size):
+        self.plan_asked.append(batch_size)
+        return self.plan
 
     def choose(self, batch_size):
         k = self.pattern[self.i % len(self.pattern)]
@@ -196,21 +202,23 @@ def test_alternating_steps_are_lossless(case, mode, k, pattern):
     assert bm.num_free_blocks == bm.num_usable_blocks and not plugin.states
 
 
-EAGLE_PATTERNS = {
+FEWER_DRAFTS = {
     "fewer drafts": [3, 1, 2, 1, 3, 3, 2],
     "fewer drafts and plain": [1, 0, 3, 0, 0, 2, 1, 0],
 }
 
 
-@pytest.mark.parametrize("pattern", list(EAGLE_PATTERNS))
-def test_eagle_steps_with_any_draft_count_are_lossless(case, pattern):
-    """MTP Eagle may verify 1..K drafts per step (adaptive speculation's arms 0..K)."""
+@pytest.mark.parametrize("pattern", list(FEWER_DRAFTS))
+@pytest.mark.parametrize("mode", ["eagle", "vanilla"])
+def test_steps_with_any_draft_count_are_lossless(case, mode, pattern):
+    """Both modes may verify 1..K drafts per step (adaptive speculation's arms 0..K): eagle reuses
+    its module, vanilla runs modules 0..k-1 and the skipped ones catch up when next used."""
     path, prompts, expected = case
-    llm = _llm(path, {"plugin_type": "mtp", "num_speculative_tokens": 3, "mtp_mode": "eagle"})
+    llm = _llm(path, {"plugin_type": "mtp", "num_speculative_tokens": 3, "mtp_mode": mode})
     plugin = llm.engine.plugin_manager.plugins[0]
     assert plugin.adaptive.arms == [3, 2, 1, 0]
     plugin.adaptive = ScriptedSpeculation([], 3)
-    plugin.adaptive.pattern = EAGLE_PATTERNS[pattern]
+    plugin.adaptive.pattern = FEWER_DRAFTS[pattern]
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == expected
     assert [llm.generate([p], GREEDY)[0].token_ids for p in prompts[:3]] == expected[:3]
@@ -220,13 +228,7 @@ def test_eagle_steps_with_any_draft_count_are_lossless(case, pattern):
     accepted = np.sum([s.accepted_per_position for s in stats], axis=0)
     assert drafted[0] > drafted[1] > drafted[2] > 0 and (accepted <= drafted).all()
     assert sum(s.num_draft_tokens for s in stats) == drafted.sum()
-    assert accepted.sum() > 0.2 * drafted.sum()  # the module's cache stays complete: drafts still hit
-
-
-def test_vanilla_chooses_between_k_and_plain_only(case):
-    path, _, _ = case
-    llm = _llm(path, {"plugin_type": "mtp", "num_speculative_tokens": 3, "mtp_mode": "vanilla"})
-    assert llm.engine.plugin_manager.plugins[0].adaptive.arms == [3, 0]
+    assert accepted.sum() > 0.2 * drafted.sum()  # the modules' caches stay complete: drafts still hit
 
 
 def test_adaptive_default_on_is_lossless(case):
@@ -236,12 +238,12 @@ def test_adaptive_default_on_is_lossless(case):
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
 
 
-def _mtp_cache_rows(llm, prompt, pattern, margin):
-    """Run one request under a speculation pattern; the first MTP module's cache rows of every
-    position but the last ``margin`` (entries written from verified tokens only)."""
+def _mtp_cache_rows(llm, prompt, pattern, margin, module=0, planned=None):
+    """Run one request under a speculation pattern; an MTP module's cache rows of every position
+    but the last ``margin`` (entries written from verified tokens only)."""
     engine = llm.engine
     plugin = engine.plugin_manager.plugins[0]
-    plugin.adaptive = ScriptedSpeculation(pattern, plugin.k)
+    plugin.adaptive = ScriptedSpeculation(pattern, plugin.k, planned)
     for cache in engine.model_wrapper.caches:  # nothing left over from an earlier run
         cache.latent.zero_()
     state = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=2 * CATCH_UP + 16, ignore_eos=True))
@@ -252,25 +254,78 @@ def _mtp_cache_rows(llm, prompt, pattern, margin):
     positions = np.arange(len(state.seq.token_ids) - margin)
     bs = engine.block_manager.block_size
     slots = np.asarray(table)[positions // bs] * bs + positions % bs
-    cache = engine.model_wrapper.caches[engine.model_wrapper.config.num_hidden_layers]  # MTP module 0
+    cache = engine.model_wrapper.caches[engine.model_wrapper.config.num_hidden_layers + module]
     return cache.latent.view(-1, cache.latent.shape[-1])[slots].clone()
 
 
 @pytest.mark.parametrize("mode,k", [("vanilla", 1), ("vanilla", 3), ("eagle", 2)])
 def test_speculative_steps_catch_up_the_entries_plain_steps_skipped(case, mode, k):
     """The MTP cache entries written from verified tokens do not depend on which steps speculated:
-    a speculative step after plain ones writes every entry they skipped."""
+    a speculative step after plain ones (or after steps with fewer drafts) writes every entry the
+    module missed. Module 0 is never left more than CATCH_UP entries behind."""
     path, prompts, _ = case
     llm = _llm(path, {"plugin_type": "mtp", "num_speculative_tokens": k, "mtp_mode": mode})
     margin = CATCH_UP + k + 2  # the newest entries may still hold draft-conditioned values
-    always = _mtp_cache_rows(llm, prompts[0], [True], margin)
-    assert always.abs().sum() > 0
-    patterns = [PATTERNS["plain runs"], PATTERNS["beyond catch-up"]]  # long plain runs are cut short
-    if mode == "eagle":
-        patterns += [[1, 2, 1, 0, 2]]  # fewer drafts than K
+    modules = range(k) if mode == "vanilla" else [0]
+    always = [_mtp_cache_rows(llm, prompts[0], [True], margin, m) for m in modules]
+    assert all(rows.abs().sum() > 0 for rows in always)
+    patterns = [PATTERNS["plain runs"]]
+    if k > 1:
+        patterns += [[1, 2, 1, 0, k]]  # fewer drafts than K; every module used now and then
     for pattern in patterns:  # no entry is lost
-        mixed = _mtp_cache_rows(llm, prompts[0], pattern, margin)
-        torch.testing.assert_close(mixed, always, atol=1e-5, rtol=1e-5)
+        for m in modules:
+            mixed = _mtp_cache_rows(llm, prompts[0], pattern, margin, m)
+            torch.testing.assert_close(mixed, always[m], atol=1e-5, rtol=1e-5)
+    # plain runs longer than CATCH_UP are cut short for module 0: it misses nothing
+    mixed = _mtp_cache_rows(llm, prompts[0], PATTERNS["beyond catch-up"], margin)
+    torch.testing.assert_close(mixed, always[0], atol=1e-5, rtol=1e-5)
+
+
+def test_vanilla_later_modules_give_up_entries_beyond_catch_up(case):
+    """One-draft steps keep only module 0 current. Catching the later modules up would cost a
+    decoder layer per module and token, so after CATCH_UP missed entries they give up the oldest:
+    those stay unwritten, the newest CATCH_UP are written when the module is next used, and the
+    tokens stay those of MTP off."""
+    path, prompts, expected = case
+    llm = _llm(path, {"plugin_type": "mtp", "num_speculative_tokens": 2, "mtp_mode": "vanilla"})
+    margin = 2 + 2  # the newest entries may still hold draft-conditioned values
+    pattern = [2] + [1] * (CATCH_UP + 10) + [2] * 40  # module 1 misses > CATCH_UP, then is used again
+    always = _mtp_cache_rows(llm, prompts[0], [True], margin, module=1)
+    mixed = _mtp_cache_rows(llm, prompts[0], pattern, margin, module=1)
+    missed = ~torch.isclose(mixed, always, atol=1e-5, rtol=1e-5).all(dim=-1)
+    assert missed.any() and (mixed[missed] == 0).all()  # given up: never written since the zeroing
+    last_missed = int(missed.nonzero().max())
+    torch.testing.assert_close(mixed[last_missed + 1 :], always[last_missed + 1 :], atol=1e-5, rtol=1e-5)
+    assert len(always) - (last_missed + 1) >= CATCH_UP  # the newest entries were caught up
+    torch.testing.assert_close(_mtp_cache_rows(llm, prompts[0], pattern, margin, module=0),
+                               _mtp_cache_rows(llm, prompts[0], [True], margin, module=0), atol=1e-5, rtol=1e-5)
+    plugin = llm.engine.plugin_manager.plugins[0]
+    plugin.adaptive = ScriptedSpeculation(pattern, 2)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+
+
+def test_vanilla_prefill_runs_the_modules_the_coming_steps_use(case):
+    """Where the controller runs one-draft steps at the coming batch size, a vanilla prefill writes
+    only module 0's cache: the later modules start behind by the prompt, catch up its newest
+    CATCH_UP entries when next used, and the tokens stay those of MTP off."""
+    path, prompts, expected = case
+    llm = _llm(path, {"plugin_type": "mtp", "num_speculative_tokens": 3, "mtp_mode": "vanilla"})
+    prompt = list(range(2, 2 + CATCH_UP + 8))  # longer than CATCH_UP: its oldest entries are given up
+    margin = 3 + 2
+    for module in (0, 1, 2):
+        full = _mtp_cache_rows(llm, prompt, [True], margin, module)
+        lean = _mtp_cache_rows(llm, prompt, [True], margin, module, planned=1)
+        missed = ~torch.isclose(lean, full, atol=1e-5, rtol=1e-5).all(dim=-1)
+        if module == 0:
+            assert not missed.any()
+        else:  # the oldest prompt entries (at most 8) were never written; the rest were caught up
+            m = int(missed.sum())
+            assert 0 < m <= len(prompt) - CATCH_UP and missed[:m].all() and (lean[:m] == 0).all()
+    plugin = llm.engine.plugin_manager.plugins[0]
+    assert plugin.adaptive.plan_asked == [1]  # asked with the batch size the prompt joins
+    plugin.adaptive = ScriptedSpeculation([1, 1, 3], 3, planned=1)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    assert plugin.adaptive.plan_asked[0] == len(prompts)  # one prefill of every prompt
 
 
 def test_catch_up_steps_are_not_measured(case):
