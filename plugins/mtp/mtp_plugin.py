@@ -110,7 +110,8 @@ class MtpPlugin(Plugin):
             return self.model_inputs_update(batch, inputs)
         inputs.extra["mtp_k"] = self.k
         # A sequence whose prefill is still running has no state yet: its pending count is its window.
-        last_accepted = np.array([n if n else self._window([s], self.k)[0] for s, n in zip(batch.seqs, pending)],
+        # Otherwise K drafts use every module, so the window is the deepest module's lag (_window).
+        last_accepted = np.array([n if n else self.states[s.seq_id].lag[-1] for s, n in zip(batch.seqs, pending)],
                                  dtype=np.int64)
         return self._speculative_inputs(batch, inputs, last_accepted, self.k)
 
