@@ -2,13 +2,16 @@
 limits) and the routed experts.
 
 Experts run one of three ways, chosen by cost (measured on a 2-core x86 CPU, per-op overhead
-~5-10 us). When experts are few (E <= 4 * top_k, as in small models) every expert runs on every
-token in two batched GEMMs with weight 0 for unchosen pairs: a few large ops beat a loop of tiny
-ones, even for one token (at E = 6, top-2: 45 us against 55 us looping over the chosen experts;
-78 us against 182 us for the 4 tokens of an MTP K=3 verification), and nothing waits for the
-host. Many experts (DeepSeek-V3: 256, top-8): a handful of (token, expert) pairs run only the
-chosen experts (a small loop grouped on the host: it reads k experts' weights, not E); beyond
-that, tokens are sorted by expert and each active expert runs once on its tokens.
+~5-10 us). When experts are few (E <= 4 * top_k, as in small models) and so are the tokens (a
+decode step, an MTP verification), every expert runs on every token in two batched GEMMs with
+weight 0 for unchosen pairs: a few large ops beat a loop of tiny ones, even for one token (at
+E = 6, top-2: 45 us against 55 us looping over the chosen experts; 78 us against 182 us for the 4
+tokens of an MTP K=3 verification), and nothing waits for the host. That computes E / top_k times
+the FLOPs needed, which a prefill pays for: beyond DENSE_MAX_TOKENS tokens the experts run sorted
+(1.7 ms against 3.8 ms per layer for a prefill of 16 prompts of 65 tokens). Many experts
+(DeepSeek-V3: 256, top-8): a handful of (token, expert) pairs run only the chosen experts (a small
+loop grouped on the host: it reads k experts' weights, not E); beyond that, tokens are sorted by
+expert and each active expert runs once on its tokens.
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ import torch.nn.functional as F
 
 from mindspec.backend import ExpertWeights, RouterConfig
 
-DENSE_EXPERTS_PER_CHOICE = 4  # with E <= this * top_k, run every expert on every token
+DENSE_EXPERTS_PER_CHOICE = 4  # with E <= this * top_k, run every expert on every token ...
+DENSE_MAX_TOKENS = 64  # ... of a batch this small (E = 6, top-2: dense 299 / sorted 333 us at 64 tokens, 425 / 378 at 96)
 FEW_PAIRS = 8  # otherwise, up to this many (token, expert) pairs run only the chosen experts
 
 
@@ -87,7 +91,7 @@ def moe_experts(
             return _gathered_experts(x, topk_weights, topk_ids, experts)
         dense = few_experts and T * k >= E
         return (_dense_experts if dense else _sorted_experts)(x, topk_weights, topk_ids, experts)
-    if few_experts:
+    if few_experts and T <= DENSE_MAX_TOKENS:
         return _dense_experts(x, topk_weights, topk_ids, experts)
     if T * k <= FEW_PAIRS:
         return _few_experts(x, topk_weights, topk_ids, experts)

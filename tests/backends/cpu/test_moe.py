@@ -153,6 +153,7 @@ def test_every_expert_path_matches_naive_loop(path):
     (6, 2, 1, "_dense_experts"),  # few experts: two batched GEMMs, even for one token
     (6, 2, 4, "_dense_experts"),  # and for an MTP verification's tokens
     (6, 2, 64, "_dense_experts"),
+    (6, 2, 65, "_sorted_experts"),  # a prefill: E / top_k times the FLOPs no longer pays
     (64, 2, 4, "_few_experts"),  # many experts, a handful of pairs
     (64, 2, 32, "_sorted_experts"),
 ])
