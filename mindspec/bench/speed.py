@@ -179,16 +179,23 @@ def run_hf(model, groups: list[list[list[int]]], new_tokens: int, m: Measurement
 
 
 def summarise(results: dict[str, Measurement], baseline: str = "mtp off") -> dict:
-    base = statistics.median(results[baseline].tokens_per_s)
+    """Per configuration: medians over rounds, and the speed-up over the baseline two ways: the
+    ratio of medians, and per round against the baseline's run of the same round (paired: a slow
+    spell of the machine that hits one round hits both runs of it more than runs rounds apart)."""
+    base_rounds = results[baseline].tokens_per_s
+    base = statistics.median(base_rounds)
     reference = results[baseline].token_ids
     out = {}
     for name, m in results.items():
         tps = statistics.median(m.tokens_per_s)
+        paired = [v / b for v, b in zip(m.tokens_per_s, base_rounds)]
         row = {
             "tokens_per_s_median": round(tps, 2),
             "tokens_per_s_rounds": [round(v, 2) for v in m.tokens_per_s],
             "latency_per_token_ms_median": round(statistics.median(m.latency_per_token_ms), 3),
             "speedup_vs_mtp_off": round(tps / base, 3),
+            "speedup_vs_mtp_off_rounds": [round(r, 3) for r in paired],
+            "speedup_vs_mtp_off_paired_median": round(statistics.median(paired), 3),
             **m.spec,
         }
         if m.token_ids:

@@ -26,6 +26,19 @@ def test_spec_summary_counts_each_position_over_the_steps_that_drafted_it():
     assert speed.spec_summary([SpecDecodeStats.for_drafts(3)], 10, 1) == {}
 
 
+def test_summary_reports_the_speedup_per_round_against_the_same_rounds_baseline():
+    def measured(rounds):
+        return speed.Measurement(tokens_per_s=rounds, latency_per_token_ms=[1.0] * len(rounds))
+
+    # Round 2 is a slow spell for both: the ratio of medians (121 / 100) differs from the
+    # median of the per-round ratios (1.25, 1.2, 1.1).
+    rows = speed.summarise({"mtp off": measured([100.0, 50.0, 110.0]), "spec": measured([125.0, 60.0, 121.0])})
+    assert rows["spec"]["speedup_vs_mtp_off"] == 1.21
+    assert rows["spec"]["speedup_vs_mtp_off_rounds"] == [1.25, 1.2, 1.1]
+    assert rows["spec"]["speedup_vs_mtp_off_paired_median"] == 1.2
+    assert rows["mtp off"]["speedup_vs_mtp_off_rounds"] == [1.0, 1.0, 1.0]
+
+
 @pytest.mark.slow
 def test_bench_writes_json_and_png(tmp_path):
     out = tmp_path / "bench"
