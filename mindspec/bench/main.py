@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ks", default="1,2,3,4", help="speculative token counts to compare")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--output-len-range", type=float, default=0.0,
+                   help="output lengths drawn uniformly from new_tokens x [1 - r, 1 + r] per prompt "
+                        "(vLLM's --random-range-ratio); 0: every output new_tokens long")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     # Off by default: on a 2-core cpu compiling the speculative graphs took over 26 minutes.
@@ -63,15 +66,17 @@ def run(args: argparse.Namespace) -> int:
                                     hf_config.get("eos_token_id", 1), args.compile, args.asynchronous)
     # KV blocks for the most sequences ever running at once: max(batches) in both modes (continuous
     # batching queues the rest without blocks); +16 tokens per sequence cover BOS and the drafts.
-    num_blocks = max(batches + [MIN_PROMPTS]) * -(-(args.prompt_tokens + args.new_tokens + 16) // 16) + 8
+    count = max(speed.prompt_count(b, MIN_PROMPTS, args.batching) for b in batches)
+    output_lens = speed.output_lengths(count, args.new_tokens, args.output_len_range)
+    num_blocks = max(batches + [MIN_PROMPTS]) * -(-(args.prompt_tokens + max(output_lens) + 16) // 16) + 8
     llms = {c.name: _llm(model_dir, c, num_blocks, max(batches)) for c in configs}
     tokenizer = next(iter(llms.values())).tokenizer.hf_tokenizer
-    count = max(speed.prompt_count(b, MIN_PROMPTS, args.batching) for b in batches)
     prompts = heldout_prompts(tokenizer, count, args.prompt_tokens)
     hf = _hf_model(model_dir) if args.hf else None
     report = {
         "model": model_dir, "backend": "cpu", "device": platform.processor() or platform.machine(),
         "batching": args.batching, "threads": args.threads, "rounds": args.rounds, "new_tokens": args.new_tokens,
+        "output_len_range": args.output_len_range,
         "prompt_tokens": args.prompt_tokens, "dtype": "float32", "greedy": True,
         "prompts_per_batch": {f"batch {b}": speed.prompt_count(b, MIN_PROMPTS, args.batching) for b in batches},
         "configs": {c.name: {"plugin_params": c.plugin_params, "decode_graphs": c.decode_graphs,
@@ -84,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     for batch in batches:
         t = time.time()
         report["results"][f"batch {batch}"] = speed.bench_batch(llms, hf, prompts, batch, MIN_PROMPTS, args.rounds,
-                                                                params, args.batching, compiled)
+                                                                params, args.batching, compiled, output_lens)
         row = report["results"][f"batch {batch}"]
         print(f"batch {batch} ({args.batching}, {time.time() - t:.0f} s): " +
               ", ".join(f"{n} {r['tokens_per_s_median']:.0f} tok/s" for n, r in row.items()), flush=True)

@@ -21,13 +21,20 @@ and whether the tokens equal MTP off (lossless).
   time between one running slot's tokens (equal to the static measure when every slot is busy).
   transformers ``generate`` has no continuous batching: it runs the same prompts in static groups
   of b.
+
+Output lengths are fixed (every sequence ``max_tokens``, EOS ignored) unless a range ratio r is
+given: then each prompt's length is drawn once, uniformly from [n (1 - r), n (1 + r)] (vLLM's
+``--random-range-ratio``), the same for every configuration and round. Fixed lengths are the worst
+case for speculation under continuous batching: MTP off finishes a whole batch in one step and
+refills it with one big prefill, while speculating sequences finish at different steps and are
+refilled in small groups (see SchedulerConfig.waiting_served_ratio); with varied lengths both do.
 """
 from __future__ import annotations
 
 import statistics
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import numpy as np
@@ -100,19 +107,30 @@ def prompt_count(batch: int, min_prompts: int, batching: str) -> int:
     return max(WAVES * batch if batching == "continuous" else batch, min_prompts)
 
 
-def run_mindspec(llm: LLM, groups: list[list[list[int]]], params: SamplingParams, m: Measurement) -> None:
-    """Static batching: one ``generate`` per group."""
+def output_lengths(count: int, new_tokens: int, range_ratio: float = 0.0, seed: int = 0) -> list[int]:
+    """Each prompt's output length: ``new_tokens``, or with ``range_ratio`` r > 0 a seeded uniform
+    draw from [n (1 - r), n (1 + r)]."""
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"the output length range ratio must be in [0, 1), got {range_ratio}")
+    lo = max(1, round(new_tokens * (1 - range_ratio)))
+    hi = max(lo, round(new_tokens * (1 + range_ratio)))
+    return np.random.default_rng(seed).integers(lo, hi + 1, size=count).tolist()
+
+
+def run_mindspec(llm: LLM, groups: list[list[list[int]]], params: list[list[SamplingParams]], m: Measurement) -> None:
+    """Static batching: one ``generate`` per group (``params``: per group, per prompt)."""
     outs, latencies = [], []
     start = time.perf_counter()
-    for group in groups:
+    for group, group_params in zip(groups, params):
         t = time.perf_counter()
-        res = llm.generate(group, params)
-        latencies.append((time.perf_counter() - t) / params.max_tokens)
+        res = llm.generate(group, group_params)
+        latencies.append((time.perf_counter() - t) / max(p.max_tokens for p in group_params))
         outs += res
     _record(m, outs, time.perf_counter() - start, statistics.mean(latencies))
 
 
-def run_continuous(llm: LLM, prompts: list[list[int]], batch: int, params: SamplingParams, m: Measurement) -> None:
+def run_continuous(llm: LLM, prompts: list[list[int]], batch: int, params: list[SamplingParams],
+                   m: Measurement) -> None:
     """Continuous batching: every prompt in one ``generate``, at most ``batch`` running; the
     scheduler admits a waiting prompt as soon as a running one finishes."""
     with max_running(llm, batch):
@@ -162,18 +180,19 @@ def spec_summary(stats, total_tokens: int, num_seqs: int) -> dict:
     }
 
 
-def run_hf(model, groups: list[list[list[int]]], new_tokens: int, m: Measurement) -> None:
+def run_hf(model, groups: list[list[list[int]]], lengths: list[list[int]], m: Measurement) -> None:
     """transformers greedy ``generate`` on the main model; prompts of a group have equal length,
-    so no padding is involved."""
+    so no padding is involved. A static group runs to its longest output; only the tokens each
+    prompt asked for count."""
     tokens, latencies = 0, []
     start = time.perf_counter()
-    for group in groups:
-        ids = torch.tensor(group)
+    for group, group_lengths in zip(groups, lengths):
+        ids, new_tokens = torch.tensor(group), max(group_lengths)
         t = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False)
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False)
         latencies.append((time.perf_counter() - t) / new_tokens)
-        tokens += (out.shape[1] - ids.shape[1]) * ids.shape[0]
+        tokens += sum(group_lengths)
     m.tokens_per_s.append(tokens / (time.perf_counter() - start))
     m.latency_per_token_ms.append(1e3 * statistics.mean(latencies))
 
@@ -209,29 +228,28 @@ def summarise(results: dict[str, Measurement], baseline: str = "mtp off") -> dic
 
 def bench_batch(llms: dict[str, LLM], hf, prompts: list[list[int]], batch: int, min_prompts: int,
                 rounds: int, params: SamplingParams, batching: str = "static",
-                warm_up: frozenset = frozenset()) -> dict:
+                warm_up: frozenset = frozenset(), output_lens: Optional[list[int]] = None) -> dict:
     """``warm_up``: configurations that run once untimed first (a compiled decode step compiles
-    its graphs for this batch's shapes then, not inside a timed round)."""
+    its graphs for this batch's shapes then, not inside a timed round). ``output_lens``: each
+    prompt's max_tokens (default: ``params.max_tokens`` for all)."""
     count = prompt_count(batch, min_prompts, batching)
-    if len(prompts) < count:
-        raise ValueError(f"batch {batch} ({batching}) needs {count} prompts, got {len(prompts)}")
+    if len(prompts) < count or (output_lens is not None and len(output_lens) < count):
+        raise ValueError(f"batch {batch} ({batching}) needs {count} prompts and output lengths")
     prompts = prompts[:count]
-    groups = [prompts[i : i + batch] for i in range(0, count, batch)]
+    lens = output_lens[:count] if output_lens is not None else [params.max_tokens] * count
+    per_prompt = [replace(params, max_tokens=n) for n in lens]
+    split = lambda items: [items[i : i + batch] for i in range(0, count, batch)]  # noqa: E731
+    groups = split(prompts)
     results = {name: Measurement() for name in llms}
     if hf is not None:
         results["transformers generate"] = Measurement()
+    run = lambda llm, m: (run_continuous(llm, prompts, batch, per_prompt, m) if batching == "continuous"  # noqa: E731
+                          else run_mindspec(llm, groups, split(per_prompt), m))
     for name in warm_up:
-        _run(llms[name], prompts, groups, batch, params, batching, Measurement())
+        run(llms[name], Measurement())
     for _ in range(rounds):
         for name, llm in llms.items():
-            _run(llm, prompts, groups, batch, params, batching, results[name])
+            run(llm, results[name])
         if hf is not None:
-            run_hf(hf, groups, params.max_tokens, results["transformers generate"])
+            run_hf(hf, groups, split(lens), results["transformers generate"])
     return summarise(results)
-
-
-def _run(llm: LLM, prompts, groups, batch: int, params: SamplingParams, batching: str, m: Measurement) -> None:
-    if batching == "continuous":
-        run_continuous(llm, prompts, batch, params, m)
-    else:
-        run_mindspec(llm, groups, params, m)

@@ -4,7 +4,9 @@ Keys keep MindIE's camelCase spelling; defaults are MindIE's. mindspec adds to `
 ``backendType`` also accepts cpu / cuda / auto (atb and torch mean npu), ``dtype``,
 ``decodeGraphs`` (decode steps as captured graphs on cuda/npu, torch.compile on cpu; absent: on
 where graphs exist, off on cpu), and to ``ScheduleConfig``: ``numBlocks`` (a fixed KV block count instead of a memory budget) and
-``asyncScheduling`` (MindIE's MINDIE_ASYNC_SCHEDULING_ENABLE as a config key).
+``asyncScheduling`` (MindIE's MINDIE_ASYNC_SCHEDULING_ENABLE as a config key), ``waitingServedRatio`` and
+``maxWaitingSteps`` (prefill batching while sequences decode: TGI's waiting_served_ratio and
+max_waiting_tokens; engine/scheduler.py).
 Every bad value is one ConfigError naming its JSON path.
 """
 from __future__ import annotations
@@ -30,7 +32,8 @@ USED_KEYS = {
     "BackendConfig": {"backendName", "ModelDeployConfig", "ScheduleConfig"},
     "BackendConfig.ModelDeployConfig": {"maxSeqLen", "maxInputTokenLen", "truncation", "ModelConfig"},
     "BackendConfig.ScheduleConfig": {"cacheBlockSize", "maxPrefillBatchSize", "maxPrefillTokens", "maxBatchSize",
-                                     "maxIterTimes", "numBlocks", "asyncScheduling", "templateType"},
+                                     "maxIterTimes", "numBlocks", "asyncScheduling", "templateType",
+                                     "waitingServedRatio", "maxWaitingSteps"},
 }
 
 
@@ -128,6 +131,8 @@ class ScheduleConfig:
     max_iter_times: int = 512
     num_blocks: Optional[int] = None
     async_scheduling: bool = False
+    waiting_served_ratio: float = 0.3
+    max_waiting_steps: int = 20
 
 
 @dataclass(frozen=True)
@@ -172,10 +177,12 @@ class _Section:
             raise ConfigError(f"{self._where(key)}: must be in {rng}, got {value}")
         return value
 
-    def num(self, key: str, default: float) -> float:
+    def num(self, key: str, default: float, lo: Optional[float] = None) -> float:
         value = self.data.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:  # NaN
             raise ConfigError(f"{self._where(key)}: must be a number, got {value!r}")
+        if lo is not None and value < lo:
+            raise ConfigError(f"{self._where(key)}: must be >= {lo}, got {value}")
         return float(value)
 
     def str(self, key: str, default: Optional[str], choices: Optional[tuple] = None) -> Optional[str]:
@@ -313,6 +320,8 @@ def _schedule(s: _Section, max_input: int) -> ScheduleConfig:
         max_iter_times=s.int("maxIterTimes", 512, 1),
         num_blocks=s.int("numBlocks", None, 2),
         async_scheduling=s.bool("asyncScheduling", False),
+        waiting_served_ratio=s.num("waitingServedRatio", 0.3, lo=0.0),
+        max_waiting_steps=s.int("maxWaitingSteps", 20, 0),
     )
     if cfg.max_prefill_tokens < max_input:
         raise ConfigError(

@@ -57,6 +57,8 @@ class EngineArgs:
                 max_iter_times=sched.max_iter_times,
                 truncation=deploy.truncation,
                 async_scheduling=sched.async_scheduling,
+                waiting_served_ratio=sched.waiting_served_ratio,
+                max_waiting_steps=sched.max_waiting_steps,
             ),
         )
         for key, value in overrides.items():

@@ -1,7 +1,8 @@
 """Continuous batching with MindIE's limits; host-side only (no tensors).
 
 Each step is either a prefill batch (new or recomputed sequences, FCFS) or a decode batch of every
-running sequence, as in nano-vllm. Sequences join between steps and leave as soon as they finish.
+running sequence, as in nano-vllm. Sequences join between steps and leave as soon as they finish;
+while others decode, a small prefill may wait a few steps to be batched (waiting_served_ratio).
 When blocks run out during decode the most recently arrived running sequence is preempted (its
 blocks freed, recomputed later from its tokens): waiting is possible, crashing or corrupting a
 running sequence is not.
@@ -44,6 +45,13 @@ class SchedulerConfig:
     # Build step N+1 on the host while step N runs (engine/async_scheduling.py); MindIE's
     # MINDIE_ASYNC_SCHEDULING_ENABLE, here ScheduleConfig.asyncScheduling.
     async_scheduling: bool = False
+    # Prefill batching, TGI's waiting_served_ratio / max_waiting_tokens: while sequences run, new
+    # ones are prefilled only in groups of at least floor(ratio x running), or once
+    # max_waiting_steps decode steps have passed since the last prefill. Each prefill is one more
+    # forward over the whole model; with speculation, sequences finish at different steps and
+    # would otherwise be refilled one or two at a time. 0 turns it off (prefill first, always).
+    waiting_served_ratio: float = 0.3
+    max_waiting_steps: int = 20
 
     def __post_init__(self) -> None:
         t = self.truncation
@@ -64,6 +72,10 @@ class SchedulerConfig:
             raise EngineError(f"max_seq_len must be >= 2 (one prompt and one output token), got {self.max_seq_len}")
         if self.num_lookahead_tokens < 0:
             raise EngineError(f"num_lookahead_tokens must be >= 0, got {self.num_lookahead_tokens}")
+        if not self.waiting_served_ratio >= 0:  # also NaN
+            raise EngineError(f"waiting_served_ratio must be >= 0, got {self.waiting_served_ratio}")
+        if self.max_waiting_steps < 0:
+            raise EngineError(f"max_waiting_steps must be >= 0, got {self.max_waiting_steps}")
 
     @property
     def effective_max_input_len(self) -> int:
@@ -97,6 +109,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.decode_steps_since_prefill = 0
 
     # ---- admission ---------------------------------------------------------------------------
     @property
@@ -193,38 +206,56 @@ class Scheduler:
 
     # ---- scheduling --------------------------------------------------------------------------
     def schedule(self) -> Optional[ScheduledBatch]:
-        """A prefill batch if any waiting sequence can start, else a decode batch of the running
-        ones; None when there is nothing to run."""
+        """A prefill batch if waiting sequences can start (and are not held back to be batched),
+        else a decode batch of the running ones; None when there is nothing to run."""
         batch = self._schedule_prefill()
         if batch is not None:
             return batch
+        # Never None while sequences run: the oldest always fits (max_tokens is clipped to the
+        # cache), so a held prefill cannot stall the engine.
         return self._schedule_decode()
 
     def _schedule_prefill(self) -> Optional[ScheduledBatch]:
+        seqs = self._admissible()
+        if not seqs or self._holds_prefill(len(seqs)):
+            return None
+        for seq in seqs:
+            # Room for the first decode's drafts too, so a fresh sequence is not preempted at once.
+            self.block_manager.allocate(seq, self.config.num_lookahead_tokens)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+        self.running.extend(seqs)
+        self.decode_steps_since_prefill = 0
+        return ScheduledBatch(seqs, is_prefill=True)
+
+    def _admissible(self) -> list[Sequence]:
+        """The head of the queue that can start now (FCFS: the head blocks the rest, so a long
+        prompt is never starved); nothing is allocated."""
         cfg, bm = self.config, self.block_manager
-        lookahead = cfg.num_lookahead_tokens
+        free_seats = min(cfg.max_prefill_batch_size, cfg.max_batch_size - len(self.running))
+        free_blocks = bm.num_free_blocks
         seqs: list[Sequence] = []
         tokens = 0
-        # FCFS: the head of the queue blocks the rest, so a long prompt is never starved.
-        while self.waiting and len(seqs) < cfg.max_prefill_batch_size:
-            if len(self.running) + len(seqs) >= cfg.max_batch_size:
+        for seq in self.waiting:
+            if len(seqs) >= free_seats:
                 break
-            seq = self.waiting[0]
             # A prompt longer than maxPrefillTokens still runs, alone.
             if seqs and tokens + seq.num_tokens > cfg.max_prefill_tokens:
                 break
-            # Room for the first decode's drafts too, so a fresh sequence is not preempted at once.
-            if not bm.can_allocate(seq, lookahead):
+            need = bm.blocks_missing(seq, seq.num_tokens + cfg.num_lookahead_tokens)
+            if need > free_blocks:
                 break
-            bm.allocate(seq, lookahead)
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
+            free_blocks -= need
             seqs.append(seq)
             tokens += seq.num_tokens
-        if not seqs:
-            return None
-        self.running.extend(seqs)
-        return ScheduledBatch(seqs, is_prefill=True)
+        return seqs
+
+    def _holds_prefill(self, num_admissible: int) -> bool:
+        """Hold a small prefill back while others decode (see SchedulerConfig.waiting_served_ratio);
+        never when nothing runs, and never longer than max_waiting_steps decode steps."""
+        cfg = self.config
+        return (bool(self.running) and self.decode_steps_since_prefill < cfg.max_waiting_steps
+                and num_admissible < int(cfg.waiting_served_ratio * len(self.running)))
 
     def _schedule_decode(self) -> Optional[ScheduledBatch]:
         """Every running sequence needs its table to cover num_tokens + num_lookahead_tokens
@@ -246,8 +277,11 @@ class Scheduler:
                 bm.append_slots(seq, lookahead)
                 scheduled.append(seq)
         self.running = scheduled
+        if not scheduled:
+            return None
+        self.decode_steps_since_prefill += 1
         # A copy: finishing sequences leave self.running while the batch is still being read.
-        return ScheduledBatch(list(scheduled), is_prefill=False) if scheduled else None
+        return ScheduledBatch(list(scheduled), is_prefill=False)
 
     def schedule_ahead(self, pending: dict[int, int]) -> Optional[ScheduledBatch]:
         """Async scheduling: the next batch while a step is still running. ``pending`` maps each
@@ -267,6 +301,7 @@ class Scheduler:
             return None
         for seq in seqs:
             bm.ensure(seq, need[seq.seq_id])
+        self.decode_steps_since_prefill += 1
         return ScheduledBatch(seqs, is_prefill=False)
 
     def _by_arrival(self) -> list[Sequence]:

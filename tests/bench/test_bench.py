@@ -121,13 +121,17 @@ class _CountingLLM:
     """Stands in for an LLM: echoes each prompt's first token, counts its generate calls."""
 
     def __init__(self):
+        from types import SimpleNamespace
+
         self.calls = 0
+        self.engine = SimpleNamespace(scheduler=SimpleNamespace(config=SimpleNamespace(max_batch_size=256)))
 
     def generate(self, prompts, params):
         from types import SimpleNamespace
 
         self.calls += 1
-        return [SimpleNamespace(token_ids=[p[0]] * params.max_tokens, spec_decode=None) for p in prompts]
+        self.max_tokens = [q.max_tokens for q in params]
+        return [SimpleNamespace(token_ids=[p[0]] * q.max_tokens, spec_decode=None) for p, q in zip(prompts, params)]
 
 
 def test_warm_up_runs_a_configuration_once_untimed():
@@ -139,3 +143,44 @@ def test_warm_up_runs_a_configuration_once_untimed():
                              warm_up=frozenset({"compiled"}))
     assert llms["mtp off"].calls == 3 * 2 and llms["compiled"].calls == 4 * 2  # 2 groups per round
     assert len(rows["compiled"]["tokens_per_s_rounds"]) == 3
+
+
+def test_output_lengths_fixed_or_drawn_from_the_range():
+    assert speed.output_lengths(5, 64) == [64] * 5
+    lens = speed.output_lengths(400, 64, 0.5)
+    assert min(lens) == 32 and max(lens) == 96  # both ends reached in 400 draws
+    assert lens == speed.output_lengths(400, 64, 0.5)  # the same draw every time
+    assert set(speed.output_lengths(50, 1, 0.9)) == {1, 2}  # never below 1
+    with pytest.raises(ValueError, match="range ratio"):
+        speed.output_lengths(3, 64, 1.0)
+
+
+@pytest.mark.parametrize("batching", ["static", "continuous"])
+def test_each_prompt_gets_its_own_output_length(batching):
+    from mindspec.text_generator.sampling.params import SamplingParams
+
+    llms = {"mtp off": _CountingLLM()}
+    prompts = [[i] for i in range(16)]  # continuous: 4 waves of 4
+    lens = [3, 1, 4, 1, 5, 9, 2, 6] * 2
+    rows = speed.bench_batch(llms, None, prompts, 4, 8, 1, SamplingParams(max_tokens=2), batching, output_lens=lens)
+    got = llms["mtp off"].max_tokens
+    assert got == (lens if batching == "continuous" else lens[12:])  # static: the last group's call
+    assert rows["mtp off"]["identical_to_mtp_off"]
+
+
+def test_transformers_groups_run_to_their_longest_output_and_count_what_was_asked(monkeypatch):
+    import itertools
+
+    clock = itertools.count()  # perf_counter reads 0, 1, 2, ...: the run lasts 5 "seconds"
+    monkeypatch.setattr(speed.time, "perf_counter", lambda: float(next(clock)))
+
+    class FakeHF:
+        asked = []
+
+        def generate(self, ids, max_new_tokens, **kw):
+            self.asked.append((ids.shape[0], max_new_tokens, kw["min_new_tokens"]))
+
+    m = speed.Measurement()
+    speed.run_hf(FakeHF(), [[[1], [2]], [[3], [4]]], [[3, 7], [5, 2]], m)
+    assert FakeHF.asked == [(2, 7, 7), (2, 5, 5)]
+    assert m.tokens_per_s == [(3 + 7 + 5 + 2) / 5]

@@ -63,6 +63,9 @@ BAD = [
     (("BackendConfig", "ScheduleConfig", "cacheBlockSize"), 256, "cacheBlockSize: must be in 1..128"),
     (("BackendConfig", "ScheduleConfig", "maxBatchSize"), "8", "maxBatchSize: must be an integer"),
     (("BackendConfig", "ScheduleConfig", "maxPrefillTokens"), 100, "maxPrefillTokens: must be >= maxInputTokenLen"),
+    (("BackendConfig", "ScheduleConfig", "waitingServedRatio"), -0.5, "waitingServedRatio: must be >= 0.0"),
+    (("BackendConfig", "ScheduleConfig", "waitingServedRatio"), "0.3", "waitingServedRatio: must be a number"),
+    (("BackendConfig", "ScheduleConfig", "maxWaitingSteps"), -1, "maxWaitingSteps: must be in >= 0"),
     (("BackendConfig", "ModelDeployConfig", "truncation"), 2, "truncation"),
     (("BackendConfig", "ModelDeployConfig", "ModelConfig"), [], "ModelConfig: must be a non-empty list"),
     (("ServerConfig", "port"), 70000, "ServerConfig.port"),
@@ -92,6 +95,17 @@ def test_bad_model_values_name_their_path(key, value, message):
     d["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0][key] = value
     with pytest.raises(ConfigError, match=re.escape(f"{MODEL}.") + message):
         parse_config(d)
+
+
+def test_prefill_batching_keys_reach_the_scheduler():
+    from mindspec.engine.args import EngineArgs
+
+    d = _sample()
+    assert parse_config(d).backend.schedule.waiting_served_ratio == 0.3  # TGI's defaults
+    assert parse_config(d).backend.schedule.max_waiting_steps == 20
+    d["BackendConfig"]["ScheduleConfig"].update(waitingServedRatio=0, maxWaitingSteps=5)
+    sched = EngineArgs.from_mindie_config(parse_config(d)).scheduler
+    assert (sched.waiting_served_ratio, sched.max_waiting_steps) == (0.0, 5)
 
 
 def test_unreadable_files(tmp_path):

@@ -381,6 +381,11 @@ def test_config_validation():
         SchedulerConfig(num_lookahead_tokens=-1)
     with pytest.raises(EngineError, match="truncation"):
         SchedulerConfig(truncation=2)
+    for bad in (-0.1, float("nan")):
+        with pytest.raises(EngineError, match="waiting_served_ratio"):
+            SchedulerConfig(waiting_served_ratio=bad)
+    with pytest.raises(EngineError, match="max_waiting_steps"):
+        SchedulerConfig(max_waiting_steps=-1)
     assert SchedulerConfig(max_input_token_len=4096, max_seq_len=2048).effective_max_input_len == 2047
     assert SchedulerConfig(max_input_token_len=100, max_seq_len=2048).effective_max_input_len == 100
 
@@ -648,3 +653,71 @@ def test_add_prefilled_refuses_without_side_effects():
     with pytest.raises(RequestRejected, match="maxInputTokenLen=8"):
         s.add_prefilled(long)
     assert len(long.prompt_token_ids) == 9
+
+
+# ---- prefill batching (TGI's waiting_served_ratio / max_waiting_tokens) ------------------------
+def _running(s, n, max_tokens=100):
+    """n sequences prefilled (one batch) and running."""
+    for i in range(n):
+        s.add(_seq(i, 4, max_tokens=max_tokens))
+    batch = s.schedule()
+    assert batch.is_prefill and len(batch.seqs) == n
+    s.postprocess(batch, [[1]] * n, never_stop)
+    return batch.seqs
+
+
+def _decode(s, finish=()):
+    """One decode step, in which the sequences with ids in ``finish`` stop."""
+    batch = s.schedule()
+    assert not batch.is_prefill
+    s.postprocess(batch, [[1]] * len(batch.seqs), lambda q, t: FinishReason.STOP if q.seq_id in finish else None)
+    return batch
+
+
+def test_small_prefill_waits_while_others_decode_until_max_waiting_steps():
+    s = _sched(max_batch_size=8, waiting_served_ratio=0.5, max_waiting_steps=4)
+    _running(s, 8)
+    for i in range(8, 12):
+        s.add(_seq(i, 4))
+    _decode(s, finish={0})  # decode step 1; then 7 run and 1 seat: 1 < floor(0.5 * 7) = 3
+    kinds = []
+    while not (batch := s.schedule()).is_prefill:
+        kinds.append(s.decode_steps_since_prefill)
+        s.postprocess(batch, [[1]] * len(batch.seqs), never_stop)
+    assert kinds == [2, 3, 4]  # held for decode steps 2..4, released after the 4th
+    assert _ids(batch.seqs) == [8] and s.decode_steps_since_prefill == 0 and s.num_waiting == 3
+
+
+def test_prefill_goes_at_once_when_the_group_is_big_enough():
+    s = _sched(max_batch_size=8, waiting_served_ratio=0.5, max_waiting_steps=100)
+    _running(s, 8)
+    for i in range(8, 12):
+        s.add(_seq(i, 4))
+    _decode(s, finish={0, 1})  # 6 run, 2 seats: 2 < floor(0.5 * 6) = 3, held
+    _decode(s, finish={2})  # 5 run, 3 seats: 3 >= floor(2.5) = 2
+    batch = s.schedule()
+    assert batch.is_prefill and _ids(batch.seqs) == [8, 9, 10]
+
+
+def test_prefill_is_never_held_when_nothing_runs_or_the_ratio_is_zero():
+    s = _sched(max_batch_size=8, waiting_served_ratio=100.0, max_waiting_steps=100)
+    s.add(_seq(0, 4))
+    assert s.schedule().is_prefill  # nothing runs: a lone prompt starts at once
+    off = _sched(max_batch_size=8, waiting_served_ratio=0.0)
+    _running(off, 8)
+    off.add(_seq(8, 4))
+    _decode(off, finish={0})
+    assert _ids(off.schedule().seqs) == [8]  # prefill first, as without batching
+
+
+def test_a_decode_scheduled_ahead_counts_as_a_decode_step():
+    s = _sched(max_batch_size=4, waiting_served_ratio=1.0, max_waiting_steps=2)
+    _running(s, 4)
+    s.add(_seq(4, 4))
+    for step in (1, 2):
+        batch = s.schedule_ahead({q.seq_id: 1 for q in s.running})
+        assert not batch.is_prefill and s.decode_steps_since_prefill == step
+        s.postprocess(batch, [[1]] * len(batch.seqs), lambda q, t: FinishReason.STOP if q.seq_id == 0 else None)
+    # 3 run, 1 seat < floor(1.0 * 3), but two decode steps have passed: the prefill goes
+    batch = s.schedule_ahead({q.seq_id: 1 for q in s.running})
+    assert batch.is_prefill and _ids(batch.seqs) == [4]
