@@ -50,6 +50,7 @@ class SchedulerConfig:
     # max_waiting_steps decode steps have passed since the last prefill. Each prefill is one more
     # forward over the whole model; with speculation, sequences finish at different steps and
     # would otherwise be refilled one or two at a time. 0 turns it off (prefill first, always).
+    # TGI defaults to 1.2 but bounds a batch by tokens; here the group is bounded by free seats.
     waiting_served_ratio: float = 0.3
     max_waiting_steps: int = 20
 

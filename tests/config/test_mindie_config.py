@@ -101,7 +101,7 @@ def test_prefill_batching_keys_reach_the_scheduler():
     from mindspec.engine.args import EngineArgs
 
     d = _sample()
-    assert parse_config(d).backend.schedule.waiting_served_ratio == 0.3  # TGI's defaults
+    assert parse_config(d).backend.schedule.waiting_served_ratio == 0.3
     assert parse_config(d).backend.schedule.max_waiting_steps == 20
     d["BackendConfig"]["ScheduleConfig"].update(waitingServedRatio=0, maxWaitingSteps=5)
     sched = EngineArgs.from_mindie_config(parse_config(d)).scheduler
