@@ -238,18 +238,25 @@ def bench_batch(llms: dict[str, LLM], hf, prompts: list[list[int]], batch: int, 
     prompts = prompts[:count]
     lens = output_lens[:count] if output_lens is not None else [params.max_tokens] * count
     per_prompt = [replace(params, max_tokens=n) for n in lens]
-    split = lambda items: [items[i : i + batch] for i in range(0, count, batch)]  # noqa: E731
-    groups = split(prompts)
+    starts = range(0, count, batch)
+    groups = [prompts[i : i + batch] for i in starts]
+    group_params = [per_prompt[i : i + batch] for i in starts]
+    group_lens = [lens[i : i + batch] for i in starts]
     results = {name: Measurement() for name in llms}
     if hf is not None:
         results["transformers generate"] = Measurement()
-    run = lambda llm, m: (run_continuous(llm, prompts, batch, per_prompt, m) if batching == "continuous"  # noqa: E731
-                          else run_mindspec(llm, groups, split(per_prompt), m))
+
+    def run(llm: LLM, m: Measurement) -> None:
+        if batching == "continuous":
+            run_continuous(llm, prompts, batch, per_prompt, m)
+        else:
+            run_mindspec(llm, groups, group_params, m)
+
     for name in warm_up:
         run(llms[name], Measurement())
     for _ in range(rounds):
         for name, llm in llms.items():
             run(llm, results[name])
         if hf is not None:
-            run_hf(hf, groups, split(lens), results["transformers generate"])
+            run_hf(hf, groups, group_lens, results["transformers generate"])
     return summarise(results)
