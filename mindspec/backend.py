@@ -1,8 +1,9 @@
 """The Backend interface: the only door between the model and device code.
 
 A backend owns a device, allocates the paged latent cache and implements the ops of DESIGN.md
-section 3. The model calls these ops (plus plain torch for glue and dense GEMMs) and never checks
-which device it runs on. The ``cpu`` backend is the reference every other backend is tested against.
+section 3. The model calls these ops (plus plain torch for glue), GEMMs against its weights
+included (``linear``: a backend may keep weights in its own layout), and never checks which
+device it runs on. The ``cpu`` backend is the reference every other backend is tested against.
 
 Backends are found by name through a registry of dotted paths, imported on first use, so choosing
 ``cpu`` never imports triton or torch_npu. Packages extend the registry through the
@@ -17,6 +18,7 @@ from importlib.metadata import entry_points
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
 
 class BackendError(RuntimeError):
@@ -105,10 +107,21 @@ class RouterConfig:
 
 @dataclass
 class ExpertWeights:
-    """Routed experts stacked along dim 0 (the checkpoint stores them one by one)."""
+    """Routed experts stacked along dim 0 (the checkpoint stores them one by one). Built by
+    ``Backend.expert_weights``, which may return a subclass carrying its own layouts as well."""
 
     w13: torch.Tensor  # [E, 2 * I, H]  gate_proj rows then up_proj rows
     w2: torch.Tensor  # [E, H, I]       down_proj
+
+
+@dataclass(eq=False)
+class LinearWeight:
+    """A GEMM weight as the model holds it: y = x @ weight.T. Built once at load by
+    ``Backend.linear_weight``; ``packed`` is the same weight in a layout only that backend reads
+    (the cpu backend: oneDNN's blocked layout), or None."""
+
+    weight: torch.Tensor  # [out, in]
+    packed: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -220,6 +233,19 @@ class Backend(ABC):
         k_pe = self.rope(kv_a[:, None, rank:], positions, rotary)[:, 0]
         self.write_latent_cache(cache, c_kv, k_pe, slots)
         return c_kv, k_pe
+
+    # ---- GEMMs against weights ---------------------------------------------------------------
+    def linear_weight(self, weight: torch.Tensor) -> LinearWeight:
+        """A loaded [out, in] weight -> what ``linear`` takes; a backend may add its own layout."""
+        return LinearWeight(weight)
+
+    def linear(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+        """x [..., in] -> x @ w.weight.T [..., out]."""
+        return F.linear(x, w.weight)
+
+    def expert_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
+        """Stacked routed experts (w13 [E, 2I, H], w2 [E, H, I]) -> what ``moe_experts`` takes."""
+        return ExpertWeights(w13=w13, w2=w2)
 
     # ---- norms and activations ---------------------------------------------------------------
     @abstractmethod

@@ -22,10 +22,12 @@ from mindspec.backend import (
     Backend,
     ExpertWeights,
     LatentCache,
+    LinearWeight,
     RotaryEmbedding,
     RouterConfig,
 )
 
+from . import linear as packed_linear
 from . import moe
 from .attention_plan import attention_plan, cache_rows
 
@@ -116,6 +118,7 @@ class CpuBackend(Backend):
     def __init__(self, device: Optional[str] = None):
         super().__init__(device)
         self._rope_memo, self._spill_memo = _LastCall(), _LastCall()
+        self.pack_weights = packed_linear.packing_enabled()
 
     def default_device(self) -> str:
         return "cpu"
@@ -181,6 +184,22 @@ class CpuBackend(Backend):
         c = _take_rows(cache.c_kv.reshape(-1, cache.c_kv.shape[-1]), rows)
         k = _take_rows(cache.k_pe.reshape(-1, cache.k_pe.shape[-1]), rows)
         return torch.cat([c, k], dim=-1).to(dtype)
+
+    # ---- GEMMs against weights ---------------------------------------------------------------
+    def linear_weight(self, weight: torch.Tensor) -> LinearWeight:
+        return LinearWeight(weight, packed_linear.pack(weight, self.pack_weights))
+
+    def linear(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+        return packed_linear.linear(x, w)
+
+    def expert_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
+        E, two_i, H = w13.shape
+        return moe.CpuExpertWeights(
+            w13=w13, w2=w2,
+            w13_all=self.linear_weight(w13.reshape(E * two_i, H)),
+            w13_each=[self.linear_weight(w13[e]) for e in range(E)],
+            w2_each=[self.linear_weight(w2[e]) for e in range(E)],
+        )
 
     # ---- norms and activations -------------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -9,7 +9,6 @@ q_lat = q_nope . W_UK against c_kv, and o = o_lat . W_UV^T.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from mindspec.backend import AttentionMetadata, Backend, LatentCache, RotaryEmbedding
 
@@ -35,32 +34,35 @@ class MlaAttention:
         self.kv_lora_rank = cfg.kv_lora_rank
         kv_a = w.take("kv_a_proj_with_mqa.weight")  # [R + P, hidden]
         if cfg.q_lora_rank is None:
-            self.q_proj = w.take("q_proj.weight")  # [H * (nope + rope), hidden]
+            self.q_proj = backend.linear_weight(w.take("q_proj.weight"))  # [H * (nope + rope), hidden]
             self.qkv_a_proj = None
-            self.kv_a_proj = kv_a
+            self.kv_a_proj = backend.linear_weight(kv_a)
         else:
             # One GEMM for both down-projections of the block input (vLLM's fused_qkv_a_proj):
             # rows [q_a | kv_a]; kv_a_proj stays a view for callers that need only the latents.
             self.q_lora_rank = cfg.q_lora_rank
-            self.qkv_a_proj = torch.cat([w.take("q_a_proj.weight"), kv_a])  # [q_lora + R + P, hidden]
-            self.kv_a_proj = self.qkv_a_proj[self.q_lora_rank :]
+            qkv_a = torch.cat([w.take("q_a_proj.weight"), kv_a])  # [q_lora + R + P, hidden]
+            self.qkv_a_proj = backend.linear_weight(qkv_a)
+            self.kv_a_proj = backend.linear_weight(qkv_a[self.q_lora_rank :])
             self.q_a_layernorm = w.take("q_a_layernorm.weight")
-            self.q_b_proj = w.take("q_b_proj.weight")  # [H * (nope + rope), q_lora]
+            self.q_b_proj = backend.linear_weight(w.take("q_b_proj.weight"))  # [H * (nope + rope), q_lora]
         self.kv_a_layernorm = w.take("kv_a_layernorm.weight")  # [R]
         kv_b = w.take("kv_b_proj.weight")  # [H * (nope + v), R], rows per head: [k_nope | v]
-        self.kv_b_proj = kv_b
+        self.kv_b_proj = backend.linear_weight(kv_b)
         per_head = kv_b.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         self.w_uk = per_head[:, : self.nope_dim].contiguous()  # [H, nope, R]
         self.w_uv_t = per_head[:, self.nope_dim :].transpose(1, 2).contiguous()  # [H, R, v]: W_UV^T per head
-        self.o_proj = w.take("o_proj.weight")  # [hidden, H * v]
+        self.o_proj = backend.linear_weight(w.take("o_proj.weight"))  # [hidden, H * v]
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (q [T, H, nope + rope], kv_a [T, R + P])."""
         if self.qkv_a_proj is None:
-            q, kv_a = F.linear(x, self.q_proj), F.linear(x, self.kv_a_proj)
+            q, kv_a = self.backend.linear(x, self.q_proj), self.backend.linear(x, self.kv_a_proj)
         else:
-            q_a, kv_a = F.linear(x, self.qkv_a_proj).split([self.q_lora_rank, self.kv_a_proj.shape[0]], dim=-1)
-            q = F.linear(self.backend.rms_norm(q_a, self.q_a_layernorm, self.eps), self.q_b_proj)
+            q_a, kv_a = self.backend.linear(x, self.qkv_a_proj).split(
+                [self.q_lora_rank, self.kv_a_proj.weight.shape[0]], dim=-1
+            )
+            q = self.backend.linear(self.backend.rms_norm(q_a, self.q_a_layernorm, self.eps), self.q_b_proj)
         return q.view(x.shape[0], self.num_heads, self.nope_dim + self.rope_dim), kv_a
 
     def forward(
@@ -75,14 +77,14 @@ class MlaAttention:
             out = self._prefill(q_nope, q_pe, c_kv, k_pe, meta)
         else:
             out = self._absorbed(q_nope, q_pe, cache, meta)
-        return F.linear(out.reshape(x.shape[0], self.num_heads * self.v_dim), self.o_proj)
+        return self.backend.linear(out.reshape(x.shape[0], self.num_heads * self.v_dim), self.o_proj)
 
     def write_cache(
         self, x: torch.Tensor, positions: torch.Tensor, cache: LatentCache, meta: AttentionMetadata
     ) -> None:
         """Only the cache entries ``forward`` writes for x [T, hidden]: the latents depend on x
         alone, so a caller that needs no attention output stops here."""
-        self._write_latents(F.linear(x, self.kv_a_proj), positions, cache, meta)
+        self._write_latents(self.backend.linear(x, self.kv_a_proj), positions, cache, meta)
 
     def _write_latents(
         self, kv_a: torch.Tensor, positions: torch.Tensor, cache: LatentCache, meta: AttentionMetadata
@@ -93,7 +95,7 @@ class MlaAttention:
         )
 
     def _prefill(self, q_nope, q_pe, c_kv, k_pe, meta) -> torch.Tensor:
-        kv = F.linear(c_kv, self.kv_b_proj).view(-1, self.num_heads, self.nope_dim + self.v_dim)
+        kv = self.backend.linear(c_kv, self.kv_b_proj).view(-1, self.num_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         return self.backend.mla_prefill(q_nope, q_pe, k_nope, k_pe, v, meta, self.scale)  # [T, H, v]
 

@@ -64,9 +64,9 @@ class FlashCausalDeepseekV2:
         bag = TensorBag(tensors)
         self.embed = bag.take("model.embed_tokens.weight")  # [vocab, hidden]
         self.norm = bag.take("model.norm.weight")
-        self.lm_head = bag.take_optional("lm_head.weight")
-        if self.lm_head is None:  # tie_word_embeddings
-            self.lm_head = self.embed
+        lm_head = bag.take_optional("lm_head.weight")
+        # tie_word_embeddings: the embedding is the head
+        self.lm_head = backend.linear_weight(self.embed if lm_head is None else lm_head)  # [vocab, hidden]
         self.layers = [
             DecoderLayer(cfg, i, bag.scope(layer_prefix(i)), backend, self.rotary, scale)
             for i in range(cfg.num_hidden_layers)
@@ -144,7 +144,7 @@ class FlashCausalDeepseekV2:
         for layer, cache in zip(self.layers, caches):
             x, residual = layer.forward(x, residual, positions, cache, meta)
         hidden, _ = self.backend.add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
-        logits = F.linear(hidden[lm_head_indices], self.lm_head).float()
+        logits = self.backend.linear(hidden[lm_head_indices], self.lm_head).float()
         return ModelOutput(logits=logits, hidden_states=hidden)
 
     def forward_mtp(

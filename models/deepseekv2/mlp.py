@@ -9,9 +9,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
-from mindspec.backend import Backend, ExpertWeights, RouterConfig
+from mindspec.backend import Backend, RouterConfig
 from mindspec.distributed.expert_parallel import ExpertParallel
 
 from .tensors import TensorBag
@@ -31,11 +30,11 @@ def _drop_expert(w: TensorBag) -> None:
 class DenseMlp:
     def __init__(self, w: TensorBag, backend: Backend):
         self.backend = backend
-        self.gate_up = _fused_gate_up(w)  # [2I, hidden]
-        self.down = w.take("down_proj.weight")  # [hidden, I]
+        self.gate_up = backend.linear_weight(_fused_gate_up(w))  # [2I, hidden]
+        self.down = backend.linear_weight(w.take("down_proj.weight"))  # [hidden, I]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.backend.silu_and_mul(F.linear(x, self.gate_up)), self.down)
+        return self.backend.linear(self.backend.silu_and_mul(self.backend.linear(x, self.gate_up)), self.down)
 
 
 class DeepseekMoe:
@@ -48,7 +47,7 @@ class DeepseekMoe:
         self.ep = ExpertParallel.for_current_process(num_experts)  # None: every expert lives here
         local = self.ep.local_experts if self.ep else range(num_experts)
         experts = [w.scope(f"experts.{e}.") for e in range(num_experts)]
-        self.experts = ExpertWeights(
+        self.experts = backend.expert_weights(
             w13=torch.stack([_fused_gate_up(experts[e]) for e in local]),  # [E_local, 2I, hidden]
             w2=torch.stack([experts[e].take("down_proj.weight") for e in local]),  # [E_local, hidden, I]
         )

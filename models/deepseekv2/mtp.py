@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mindspec.backend import AttentionMetadata, Backend, LatentCache, RotaryEmbedding
+from mindspec.backend import AttentionMetadata, Backend, LatentCache, LinearWeight, RotaryEmbedding
 
 from .config import DeepseekV2Config
 from .decoder_layer import DecoderLayer
@@ -27,6 +27,12 @@ def _shared_or_own(own: torch.Tensor | None, main: torch.Tensor) -> torch.Tensor
     return own
 
 
+def _shared_or_own_head(own: torch.Tensor | None, main: LinearWeight, backend: Backend) -> LinearWeight:
+    if own is None or torch.equal(own, main.weight):
+        return main
+    return backend.linear_weight(own)
+
+
 class MtpModule:
     def __init__(
         self,
@@ -37,17 +43,17 @@ class MtpModule:
         rotary: RotaryEmbedding,
         softmax_scale: float,
         main_embed: torch.Tensor,
-        main_head: torch.Tensor,
+        main_head: LinearWeight,
     ):
         self.backend = backend
         self.eps = cfg.rms_norm_eps
         self.module_idx = module_idx
         self.enorm = w.take("enorm.weight")
         self.hnorm = w.take("hnorm.weight")
-        self.eh_proj = w.take("eh_proj.weight")  # [hidden, 2 * hidden]
+        self.eh_proj = backend.linear_weight(w.take("eh_proj.weight"))  # [hidden, 2 * hidden]
         self.head_norm = w.take("shared_head.norm.weight")
         self.embed = _shared_or_own(w.take_optional("embed_tokens.weight"), main_embed)
-        self.head = _shared_or_own(w.take_optional("shared_head.head.weight"), main_head)
+        self.head = _shared_or_own_head(w.take_optional("shared_head.head.weight"), main_head, backend)
         self.block = DecoderLayer(cfg, cfg.num_hidden_layers + module_idx, w, backend, rotary, softmax_scale)
 
     def forward(
@@ -72,8 +78,8 @@ class MtpModule:
     def _block_input(self, input_ids: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         e = self.backend.rms_norm(F.embedding(input_ids, self.embed), self.enorm, self.eps)
         h = self.backend.rms_norm(hidden_states, self.hnorm, self.eps)
-        return F.linear(torch.cat([e, h], dim=-1), self.eh_proj)  # [T, hidden]
+        return self.backend.linear(torch.cat([e, h], dim=-1), self.eh_proj)  # [T, hidden]
 
     def logits(self, block_out: torch.Tensor) -> torch.Tensor:
         """block_out [N, hidden] -> logits [N, vocab] float32."""
-        return F.linear(self.backend.rms_norm(block_out, self.head_norm, self.eps), self.head).float()
+        return self.backend.linear(self.backend.rms_norm(block_out, self.head_norm, self.eps), self.head).float()

@@ -4,6 +4,7 @@ import torch
 import op_references as ref
 from mindspec.backend import ExpertWeights, RouterConfig
 from mindspec.backends.cpu import CpuBackend, moe
+from mindspec.backends.cpu import linear as packed_linear
 
 HIDDEN, E, T = 32, 16, 23
 
@@ -166,4 +167,18 @@ def test_expert_path_chosen_by_cost(monkeypatch, num_experts, top_k, tokens, pat
     ex = ExpertWeights(w13=torch.randn(num_experts, 8, HIDDEN, generator=g), w2=torch.randn(num_experts, HIDDEN, 4, generator=g))
     ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)])
     moe.moe_experts(torch.randn(tokens, HIDDEN, generator=g), torch.rand(tokens, top_k, generator=g), ids, ex)
+    assert calls == [path]
+
+
+@pytest.mark.skipif(not packed_linear.packing_enabled(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("tokens,path", [(128, "_dense_experts"), (129, "_sorted_experts")])
+def test_packed_experts_stay_dense_up_to_more_tokens(monkeypatch, tokens, path):
+    calls = []
+    for name in ("_dense_experts", "_sorted_experts"):
+        original = getattr(moe, name)
+        monkeypatch.setattr(moe, name, lambda *a, _n=name, _f=original: calls.append(_n) or _f(*a))
+    g = torch.Generator().manual_seed(8)
+    ex = CpuBackend().expert_weights(w13=torch.randn(6, 8, HIDDEN, generator=g), w2=torch.randn(6, HIDDEN, 4, generator=g))
+    ids = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(tokens)])
+    moe.moe_experts(torch.randn(tokens, HIDDEN, generator=g), torch.rand(tokens, 2, generator=g), ids, ex)
     assert calls == [path]

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from mindspec.backend import get_backend
+from mindspec.backends.cpu import linear as packed_linear
 from mindspec.models.deepseekv2.flash_causal_deepseekv2 import FlashCausalDeepseekV2
 from tests.models.deepseekv2.harness import PagedRunner
 from tests.support.checkpoints import load_hf_model, make_checkpoint, tiny_v2_config, tiny_v3_config
@@ -21,11 +22,19 @@ def checkpoint(request, tmp_path_factory):
     return path, cfg
 
 
+@pytest.fixture(params=["gemms by size", "every gemm packed"])
+def gemms(request, monkeypatch):
+    """The cpu backend's packed GEMM path (backends/cpu/linear.py) is taken from a size these tiny
+    shapes never reach; the second run forces it on every GEMM."""
+    if request.param == "every gemm packed":
+        monkeypatch.setattr(packed_linear, "PACKED_MIN_MACS", 0)
+
+
 def _load(path, **kw):
     return FlashCausalDeepseekV2.load(path, get_backend("cpu"), torch.float32, progress=False, **kw)
 
 
-def test_prefill_then_paged_decode_matches_transformers(checkpoint):
+def test_prefill_then_paged_decode_matches_transformers(checkpoint, gemms):
     path, cfg = checkpoint
     hf = load_hf_model(path)
     model = _load(path, num_mtp_modules=0)
@@ -45,7 +54,7 @@ def test_prefill_then_paged_decode_matches_transformers(checkpoint):
         assert (logits - expected).abs().max().item() <= ATOL
 
 
-def test_multi_token_step_over_cache_matches_transformers(checkpoint):
+def test_multi_token_step_over_cache_matches_transformers(checkpoint, gemms):
     """q_len > 1 with cached context (the shape of MTP verification), ragged per sequence."""
     path, cfg = checkpoint
     hf = load_hf_model(path)

@@ -26,7 +26,7 @@ def test_sharded_checkpoint_equals_single_file(tmp_path):
     single = _load(make_checkpoint(tmp_path / "a", tiny_v3_config(), seed=4))
     sharded = _load(make_checkpoint(tmp_path / "b", tiny_v3_config(), seed=4, max_shard_size="100KB"))
     assert torch.equal(single.layers[2].mlp.experts.w2, sharded.layers[2].mlp.experts.w2)
-    assert torch.equal(single.mtp_modules[0].eh_proj, sharded.mtp_modules[0].eh_proj)
+    assert torch.equal(single.mtp_modules[0].eh_proj.weight, sharded.mtp_modules[0].eh_proj.weight)
 
 
 def test_checkpoint_without_mtp_tensors_loads_main_model(tmp_path):

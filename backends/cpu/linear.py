@@ -1,0 +1,62 @@
+"""GEMMs against weights on the cpu backend, with oneDNN's prepacked weight layout.
+
+F.linear on x86 calls MKL's sgemm, which repacks the weight on every call; for the thin
+activations of decoding (a few to a few hundred rows) that repacking is most of the call. oneDNN
+keeps the weight in its blocked layout, packed once at load (what Inductor's CPU weight freezing
+does). On this project's 2-core AVX-512 machine, float32, F.linear against packed (us, median of
+3 x 600 calls; scratch lin_sweep.py):
+
+    in -> out        rows:  1        4         16        64         256
+    192 -> 1152             13 / 18  40 / 18   66 / 28   176 / 74   593 / 240
+    192 -> 4096 (lm_head)   50 / 34  131 / 35  192 / 72  687 / 217  2096 / 798
+    192 -> 192              3 / 15   9 / 13    16 / 19   36 / 25    109 / 50
+
+A packed call costs ~13 us however small, against 3 us for F.linear's one-row GEMV, so small
+products stay on F.linear: a GEMM goes packed from PACKED_MIN_MACS multiply-adds on. Results are
+the same floats as F.linear's from 4 rows on; one or two rows differ in the last bits (a GEMV
+sums in another order), as F.linear's own GEMV and GEMM paths already differ from each other.
+Every weight is packed, small ones too (they go packed in prefills and big batches), so the
+weights take twice their memory on the cpu backend; MINDSPEC_CPU_PACKED_LINEAR=0 turns it off.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from mindspec.backend import LinearWeight
+
+PACKED_MIN_MACS = 384 * 1024  # rows * in * out from which the packed GEMM is faster (table above)
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+ENV_SWITCH = "MINDSPEC_CPU_PACKED_LINEAR"  # "0": plain F.linear everywhere (A/B benchmarks)
+
+
+def packing_enabled() -> bool:
+    ops = torch.ops.mkldnn
+    return (
+        os.environ.get(ENV_SWITCH, "1") != "0"
+        and torch.backends.mkldnn.is_available()
+        and hasattr(ops, "_reorder_linear_weight")
+        and hasattr(ops, "_linear_pointwise")
+    )
+
+
+def pack(weight: torch.Tensor, enabled: bool) -> Optional[torch.Tensor]:
+    """weight [out, in] -> oneDNN's blocked copy, or None where it would not be used."""
+    if not enabled or weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES:
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+
+
+def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+    """x [..., in] -> [..., out]: packed where it is faster, F.linear otherwise."""
+    if torch.compiler.is_compiling():  # first: a traced graph must not touch the oneDNN tensor
+        return F.linear(x, w.weight)
+    if w.packed is None or x.dtype != w.packed.dtype:
+        return F.linear(x, w.weight)
+    rows = x.numel() // w.weight.shape[1]
+    if rows * w.weight.numel() < PACKED_MIN_MACS:
+        return F.linear(x, w.weight)
+    return torch.ops.mkldnn._linear_pointwise(x, w.packed, None, "none", [], "")

@@ -1,0 +1,138 @@
+"""The cpu backend's GEMMs against weights: oneDNN's packed layout where it is faster, F.linear
+otherwise, both giving x @ W.T."""
+import pytest
+import torch
+
+import op_references as ref
+from mindspec.backend import LinearWeight
+from mindspec.backends.cpu import linear as packed_linear
+from mindspec.backends.cpu import moe
+from mindspec.backends.cpu.backend import CpuBackend
+
+pytestmark = pytest.mark.skipif(not packed_linear.packing_enabled(), reason="torch built without oneDNN")
+
+
+class _NoFLinear:
+    """Stands in for torch.nn.functional inside linear.py: any F.linear call fails the test, so a
+    passing result proves the packed path computed it."""
+
+    @staticmethod
+    def linear(*_):
+        raise AssertionError("F.linear was called")
+
+
+class _NoFLinearKeepSilu(_NoFLinear):
+    silu = staticmethod(torch.nn.functional.silu)
+
+
+def _weight(out_features, in_features, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(out_features, in_features, generator=g) * 0.1).to(dtype)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 16, 100])
+def test_packed_gemm_equals_x_times_w_transposed(monkeypatch, rows):
+    w = CpuBackend().linear_weight(_weight(96, 40))
+    assert w.packed is not None
+    x = torch.randn(rows, 40, generator=torch.Generator().manual_seed(rows))
+    expected = x.double() @ w.weight.double().T
+    monkeypatch.setattr(packed_linear, "PACKED_MIN_MACS", 0)
+    monkeypatch.setattr(packed_linear, "F", _NoFLinear)
+    out = CpuBackend().linear(x, w)
+    assert out.shape == (rows, 96) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_gemm_takes_strided_and_batched_inputs(monkeypatch):
+    w = CpuBackend().linear_weight(_weight(64, 32))
+    monkeypatch.setattr(packed_linear, "PACKED_MIN_MACS", 0)
+    monkeypatch.setattr(packed_linear, "F", _NoFLinear)
+    wide = torch.randn(8, 50)
+    strided = wide[:, 5:37]  # a column slice, as q_a out of the fused qkv_a GEMM
+    torch.testing.assert_close(CpuBackend().linear(strided, w), strided @ w.weight.T)
+    batched = torch.randn(2, 3, 32)
+    assert CpuBackend().linear(batched, w).shape == (2, 3, 64)
+    torch.testing.assert_close(CpuBackend().linear(batched, w), batched @ w.weight.T)
+    assert CpuBackend().linear(torch.randn(0, 32), w).shape == (0, 64)
+
+
+def test_bfloat16_weights_are_packed_too(monkeypatch):
+    w = CpuBackend().linear_weight(_weight(64, 32, torch.bfloat16))
+    assert w.packed is not None
+    monkeypatch.setattr(packed_linear, "PACKED_MIN_MACS", 0)
+    monkeypatch.setattr(packed_linear, "F", _NoFLinear)
+    x = torch.randn(8, 32).to(torch.bfloat16)
+    out = CpuBackend().linear(x, w)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), x.float() @ w.weight.float().T, atol=2e-2, rtol=2e-2)
+
+
+def test_small_products_stay_on_f_linear(monkeypatch):
+    """The rule: rows * in * out below PACKED_MIN_MACS runs F.linear, from it on packed."""
+    w = CpuBackend().linear_weight(_weight(128, 64))  # 8192 MACs a row
+    calls = []
+    real = packed_linear.F
+
+    class _Spy:
+        @staticmethod
+        def linear(x, weight):
+            calls.append(x.shape[0])
+            return real.linear(x, weight)
+
+    monkeypatch.setattr(packed_linear, "F", _Spy)
+    monkeypatch.setattr(packed_linear, "PACKED_MIN_MACS", 8192 * 4)
+    for rows in (1, 3, 4, 9):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(CpuBackend().linear(x, w), x @ w.weight.T)
+    assert calls == [1, 3]
+
+
+def test_no_packing_where_it_cannot_be_used(monkeypatch):
+    backend = CpuBackend()
+    assert backend.linear_weight(_weight(8, 4, torch.float16)).packed is None  # oneDNN: fp32 / bf16 here
+    assert backend.linear_weight(torch.randn(2, 3, 4)).packed is None
+    monkeypatch.setenv(packed_linear.ENV_SWITCH, "0")
+    off = CpuBackend()
+    assert not off.pack_weights and off.linear_weight(_weight(8, 4)).packed is None
+    x = torch.randn(3, 4)
+    w = off.linear_weight(_weight(8, 4))
+    torch.testing.assert_close(off.linear(x, w), x @ w.weight.T)
+
+
+def test_compiled_graphs_and_mismatched_dtypes_use_the_plain_weight(monkeypatch):
+    w = CpuBackend().linear_weight(_weight(16, 8))
+    calls = []
+    real = packed_linear.F
+
+    class _Spy:
+        @staticmethod
+        def linear(x, weight):
+            calls.append(weight is w.weight)
+            return real.linear(x, weight)
+
+    monkeypatch.setattr(packed_linear, "F", _Spy)
+    monkeypatch.setattr(packed_linear, "PACKED_MIN_MACS", 0)
+    CpuBackend().linear(torch.randn(4, 8, dtype=torch.float64), LinearWeight(w.weight.double(), w.packed))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # a traced graph keeps F.linear
+    CpuBackend().linear(torch.randn(4, 8), w)
+    assert calls == [False, True]
+
+
+@pytest.mark.parametrize("path", ["_few_experts", "_dense_experts", "_sorted_experts"])
+def test_every_expert_path_with_packed_experts_matches_naive_loop(monkeypatch, path):
+    g = torch.Generator().manual_seed(6)
+    hidden, inter, E = 16, 12, 6
+    experts = CpuBackend().expert_weights(
+        w13=torch.randn(E, 2 * inter, hidden, generator=g) * 0.2, w2=torch.randn(E, hidden, inter, generator=g) * 0.2
+    )
+    assert isinstance(experts, moe.CpuExpertWeights) and experts.w13_all.packed is not None
+    monkeypatch.setattr(packed_linear, "PACKED_MIN_MACS", 0)
+    monkeypatch.setattr(packed_linear, "F", _NoFLinear)
+    monkeypatch.setattr(moe, "F", _NoFLinearKeepSilu)
+    x = torch.randn(7, hidden, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(7)])
+    ids[1, 2], ids[4, 0] = -1, E + 1  # another rank's experts
+    w = torch.rand(7, 3, generator=g)
+    keep = (ids >= 0) & (ids < E)
+    expected = ref.moe_experts(x, w * keep, ids.clamp(0, E - 1), experts.w13, experts.w2)
+    torch.testing.assert_close(getattr(moe, path)(x, w, ids, experts).double(), expected, atol=1e-5, rtol=1e-5)
