@@ -25,6 +25,7 @@ from mindspec.backend import ExpertWeights, LinearWeight, RouterConfig
 
 from .linear import linear
 
+
 @dataclass
 class CpuExpertWeights(ExpertWeights):
     """The experts plus their GEMM weights as ``linear`` takes them (packed, see linear.py)."""
