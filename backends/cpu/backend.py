@@ -187,7 +187,13 @@ class CpuBackend(Backend):
 
     # ---- GEMMs against weights ---------------------------------------------------------------
     def linear_weight(self, weight: torch.Tensor) -> LinearWeight:
-        return LinearWeight(weight, packed_linear.pack(weight, self.pack_weights))
+        return LinearWeight(weight, packed_linear.pack(weight, self.pack_weights and self._room_for(weight)))
+
+    def _room_for(self, weight: torch.Tensor) -> bool:
+        """A packed copy doubles a weight's memory: a big checkpoint stops packing while a quarter
+        of the machine's memory is still free (for the KV cache); what is left runs F.linear."""
+        free, total = self.mem_get_info()
+        return free - weight.numel() * weight.element_size() >= total // 4
 
     def linear(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
         return packed_linear.linear(x, w)

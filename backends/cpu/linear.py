@@ -16,7 +16,8 @@ products stay on F.linear: a GEMM goes packed from PACKED_MIN_MACS multiply-adds
 the same floats as F.linear's from 4 rows on; one or two rows differ in the last bits (a GEMV
 sums in another order), as F.linear's own GEMV and GEMM paths already differ from each other.
 Every weight is packed, small ones too (they go packed in prefills and big batches), so the
-weights take twice their memory on the cpu backend; MINDSPEC_CPU_PACKED_LINEAR=0 turns it off.
+weights take twice their memory on the cpu backend (packing stops while a quarter of the
+machine's memory is still free: CpuBackend._room_for); MINDSPEC_CPU_PACKED_LINEAR=0 turns it off.
 """
 from __future__ import annotations
 

@@ -136,3 +136,18 @@ def test_every_expert_path_with_packed_experts_matches_naive_loop(monkeypatch, p
     keep = (ids >= 0) & (ids < E)
     expected = ref.moe_experts(x, w * keep, ids.clamp(0, E - 1), experts.w13, experts.w2)
     torch.testing.assert_close(getattr(moe, path)(x, w, ids, experts).double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_packing_stops_before_memory_runs_short(monkeypatch):
+    """A packed copy doubles a weight: past the point where a quarter of memory would no longer be
+    free, weights stay unpacked (and run F.linear), so a big checkpoint keeps room for its cache."""
+    backend = CpuBackend()
+    weight = _weight(256, 256)  # 256 KiB
+    total = 1 << 30
+    monkeypatch.setattr(backend, "mem_get_info", lambda: (total // 4 + (512 << 10), total))
+    assert backend.linear_weight(weight).packed is not None
+    monkeypatch.setattr(backend, "mem_get_info", lambda: (total // 4 + (128 << 10), total))
+    small = backend.linear_weight(weight)
+    assert small.packed is None
+    x = torch.randn(64, 256)
+    torch.testing.assert_close(backend.linear(x, small), x @ weight.T)
