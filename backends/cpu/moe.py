@@ -30,9 +30,9 @@ from .linear import linear
 class CpuExpertWeights(ExpertWeights):
     """The experts plus their GEMM weights as ``linear`` takes them (packed, see linear.py)."""
 
-    w13_all: Optional[LinearWeight] = None  # [E * 2I, H]: every expert's gate/up in one GEMM
-    w13_each: Optional[list[LinearWeight]] = None  # E x [2I, H]
-    w2_each: Optional[list[LinearWeight]] = None  # E x [H, I]
+    w13_all: LinearWeight  # [E * 2I, H]: every expert's gate/up in one GEMM
+    w13_each: list[LinearWeight]  # E x [2I, H]
+    w2_each: list[LinearWeight]  # E x [H, I]
 
 
 DENSE_EXPERTS_PER_CHOICE = 4  # with E <= this * top_k, run every expert on every token ...
@@ -123,7 +123,7 @@ def _silu_and_mul(h: torch.Tensor) -> torch.Tensor:
 
 def _expert(x: torch.Tensor, experts: ExpertWeights, e: int) -> torch.Tensor:
     """Expert e on x [n, H] -> [n, H] (unweighted)."""
-    if isinstance(experts, CpuExpertWeights) and experts.w13_each is not None:
+    if isinstance(experts, CpuExpertWeights):
         return linear(_silu_and_mul(linear(x, experts.w13_each[e])), experts.w2_each[e])
     return F.linear(_silu_and_mul(F.linear(x, experts.w13[e])), experts.w2[e])
 

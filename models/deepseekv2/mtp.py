@@ -27,12 +27,6 @@ def _shared_or_own(own: torch.Tensor | None, main: torch.Tensor) -> torch.Tensor
     return own
 
 
-def _shared_or_own_head(own: torch.Tensor | None, main: LinearWeight, backend: Backend) -> LinearWeight:
-    if own is None or torch.equal(own, main.weight):
-        return main
-    return backend.linear_weight(own)
-
-
 class MtpModule:
     def __init__(
         self,
@@ -53,7 +47,8 @@ class MtpModule:
         self.eh_proj = backend.linear_weight(w.take("eh_proj.weight"))  # [hidden, 2 * hidden]
         self.head_norm = w.take("shared_head.norm.weight")
         self.embed = _shared_or_own(w.take_optional("embed_tokens.weight"), main_embed)
-        self.head = _shared_or_own_head(w.take_optional("shared_head.head.weight"), main_head, backend)
+        head = _shared_or_own(w.take_optional("shared_head.head.weight"), main_head.weight)
+        self.head = main_head if head is main_head.weight else backend.linear_weight(head)
         self.block = DecoderLayer(cfg, cfg.num_hidden_layers + module_idx, w, backend, rotary, softmax_scale)
 
     def forward(

@@ -3,10 +3,8 @@ otherwise, both giving x @ W.T."""
 import pytest
 import torch
 
-import op_references as ref
 from mindspec.backend import LinearWeight
 from mindspec.backends.cpu import linear as packed_linear
-from mindspec.backends.cpu import moe
 from mindspec.backends.cpu.backend import CpuBackend
 
 pytestmark = pytest.mark.skipif(not packed_linear.packing_enabled(), reason="torch built without oneDNN")
@@ -19,10 +17,6 @@ class _NoFLinear:
     @staticmethod
     def linear(*_):
         raise AssertionError("F.linear was called")
-
-
-class _NoFLinearKeepSilu(_NoFLinear):
-    silu = staticmethod(torch.nn.functional.silu)
 
 
 def _weight(out_features, in_features, dtype=torch.float32, seed=0):
@@ -116,26 +110,6 @@ def test_compiled_graphs_and_mismatched_dtypes_use_the_plain_weight(monkeypatch)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # a traced graph keeps F.linear
     CpuBackend().linear(torch.randn(4, 8), w)
     assert calls == [False, True]
-
-
-@pytest.mark.parametrize("path", ["_few_experts", "_dense_experts", "_sorted_experts"])
-def test_every_expert_path_with_packed_experts_matches_naive_loop(monkeypatch, path):
-    g = torch.Generator().manual_seed(6)
-    hidden, inter, E = 16, 12, 6
-    experts = CpuBackend().expert_weights(
-        w13=torch.randn(E, 2 * inter, hidden, generator=g) * 0.2, w2=torch.randn(E, hidden, inter, generator=g) * 0.2
-    )
-    assert isinstance(experts, moe.CpuExpertWeights) and experts.w13_all.packed is not None
-    monkeypatch.setattr(packed_linear, "PACKED_MIN_MACS", 0)
-    monkeypatch.setattr(packed_linear, "F", _NoFLinear)
-    monkeypatch.setattr(moe, "F", _NoFLinearKeepSilu)
-    x = torch.randn(7, hidden, generator=g)
-    ids = torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(7)])
-    ids[1, 2], ids[4, 0] = -1, E + 1  # another rank's experts
-    w = torch.rand(7, 3, generator=g)
-    keep = (ids >= 0) & (ids < E)
-    expected = ref.moe_experts(x, w * keep, ids.clamp(0, E - 1), experts.w13, experts.w2)
-    torch.testing.assert_close(getattr(moe, path)(x, w, ids, experts).double(), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_packing_stops_before_memory_runs_short(monkeypatch):

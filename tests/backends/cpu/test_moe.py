@@ -1,3 +1,5 @@
+import types
+
 import pytest
 import torch
 
@@ -7,6 +9,10 @@ from mindspec.backends.cpu import CpuBackend, moe
 from mindspec.backends.cpu import linear as packed_linear
 
 HIDDEN, E, T = 32, 16, 23
+
+
+def _fail(*_):
+    raise AssertionError("F.linear was called")
 
 
 def _sorted(w, ids):
@@ -136,12 +142,22 @@ def test_moe_experts_skips_foreign_ids_and_empty_batch():
     assert empty.shape == (0, HIDDEN)
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("path", ["_few_experts", "_gathered_experts", "_dense_experts", "_sorted_experts"])
-def test_every_expert_path_matches_naive_loop(path):
-    """Each way of running the experts gives the same sums, foreign ids skipped."""
+def test_every_expert_path_matches_naive_loop(monkeypatch, path, packed):
+    """Each way of running the experts gives the same sums, foreign ids skipped; ``packed``: the
+    experts as the cpu backend builds them, every GEMM forced onto the packed path (F.linear fails)."""
     g = torch.Generator().manual_seed(6)
     x = torch.randn(7, HIDDEN, generator=g)
     ex = _experts(g)
+    if packed:
+        if not packed_linear.packing_enabled():
+            pytest.skip("torch built without oneDNN")
+        ex = CpuBackend().expert_weights(ex.w13, ex.w2)
+        monkeypatch.setattr(packed_linear, "PACKED_MIN_MACS", 0)
+        no_f_linear = types.SimpleNamespace(linear=_fail, silu=torch.nn.functional.silu)
+        monkeypatch.setattr(packed_linear, "F", no_f_linear)
+        monkeypatch.setattr(moe, "F", no_f_linear)
     ids = torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(7)])
     ids[1, 2], ids[4, 0] = -1, E + 1  # another rank's experts
     w = torch.rand(7, 3, generator=g)
