@@ -10,13 +10,16 @@ first layer), DeepSeek-V3's YaRN rope settings, many thin layers (drafting K tok
 one MTP layer; verifying costs all main layers, so thin-and-deep makes speculation pay), and 3 MTP
 modules trained jointly with DeepSeek's MTP objective (module k predicts t(i+k+1) from module
 k-1's hidden state and the embedding of t(i+k)). Routing balance uses DeepSeek's auxiliary-loss-free
-bias update. Saved in DeepSeek's Hugging Face layout, bf16 safetensors, with the tokenizer.
+bias update. Then a second phase fine-tunes only the MTP modules towards the main model's own
+predictions (self-distillation, see ``distill``); ``--distill-from CKPT`` runs that phase alone on an
+existing checkpoint. Saved in DeepSeek's Hugging Face layout, bf16 safetensors, with the tokenizer.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -229,18 +232,26 @@ class DeepseekV3Small(nn.Module):
 
     def forward(self, ids):
         """ids [B, L + D] -> (main logits [B, L, V], [MTP depth k logits [B, L, V]])."""
-        d = len(self.mtp)
-        length = ids.shape[1] - d
-        x = F.embedding(ids[:, :length], self.embed)
+        hidden, logits = self.forward_main(ids[:, : ids.shape[1] - len(self.mtp)])
+        return logits, self.forward_mtp(ids, hidden)
+
+    def forward_main(self, ids):
+        """ids [B, L] -> (final-norm hidden [B, L, h], logits [B, L, V])."""
+        x = F.embedding(ids, self.embed)
         for layer in self.layers:
             x = layer(x)
         hidden = rms_norm(x, self.norm)
-        logits = F.linear(hidden, self.lm_head)
+        return hidden, F.linear(hidden, self.lm_head)
+
+    def forward_mtp(self, ids, hidden):
+        """ids [B, L + D], main hidden [B, L, h] -> [MTP depth k logits [B, L, V]]: depth k at i
+        predicts t(i+k+1) from depth k-1's state and the embedding of t(i+k)."""
+        length = hidden.shape[1]
         mtp_logits, h = [], hidden
         for k, module in enumerate(self.mtp, start=1):
             h = module(F.embedding(ids[:, k : k + length], self.embed), h)
             mtp_logits.append(F.linear(rms_norm(h, module.head_norm), self.lm_head))
-        return logits, mtp_logits
+        return mtp_logits
 
     def moe_layers(self):
         return [m for m in self.modules() if isinstance(m, Moe)]
@@ -286,7 +297,28 @@ def hf_state_dict(model: DeepseekV3Small) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous() for k, v in out.items()}
 
 
+def load(path: Path) -> tuple[DeepseekV3Small, object]:
+    """A checkpoint written by ``save`` back into the training model (and its tokenizer)."""
+    from safetensors.torch import load_file
+    from transformers import PreTrainedTokenizerFast
+
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("torch_dtype", None)
+    model = DeepseekV3Small(cfg)
+    saved = load_file(str(path / "model.safetensors"))
+    # hf_state_dict's tensors are views of the parameters (per-expert rows of the stacked expert
+    # weights included), so copying into them fills the model.
+    targets = hf_state_dict(model)
+    if set(targets) != set(saved):
+        raise ValueError(f"{path}: tensors differ from the training model's: {sorted(set(targets) ^ set(saved))[:5]}")
+    with torch.no_grad():
+        for name, t in targets.items():
+            t.copy_(saved[name])
+    return model, PreTrainedTokenizerFast.from_pretrained(str(path))
+
+
 def save(model, tokenizer, out: Path, dtype=torch.bfloat16) -> None:
+    """tokenizer: a tokenizer to save, or a checkpoint directory whose tokenizer files are copied."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
@@ -297,7 +329,12 @@ def save(model, tokenizer, out: Path, dtype=torch.bfloat16) -> None:
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps({**model.cfg, "torch_dtype": str(dtype).split(".")[-1]}, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}, indent=2) + "\n")
-    tokenizer.save_pretrained(str(out))
+    if isinstance(tokenizer, Path):  # the tokenizer files of an earlier checkpoint, unchanged
+        for f in tokenizer.glob("*.json"):
+            if f.name.startswith(("tokenizer", "special_tokens")) and f.resolve() != (out / f.name).resolve():
+                shutil.copyfile(f, out / f.name)
+    else:
+        tokenizer.save_pretrained(str(out))
 
 
 # ---- training -------------------------------------------------------------------------------------
@@ -321,27 +358,132 @@ def losses(model, ids, mtp_weight: float):
 
 
 @torch.no_grad()
+def agreement(model, ids: torch.Tensor) -> list[float]:
+    """ids [B, L + D] -> per MTP depth k, how often its top-1 equals the main model's top-1 for the
+    same token (depth k at i predicts t(i+k+1), main at i+k), inputs teacher-forced."""
+    d = len(model.mtp)
+    length = ids.shape[1] - d
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden, logits = model.forward_main(ids)
+        mtp_logits = model.forward_mtp(ids, hidden[:, :length])
+    greedy = logits.argmax(-1)  # [B, L + D]: main's prediction of t(i+1) at i
+    return [float((m.argmax(-1) == greedy[:, k : k + length]).float().mean()) for k, m in enumerate(mtp_logits, start=1)]
+
+
+@torch.no_grad()
 def evaluate(model, data: np.ndarray, length: int, windows: int = 64) -> dict:
     model.eval()
     rng = np.random.default_rng(1234)
     ids = next(batches(data, windows, length + len(model.mtp) + 1, rng))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         main, mtp, _ = losses(model, ids, 0.0)
-        logits, mtp_logits = model(ids[:, : length + len(model.mtp)])
-    greedy = logits.argmax(-1)  # main's prediction of t(i+1) at i
-    agree = []
-    for k, m in enumerate(mtp_logits, start=1):  # depth k at i predicts t(i+k+1) = main's at i+k
-        agree.append(float((m.argmax(-1)[:, : length - k] == greedy[:, k:length]).float().mean()))
+    agree = agreement(model, ids[:, : length + len(model.mtp)])
     model.train()
     return {"heldout_loss": float(main), "heldout_mtp_loss": [float(x) for x in mtp], "mtp_top1_agreement": agree}
+
+
+# ---- MTP self-distillation ------------------------------------------------------------------------
+# In greedy speculative decoding a draft is accepted when it equals the main model's top-1, and the
+# tokens a module sees are the main model's own outputs. So the second phase fine-tunes only the MTP
+# modules (main model frozen) towards the main model's distribution for the token they draft, on a
+# mix of training text and the main model's greedy continuations of training-text prompts (the
+# self-distillation of Medusa-2 / EAGLE's draft training). Held-out files stay unseen.
+
+
+def prompts_from(data: np.ndarray, count: int, prompt_tokens: int, bos: int, rng: np.random.Generator) -> list[list[int]]:
+    """``count`` windows of ``prompt_tokens`` tokens, BOS first, as the benchmarks' prompts."""
+    starts = rng.integers(0, len(data) - prompt_tokens, count)
+    return [[bos] + data[s : s + prompt_tokens - 1].tolist() for s in starts]
+
+
+def greedy_continuations(checkpoint: Path, prompts: list[list[int]], new_tokens: int) -> torch.Tensor:
+    """Each prompt followed by the checkpoint's greedy continuation, by mindspec -> [N, P + new] int64."""
+    from mindspec import LLM, SamplingParams
+
+    llm = LLM(model=str(checkpoint), dtype="float32", cache_block_size=16, num_blocks=4096, progress=False,
+              max_batch_size=32)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+    return torch.tensor([p + o.token_ids for p, o in zip(prompts, outs)], dtype=torch.int64)
+
+
+def distill_losses(model, ids: torch.Tensor) -> list[torch.Tensor]:
+    """ids [B, L + D] -> per MTP depth, the cross-entropy of its prediction against the main model's
+    distribution for the same token (soft targets; the main model runs without gradients)."""
+    d = len(model.mtp)
+    length = ids.shape[1] - d
+    with torch.no_grad():
+        hidden, teacher = model.forward_main(ids)  # [B, L + D, h], [B, L + D, V]
+    out = []
+    for k, m in enumerate(model.forward_mtp(ids, hidden[:, :length]), start=1):
+        target = teacher[:, k : k + length].float().softmax(-1)
+        out.append(-(target * m.float().log_softmax(-1)).sum(-1).mean())
+    return out
+
+
+def distill(args, checkpoint: Path, out: Path) -> dict:
+    """Fine-tune the MTP modules of ``checkpoint`` (see above) and save the result to ``out``."""
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load(checkpoint)
+    train_files, held_files = _files(args)
+    train_data, held_data = encode_files(tokenizer, train_files), encode_files(tokenizer, held_files)
+    d = len(model.mtp)
+    window = args.seq_len + d
+    if not 1 <= args.distill_prompt_tokens < window:
+        raise ValueError(f"--distill-prompt-tokens must be in [1, {window}) (seq_len + MTP depth)")
+    rng = np.random.default_rng(args.seed + 1)
+    start = time.time()
+    bos, new = tokenizer.bos_token_id, window - args.distill_prompt_tokens
+    generated = greedy_continuations(checkpoint, prompts_from(train_data, args.distill_sequences, args.distill_prompt_tokens, bos, rng), new)
+    held = greedy_continuations(checkpoint, prompts_from(held_data, 32, args.distill_prompt_tokens, bos, np.random.default_rng(1234)), new)
+    print(f"distill: {len(generated)} greedy continuations of {new} tokens in {time.time() - start:.0f}s", flush=True)
+    before = {"heldout": evaluate(model, held_data, args.seq_len)["mtp_top1_agreement"],
+              "heldout_greedy": agreement(model, held)}
+    for p in model.parameters():
+        p.requires_grad_(False)
+    params = list(model.mtp.parameters())
+    for p in params:
+        p.requires_grad_(True)
+    model.layers.eval()  # frozen: their routers keep no load statistics
+    mtp_moes = [m for m in model.mtp.modules() if isinstance(m, Moe)]
+    opt = torch.optim.AdamW(params, lr=args.distill_lr, betas=(0.9, 0.95), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.distill_steps))))
+    n_real = round(args.batch * args.distill_real_share)
+    real = batches(train_data, max(n_real, 1), window, rng)
+    for step in range(args.distill_steps):
+        rows = [generated[torch.from_numpy(rng.integers(0, len(generated), args.batch - n_real))]]
+        ids = torch.cat(([next(real)] if n_real else []) + rows)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            per_depth = distill_losses(model, ids)
+        opt.zero_grad(set_to_none=True)
+        sum(per_depth).div(d).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        for moe in mtp_moes:
+            moe.balance(args.balance_rate)
+        if step % args.log_every == 0 or step == args.distill_steps - 1:
+            print(f"distill step {step} soft ce {[round(x.item(), 3) for x in per_depth]} {time.time() - start:.0f}s", flush=True)
+    metrics = evaluate(model, held_data, args.seq_len)
+    metrics["mtp_top1_agreement_greedy"] = agreement(model, held)
+    metrics["distill"] = dict(steps=args.distill_steps, sequences=len(generated), seconds=round(time.time() - start),
+                              agreement_before=before)
+    print(json.dumps(metrics, indent=2))
+    save(model, checkpoint, out)
+    return metrics
+
+
+def _files(args) -> tuple[list[Path], list[Path]]:
+    train_files, held_files = corpus_files()
+    if args.max_files:
+        train_files, held_files = train_files[: args.max_files], held_files[: max(1, args.max_files // 10)]
+    return train_files, held_files
 
 
 def train(args) -> dict:
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
-    train_files, held_files = corpus_files()
-    if args.max_files:
-        train_files, held_files = train_files[: args.max_files], held_files[: max(1, args.max_files // 10)]
+    train_files, held_files = _files(args)
     tokenizer = train_tokenizer(train_files, CONFIG["vocab_size"])
     train_data, held_data = encode_files(tokenizer, train_files), encode_files(tokenizer, held_files)
     print(f"corpus: {len(train_files)} train files ({len(train_data)} tokens), {len(held_files)} held out ({len(held_data)} tokens)")
@@ -388,8 +530,29 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--max-files", type=int, default=0, help="use only the first N files (smoke tests)")
+    p.add_argument("--distill-from", help="skip pre-training: self-distil the MTP modules of this checkpoint into --out")
+    p.add_argument("--distill-steps", type=int, default=1500, help="MTP self-distillation steps after pre-training (0: none)")
+    p.add_argument("--distill-lr", type=float, default=2e-3)
+    p.add_argument("--distill-sequences", type=int, default=2048, help="greedy continuations to train on")
+    p.add_argument("--distill-prompt-tokens", type=int, default=64)
+    p.add_argument("--distill-real-share", type=float, default=0.25, help="share of each batch cut from training text")
     return p.parse_args(argv)
 
 
+def main(args) -> dict:
+    """Pre-training (unless --distill-from), then the MTP self-distillation; the checkpoint and
+    training_metrics.json land in --out."""
+    out = Path(args.out)
+    if args.distill_from:
+        source = Path(args.distill_from)
+        metrics = json.loads((source / "training_metrics.json").read_text())
+    else:
+        source, metrics = out, train(args)
+    if args.distill_steps:
+        metrics["mtp_distillation"] = distill(args, source, out)
+        (out / "training_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    return metrics
+
+
 if __name__ == "__main__":
-    train(parse_args())
+    main(parse_args())

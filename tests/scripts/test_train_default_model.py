@@ -1,5 +1,6 @@
 """The training script end to end: a few steps on a few files save a checkpoint that mindspec and
-transformers load; and it reproduces the shipped checkpoint's tokenizer and config from scratch."""
+transformers load; the MTP self-distillation changes only the MTP modules; and it reproduces the
+shipped checkpoint's tokenizer and config from scratch."""
 import importlib.util
 import json
 from pathlib import Path
@@ -50,3 +51,57 @@ def test_script_reproduces_the_shipped_tokenizer_and_config(tmp_path):
     train.train(_args(train, tmp_path, steps=1, batch=1))
     for name in ("tokenizer.json", "config.json"):
         assert (tmp_path / name).read_text() == (DEFAULT_MODEL_DIR / name).read_text(), name
+
+
+def _tensors(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_load_reads_back_what_save_wrote(tmp_path):
+    train = _script()
+    train.train(_args(train, tmp_path, max_files=8))
+    model, tokenizer = train.load(tmp_path)
+    train.save(model, tmp_path, tmp_path / "again")
+    first, again = _tensors(tmp_path), _tensors(tmp_path / "again")
+    assert first.keys() == again.keys() and all(first[k].equal(again[k]) for k in first)
+    assert tokenizer.get_vocab() == json.loads((tmp_path / "tokenizer.json").read_text())["model"]["vocab"]
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "again" / name).read_bytes() == (tmp_path / name).read_bytes()
+
+
+def test_distillation_trains_only_the_mtp_modules(tmp_path):
+    train = _script()
+    pre, out = tmp_path / "pre", tmp_path / "distilled"
+    train.train(_args(train, pre, max_files=8))
+    metrics = train.main(_args(train, out, max_files=8, distill_from=pre, distill_steps=3, distill_sequences=4,
+                               distill_prompt_tokens=8))
+    d = metrics["mtp_distillation"]
+    assert len(d["mtp_top1_agreement_greedy"]) == 3 and d["distill"]["steps"] == 3
+    assert metrics["steps"] == 2  # the pre-training record is kept
+    assert json.loads((out / "training_metrics.json").read_text()) == json.loads(json.dumps(metrics))
+    before, after = _tensors(pre), _tensors(out)
+    assert before.keys() == after.keys()
+    mtp_layers = ("model.layers.12.", "model.layers.13.", "model.layers.14.")
+    for name in before:
+        if name.startswith(mtp_layers):
+            continue
+        assert before[name].equal(after[name]), f"{name} changed: the main model must stay frozen"
+    changed = [n for n in before if n.startswith(mtp_layers) and not before[n].equal(after[n])]
+    assert {n.split(".")[2] for n in changed} == {"12", "13", "14"}
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        assert (out / name).read_bytes() == (pre / name).read_bytes()
+    prompt = "def f(x):"
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLM(model=str(out), dtype="float32", cache_block_size=16, num_blocks=32, progress=False)
+    mtp = LLM(model=str(out), dtype="float32", cache_block_size=16, num_blocks=32, progress=False,
+              plugin_params={"plugin_type": "mtp", "num_speculative_tokens": 3, "mtp_mode": "vanilla"})
+    assert mtp.generate(prompt, greedy)[0].token_ids == plain.generate(prompt, greedy)[0].token_ids
+
+
+def test_distillation_rejects_a_prompt_longer_than_the_window(tmp_path):
+    train = _script()
+    train.train(_args(train, tmp_path / "pre", max_files=8))
+    with pytest.raises(ValueError, match="--distill-prompt-tokens"):
+        train.distill(_args(train, tmp_path / "out", max_files=8, distill_prompt_tokens=64), tmp_path / "pre", tmp_path / "out")
