@@ -396,14 +396,16 @@ def prompts_from(data: np.ndarray, count: int, prompt_tokens: int, bos: int, rng
     return [[bos] + data[s : s + prompt_tokens - 1].tolist() for s in starts]
 
 
-def greedy_continuations(checkpoint: Path, prompts: list[list[int]], new_tokens: int) -> torch.Tensor:
-    """Each prompt followed by the checkpoint's greedy continuation, by mindspec -> [N, P + new] int64."""
+def greedy_continuations(checkpoint: Path, prompt_sets: list[list[list[int]]], new_tokens: int) -> list[torch.Tensor]:
+    """Per set, each prompt followed by the checkpoint's greedy continuation, by mindspec (one
+    engine for every set) -> [N, P + new] int64 each."""
     from mindspec import LLM, SamplingParams
 
     llm = LLM(model=str(checkpoint), dtype="float32", cache_block_size=16, num_blocks=4096, progress=False,
               max_batch_size=32)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
-    return torch.tensor([p + o.token_ids for p, o in zip(prompts, outs)], dtype=torch.int64)
+    greedy = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    return [torch.tensor([p + o.token_ids for p, o in zip(prompts, llm.generate(prompts, greedy))], dtype=torch.int64)
+            for prompts in prompt_sets]
 
 
 def distill_losses(model, ids: torch.Tensor) -> list[torch.Tensor]:
@@ -434,8 +436,10 @@ def distill(args, checkpoint: Path, out: Path) -> dict:
     rng = np.random.default_rng(args.seed + 1)
     start = time.time()
     bos, new = tokenizer.bos_token_id, window - args.distill_prompt_tokens
-    generated = greedy_continuations(checkpoint, prompts_from(train_data, args.distill_sequences, args.distill_prompt_tokens, bos, rng), new)
-    held = greedy_continuations(checkpoint, prompts_from(held_data, 32, args.distill_prompt_tokens, bos, np.random.default_rng(1234)), new)
+    generated, held = greedy_continuations(checkpoint, [
+        prompts_from(train_data, args.distill_sequences, args.distill_prompt_tokens, bos, rng),
+        prompts_from(held_data, 32, args.distill_prompt_tokens, bos, np.random.default_rng(1234)),
+    ], new)
     print(f"distill: {len(generated)} greedy continuations of {new} tokens in {time.time() - start:.0f}s", flush=True)
     before = {"heldout": evaluate(model, held_data, args.seq_len)["mtp_top1_agreement"],
               "heldout_greedy": agreement(model, held)}
@@ -449,10 +453,10 @@ def distill(args, checkpoint: Path, out: Path) -> dict:
     opt = torch.optim.AdamW(params, lr=args.distill_lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.distill_steps))))
     n_real = round(args.batch * args.distill_real_share)
-    real = batches(train_data, max(n_real, 1), window, rng)
+    real = batches(train_data, n_real, window, rng) if n_real else None
     for step in range(args.distill_steps):
-        rows = [generated[torch.from_numpy(rng.integers(0, len(generated), args.batch - n_real))]]
-        ids = torch.cat(([next(real)] if n_real else []) + rows)
+        own = generated[torch.from_numpy(rng.integers(0, len(generated), args.batch - n_real))]
+        ids = own if real is None else torch.cat([next(real), own])
         with torch.autocast("cpu", dtype=torch.bfloat16):
             per_depth = distill_losses(model, ids)
         opt.zero_grad(set_to_none=True)
@@ -545,7 +549,8 @@ def main(args) -> dict:
     out = Path(args.out)
     if args.distill_from:
         source = Path(args.distill_from)
-        metrics = json.loads((source / "training_metrics.json").read_text())
+        recorded = source / "training_metrics.json"  # pre-training's record, kept where it exists
+        metrics = json.loads(recorded.read_text()) if recorded.exists() else {}
     else:
         source, metrics = out, train(args)
     if args.distill_steps:
