@@ -148,7 +148,7 @@ class PluginManager:
         inputs.extra["sampling_metadata"] = md
         res = self.sampler(outputs.logits, md)
         outputs.sampled = res.token_ids.cpu().numpy()
-        outputs.logprobs = res.logprobs.cpu().numpy()
+        outputs.logprobs = None if res.logprobs is None else res.logprobs.cpu().numpy()
         if res.top_logprobs is not None:
             outputs.top_logprobs = (res.top_logprobs[0].cpu().numpy(), res.top_logprobs[1].cpu().numpy())
 

@@ -8,6 +8,8 @@ q_lat = q_nope . W_UK against c_kv, and o = o_lat . W_UV^T.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from mindspec.backend import AttentionMetadata, Backend, LatentCache, RotaryEmbedding
@@ -66,9 +68,11 @@ class MlaAttention:
         return q.view(x.shape[0], self.num_heads, self.nope_dim + self.rope_dim), kv_a
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, cache: LatentCache, meta: AttentionMetadata
+        self, x: torch.Tensor, positions: torch.Tensor, cache: LatentCache, meta: AttentionMetadata,
+        rows: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]; writes the new tokens' latents into ``cache``."""
+        """x [T, hidden] -> [T, hidden], or [N, hidden] for ``rows`` [N] alone (o_proj on those rows
+        only); writes every token's latents into ``cache``."""
         q, kv_a = self._project(x)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_pe = self.backend.rope(q_pe, positions, self.rotary)
@@ -77,7 +81,8 @@ class MlaAttention:
             out = self._prefill(q_nope, q_pe, c_kv, k_pe, meta)
         else:
             out = self._absorbed(q_nope, q_pe, cache, meta)
-        return self.backend.linear(out.reshape(x.shape[0], self.num_heads * self.v_dim), self.o_proj)
+        out = out.reshape(x.shape[0], self.num_heads * self.v_dim)
+        return self.backend.linear(out if rows is None else out[rows], self.o_proj)
 
     def write_cache(
         self, x: torch.Tensor, positions: torch.Tensor, cache: LatentCache, meta: AttentionMetadata

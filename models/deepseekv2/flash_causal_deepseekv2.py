@@ -156,9 +156,15 @@ class FlashCausalDeepseekV2:
         caches: list[LatentCache],
         meta: AttentionMetadata,
         lm_head_indices: torch.Tensor,  # [N]
+        last: bool = False,
     ) -> ModelOutput:
+        """-> logits [N, vocab] and the block output [T, hidden] for the next stage; a ``last``
+        stage feeds none, so only its lm_head rows run past attention (hidden_states [N, hidden])."""
         module = self.mtp_modules[module_idx]
         cache = caches[self.cfg.num_hidden_layers + module_idx]
+        if last:
+            block_out = module.forward(input_ids, hidden_states, positions, cache, meta, lm_head_indices)
+            return ModelOutput(logits=module.logits(block_out), hidden_states=block_out)
         block_out = module.forward(input_ids, hidden_states, positions, cache, meta)
         return ModelOutput(logits=module.logits(block_out[lm_head_indices]), hidden_states=block_out)
 
@@ -175,10 +181,11 @@ class FlashCausalDeepseekV2:
         drafts = []
         ids, hidden = input_ids, hidden_states
         for k, step in enumerate(steps):
-            out = self.forward_mtp(step.module_idx, ids, hidden, step.positions, caches, step.meta, lm_head_indices)
+            last = k + 1 == len(steps)
+            out = self.forward_mtp(step.module_idx, ids, hidden, step.positions, caches, step.meta, lm_head_indices, last)
             draft = out.logits.argmax(dim=-1)  # [B]
             drafts.append(draft)
-            if k + 1 < len(steps):
+            if not last:
                 ids, hidden = _shift_in(ids, draft, lm_head_indices), out.hidden_states
         return torch.stack(drafts, dim=1)
 

@@ -58,9 +58,11 @@ class MtpModule:
         positions: torch.Tensor,  # [T]
         cache: LatentCache,
         meta: AttentionMetadata,
+        rows: torch.Tensor | None = None,  # [N]: the only rows whose output is needed
     ) -> torch.Tensor:
-        """-> block_out [T, hidden], before the shared-head norm."""
-        out, residual = self.block.forward(self._block_input(input_ids, hidden_states), None, positions, cache, meta)
+        """-> block_out [T, hidden] (or [N, hidden] for ``rows``), before the shared-head norm."""
+        x = self._block_input(input_ids, hidden_states)
+        out, residual = self.block.forward(x, None, positions, cache, meta, rows)
         return out + residual
 
     def write_cache(

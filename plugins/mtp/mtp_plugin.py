@@ -6,7 +6,7 @@ forward; the decoding policy keeps 1..K+1 tokens per sequence. Rejected drafts n
 the sequence length is the rollback, and the next step overwrites their slots.
 
 Per-sequence cache (MindIE's mtp_hidden_states / mtp_last_token_num): the main model's hidden
-states of the last positions and, per MTP module, how many tokens still lack its cache entry (the
+states of the last positions (hidden_history.py: one ring buffer for every sequence) and, per MTP module, how many tokens still lack its cache entry (the
 tokens the last step that used it accepted: 1 after prefill; more after steps without it).
 
 Adaptive speculation (adaptive.py, on by default): per decode step the plugin picks how many
@@ -35,6 +35,7 @@ import time
 import numpy as np
 import torch
 
+from mindspec.modeling.forward_metadata import token_positions
 from mindspec.modeling.loader import checkpoint_keys
 from mindspec.models.deepseekv2.config import DeepseekV2Config
 from mindspec.models.deepseekv2.weights import mtp_modules_in
@@ -46,6 +47,7 @@ from . import async_fill
 from . import decode_inputs as di
 from . import decoding_policy as policy
 from .adaptive import AdaptiveSpeculation
+from .hidden_history import HiddenHistory
 from .params import MtpParams, parse_mtp_params
 
 CATCH_UP = 32  # most MTP entries a module may lack: module 0 is then caught up, later ones give up the oldest
@@ -53,8 +55,8 @@ CATCH_UP = 32  # most MTP entries a module may lack: module 0 is then caught up,
 
 @dataclass
 class MtpSeqState:
-    hidden: torch.Tensor  # [m, hidden] main hidden states of positions hidden_end - m .. hidden_end - 1
-    hidden_end: int
+    slot: int  # the sequence's row of the hidden history
+    hidden_end: int  # main hidden states are kept for the positions before this one (the last ``keep``)
     lag: np.ndarray  # [modules] int64: tokens without an entry in each MTP module's cache (1 after prefill)
     in_think: bool = False
     hidden_from: int = 0  # first position with a real hidden state (> 0 after a PD hand-off)
@@ -83,6 +85,7 @@ class MtpPlugin(Plugin):
         self.keep_hidden = self.k + CATCH_UP  # vanilla's history (K-1) + the entries to catch up
         self.cache_modules = len(set(self.modules))  # MTP caches this plugin keeps: K (vanilla) or 1
         self.states: dict[int, MtpSeqState] = {}
+        self.history = HiddenHistory(self.keep_hidden)
         self.adaptive = AdaptiveSpeculation(range(self.k + 1), self.params.adaptive_speculation)
 
     # ---- hooks ---------------------------------------------------------------------------------
@@ -175,25 +178,19 @@ class MtpPlugin(Plugin):
     def plugin_cache_update(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs) -> None:
         hidden = outputs.hidden_states
         if batch.is_prefill:
-            ends = np.cumsum(inputs.model_inputs.q_lens)
-            prefilled = len(inputs.extra["mtp_modules"])
-            for seq, end, q in zip(batch.seqs, ends, inputs.model_inputs.q_lens):
-                keep = min(int(q), self.keep_hidden)
-                lag = self._fresh_lag()
-                lag[prefilled:] = min(int(q), CATCH_UP)  # this prefill's entries, as far as its hidden states reach
-                self.states[seq.seq_id] = MtpSeqState(
-                    hidden=hidden[end - keep : end].clone(), hidden_end=seq.num_cached_tokens + int(q),
-                    lag=lag, in_think=self._prompt_in_think(seq.token_ids),
-                )
+            self._prefilled(batch, inputs, hidden)
             return
         k = self._drafts(batch, inputs)
         speculated, rows_per_seq = k > 0, k + 1
         used = self._modules_used(k)
-        for b, seq in enumerate(batch.seqs):
-            state = self.states[seq.seq_id]
-            count = len(outputs.accepted[b])
-            rows = hidden[b * rows_per_seq : b * rows_per_seq + count]  # positions n-1 .. n-2+count
-            state.hidden = torch.cat([state.hidden, rows])[-self.keep_hidden :]
+        counts = np.array([len(a) for a in outputs.accepted], dtype=np.int64)
+        states = [self.states[seq.seq_id] for seq in batch.seqs]
+        # Sequence b's accepted rows b * rows_per_seq + 0..count-1 hold positions n-1 .. n-2+count.
+        seq_idx, rows = token_positions(np.arange(len(states)) * rows_per_seq, counts)
+        _, positions = token_positions(np.array([st.hidden_end for st in states], dtype=np.int64), counts)
+        slots = np.array([st.slot for st in states], dtype=np.int64)
+        self.history.write(slots[seq_idx], positions, hidden[torch.from_numpy(rows).to(hidden.device)])
+        for b, (state, count) in enumerate(zip(states, counts.tolist())):
             state.hidden_end += count
             # The modules this step ran wrote the entries of the tokens before it; the others did not.
             state.lag[:used] = count
@@ -209,19 +206,41 @@ class MtpPlugin(Plugin):
             accepted = outputs.num_draft_accepted if speculated else []
             self.adaptive.record(len(batch), k, accepted, time.perf_counter() - inputs.extra["mtp_started"])
 
+    def _prefilled(self, batch: StepBatch, inputs: StepInputs, hidden: torch.Tensor) -> None:
+        """New states for a prefill's sequences; their last ``keep`` hidden states kept."""
+        q_lens = inputs.model_inputs.q_lens.astype(np.int64)
+        keeps = np.minimum(q_lens, self.keep_hidden)
+        prefilled = len(inputs.extra["mtp_modules"])
+        ends = np.array([seq.num_cached_tokens for seq in batch.seqs], dtype=np.int64) + q_lens
+        for seq, q, end in zip(batch.seqs, q_lens.tolist(), ends.tolist()):
+            lag = self._fresh_lag()
+            lag[prefilled:] = min(q, CATCH_UP)  # this prefill's entries, as far as its hidden states reach
+            self.states[seq.seq_id] = MtpSeqState(
+                slot=self.history.add(seq.seq_id, hidden), hidden_end=end,
+                lag=lag, in_think=self._prompt_in_think(seq.token_ids),
+            )
+        seq_idx, rows = token_positions(np.cumsum(q_lens) - keeps, keeps)  # each prompt's last rows
+        _, positions = token_positions(ends - keeps, keeps)
+        slots = np.array([self.states[seq.seq_id].slot for seq in batch.seqs], dtype=np.int64)
+        self.history.write(slots[seq_idx], positions, hidden[torch.from_numpy(rows).to(hidden.device)])
+
     def adopt_prefilled(self, seq, hidden_size: int, dtype: torch.dtype, device) -> None:
         """A sequence prefilled on another node (PD disaggregation): its KV arrived, its hidden
         states did not. Zeros stand in for the one hidden state the first decode needs, and rows
         fed from it write to the dummy block (see decode_inputs.sub_inputs)."""
         n_prompt = seq.num_prompt_tokens
+        zeros = torch.zeros(1, hidden_size, dtype=dtype, device=device)
+        slot = self.history.add(seq.seq_id, zeros)
+        self.history.write(np.array([slot]), np.array([n_prompt - 1]), zeros)
         self.states[seq.seq_id] = MtpSeqState(
-            hidden=torch.zeros(1, hidden_size, dtype=dtype, device=device), hidden_end=n_prompt,
+            slot=slot, hidden_end=n_prompt,
             lag=self._fresh_lag(), in_think=self._prompt_in_think(seq.prompt_token_ids), hidden_from=n_prompt,
         )
 
     def plugin_cache_clear(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
             self.states.pop(seq_id, None)
+            self.history.remove(seq_id)
 
     # ---- helpers -------------------------------------------------------------------------------
     def _drafts(self, batch: StepBatch, inputs: StepInputs) -> int:
@@ -250,15 +269,11 @@ class MtpPlugin(Plugin):
         return self._drafts(batch, inputs) > 0
 
     def _gather_hidden(self, seqs, layout: di.DecodeLayout) -> torch.Tensor:
+        """[sub rows, hidden]: each window row's main hidden state; padding rows zero."""
         seq_idx, positions, valid = di.hidden_rows(layout)
-        first = self.states[seqs[0].seq_id].hidden
-        out = torch.zeros(len(positions), first.shape[1], dtype=first.dtype, device=first.device)
-        for b, seq in enumerate(seqs):
-            state = self.states[seq.seq_id]
-            rows = np.flatnonzero((seq_idx == b) & valid)
-            offset = state.hidden_end - state.hidden.shape[0]
-            out[rows] = state.hidden[positions[rows] - offset]
-        return out
+        slots = np.array([self.states[seq.seq_id].slot for seq in seqs], dtype=np.int64)
+        out = self.history.read(slots[seq_idx], positions)
+        return out.masked_fill_(torch.from_numpy(~valid).to(out.device)[:, None], 0.0)
 
     def _accept(self, batch, inputs, outputs, drafts, targets) -> np.ndarray:
         p = self.params

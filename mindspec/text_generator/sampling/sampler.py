@@ -42,7 +42,7 @@ def make_generator(seed: int, output_position: int, device: torch.device | str) 
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # [N] int64
-    logprobs: torch.Tensor  # [N] fp32, log_softmax(penalised logits) at the chosen token
+    logprobs: torch.Tensor | None  # [N] fp32, log_softmax(penalised logits) at the chosen token; None: nobody asked
     top_logprobs: tuple[torch.Tensor, torch.Tensor] | None  # (ids [N, n] int64, values [N, n] fp32)
 
 
@@ -155,9 +155,8 @@ class Sampler:
 
     @staticmethod
     def _logprobs(pen: torch.Tensor, token_ids: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        if md.max_num_logprobs is None:
-            chosen = pen.gather(1, token_ids.unsqueeze(1)).squeeze(1) - pen.logsumexp(dim=-1)
-            return SamplerOutput(token_ids, chosen, None)
+        if md.max_num_logprobs is None:  # no row asked: a greedy step is then one argmax, nothing more
+            return SamplerOutput(token_ids, None, None)
         lp = pen.log_softmax(dim=-1)
         chosen = lp.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         n = min(md.max_num_logprobs, md.vocab_size)

@@ -74,3 +74,27 @@ def test_loading_fewer_modules_ignores_the_rest(checkpoint):
     path, _ = checkpoint
     model = FlashCausalDeepseekV2.load(path, get_backend("cpu"), torch.float32, num_mtp_modules=1, progress=False)
     assert model.num_mtp_modules == 1 and model.num_cache_layers == model.cfg.num_hidden_layers + 1
+
+
+def test_last_stage_runs_only_lm_head_rows_past_attention(checkpoint):
+    """A last draft stage feeds no further stage: the same logits and cache entries as a full
+    stage, with the block output of its lm_head rows alone."""
+    path, cfg = checkpoint
+    model = FlashCausalDeepseekV2.load(path, get_backend("cpu"), torch.float32, progress=False)
+    gen = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, cfg.vocab_size, (9,), generator=gen).tolist()
+    hidden = torch.randn(9, cfg.hidden_size, generator=gen)
+    outs, caches = [], []
+    for last in (False, True):
+        c = model.allocate_caches(16, BLOCK)
+        _mtp(model, 1, c, tokens[:6], hidden[:6], 0, [7, 2, 11])
+        host = build_model_inputs([tokens[6:]], [6], [[7, 2, 11]], BLOCK)  # lm_head row: the last
+        dev = to_device(host, "cpu")
+        outs.append(model.forward_mtp(1, dev.input_ids, hidden[6:], dev.positions, c, dev.meta, dev.lm_head_indices, last))
+        caches.append(c)
+    full, last = outs
+    assert last.hidden_states.shape == (1, cfg.hidden_size)
+    torch.testing.assert_close(last.logits, full.logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(last.hidden_states, full.hidden_states[-1:], atol=ATOL, rtol=0)
+    for a, b in zip(*caches):
+        assert torch.equal(a.c_kv, b.c_kv) and torch.equal(a.k_pe, b.k_pe)

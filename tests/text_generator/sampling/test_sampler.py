@@ -243,14 +243,15 @@ def test_logprobs_raw_after_penalties():
     ref_vals, ref_ids = lsm.topk(5, -1)
     torch.testing.assert_close(vals, ref_vals)
     assert torch.equal(ids, ref_ids)
-    # nobody asked for top-n: only the chosen logprob, computed without a full log_softmax
+    # nobody asked: no logprobs computed at all
     md = build([SamplingParams(temperature=0)] * 3, 20)
     out = Sampler()(logits, md)
-    assert out.top_logprobs is None
-    torch.testing.assert_close(out.logprobs, torch.log_softmax(logits, -1).amax(-1))
+    assert out.logprobs is None and out.top_logprobs is None
+    assert torch.equal(out.token_ids, logits.argmax(-1))
     # logprobs=0 everywhere: an empty [N, 0] top-n
     out = Sampler()(logits, build([SamplingParams(logprobs=0)] * 3, 20))
     assert out.top_logprobs[0].shape == (3, 0)
+    torch.testing.assert_close(out.logprobs, torch.log_softmax(logits, -1).gather(1, out.token_ids[:, None]).squeeze(1))
 
 
 def test_input_not_mutated_and_shape_checked():
@@ -267,7 +268,7 @@ def test_input_not_mutated_and_shape_checked():
 
 def test_bf16_logits_accepted():
     logits = torch.randn(2, 16).to(torch.bfloat16)
-    md = build([SamplingParams(temperature=0), SamplingParams(seed=0, top_p=0.8)], 16)
+    md = build([SamplingParams(temperature=0, logprobs=0), SamplingParams(seed=0, top_p=0.8)], 16)
     out = Sampler()(logits, md)
     assert out.token_ids[0] == logits[0].float().argmax()
     assert out.logprobs.dtype == torch.float32
