@@ -19,7 +19,7 @@ import torch
 class HiddenHistory:
     def __init__(self, keep: int):
         self.keep = keep
-        self.buf: Optional[torch.Tensor] = None  # [slots, keep, hidden]; allocated by the first write
+        self.buf: Optional[torch.Tensor] = None  # [slots, keep, hidden]; allocated by the first add
         self._slots: dict[int, int] = {}
         self._free: list[int] = []
 
@@ -32,9 +32,6 @@ class HiddenHistory:
             self._slots[seq_id] = slot
         self._reserve(slot + 1, like)
         return slot
-
-    def slot(self, seq_id: int) -> int:
-        return self._slots[seq_id]
 
     def remove(self, seq_id: int) -> None:
         slot = self._slots.pop(seq_id, None)

@@ -1,0 +1,39 @@
+"""The MTP hidden history: a ring buffer of the last ``keep`` positions per sequence slot."""
+import numpy as np
+import torch
+
+from mindspec.plugins.mtp.hidden_history import HiddenHistory
+
+
+def _rows(positions, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(len(positions), 4, generator=g)
+
+
+def test_reads_back_the_last_keep_positions_across_the_wrap():
+    h = HiddenHistory(keep=5)
+    a = h.add(10, torch.zeros(1, 4))
+    b = h.add(11, torch.zeros(1, 4))
+    first, later = np.arange(0, 4), np.arange(4, 9)  # sequence 10 writes 9 positions: 4..8 survive
+    h.write(np.full(4, a), first, _rows(first, 0))
+    rows = _rows(later, 1)
+    h.write(np.full(5, a), later, rows)
+    other = _rows([0, 1], 2)
+    h.write(np.array([b, b]), np.array([7, 8]), other)  # another slot is untouched by slot a's writes
+    assert torch.equal(h.read(np.full(5, a), later), rows)
+    assert torch.equal(h.read(np.array([b, a, b]), np.array([8, 6, 7])), torch.stack([other[1], rows[2], other[0]]))
+
+
+def test_slots_are_reused_and_growth_keeps_contents():
+    h = HiddenHistory(keep=3)
+    slots = [h.add(i, torch.zeros(1, 4)) for i in range(8)]
+    assert slots == list(range(8))
+    rows = _rows(range(8), 3)
+    h.write(np.array(slots), np.full(8, 2), rows)
+    h.remove(3)
+    assert h.add(99, torch.zeros(1, 4)) == 3  # a finished sequence's slot goes to the next one
+    assert h.add(100, torch.zeros(1, 4)) == 8  # past the first 8 slots: the buffer grows
+    assert h.buf.shape[0] >= 9
+    keep = [0, 1, 2, 4, 5, 6, 7]
+    assert torch.equal(h.read(np.array(keep), np.full(7, 2)), rows[keep])
+    assert h.add(5, torch.zeros(1, 4)) == 5  # a sequence already holding a slot keeps it
