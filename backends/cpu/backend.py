@@ -203,6 +203,8 @@ class CpuBackend(Backend):
         return moe.CpuExpertWeights(
             w13=w13, w2=w2,
             w13_all=self.linear_weight(w13.reshape(E * two_i, H)),
+            # Only experts few enough to run dense need it (DeepSeek-V2/V3's 64/256 never do).
+            w2_all=self.linear_weight(moe._down_side_by_side(w2).contiguous()) if E <= moe.DENSE_MAX_EXPERTS else None,
             w13_each=[self.linear_weight(w13[e]) for e in range(E)],
             w2_each=[self.linear_weight(w2[e]) for e in range(E)],
         )

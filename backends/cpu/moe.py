@@ -3,8 +3,9 @@ limits) and the routed experts.
 
 Experts run one of three ways, chosen by cost (measured on a 2-core x86 CPU, per-op overhead
 ~5-10 us). When experts are few (E <= 4 * top_k, as in small models) and so are the tokens (a
-decode step, an MTP verification), every expert runs on every token in two batched GEMMs with
-weight 0 for unchosen pairs: a few large ops beat a loop of tiny ones, even for one token (at
+decode step, an MTP verification), every expert runs on every token in two GEMMs (gate/up of
+all experts; their down projections side by side, which also sums them) with weight 0 for
+unchosen pairs: a few large ops beat a loop of tiny ones, even for one token (at
 E = 6, top-2: 45 us against 55 us looping over the chosen experts; 78 us against 182 us for the 4
 tokens of an MTP K=3 verification), and nothing waits for the host. That computes E / top_k times
 the FLOPs needed, which a prefill pays for: beyond DENSE_MAX_TOKENS tokens the experts run sorted
@@ -33,9 +34,11 @@ class CpuExpertWeights(ExpertWeights):
     w13_all: LinearWeight  # [E * 2I, H]: every expert's gate/up in one GEMM
     w13_each: list[LinearWeight]  # E x [2I, H]
     w2_each: list[LinearWeight]  # E x [H, I]
+    w2_all: Optional[LinearWeight] = None  # [H, E * I]: the down projections side by side (dense path)
 
 
 DENSE_EXPERTS_PER_CHOICE = 4  # with E <= this * top_k, run every expert on every token ...
+DENSE_MAX_EXPERTS = DENSE_EXPERTS_PER_CHOICE * 8  # ... (top_k <= 8 in DeepSeek's models): w2_all only then
 DENSE_MAX_TOKENS = 64  # ... of a batch this small (E = 6, top-2: dense 299 / sorted 333 us at 64 tokens, 425 / 378 at 96)
 # With packed experts (linear.py) the one big gate/up GEMM gains most: dense 204 / 275 / 351 us
 # against sorted 309 / 344 / 390 at 64 / 96 / 128 tokens, 684 against 559 at 256.
@@ -175,16 +178,28 @@ def _gathered_experts(x, topk_weights, topk_ids, experts: ExpertWeights) -> torc
 
 
 def _dense_experts(x, topk_weights, topk_ids, experts: ExpertWeights) -> torch.Tensor:
+    """Every expert on every token, unchosen pairs weighted 0. The down projection is linear, so
+    the routing weight scales its input, and one GEMM against the experts' down projections side
+    by side does all six and their weighted sum (426 -> 278 us at 128 tokens, 47 -> 35 at one,
+    against a bmm, a multiply and a sum over experts). The sum happens in the GEMM's accumulator,
+    so in bfloat16 the experts' outputs are not rounded one by one as in transformers."""
     E, two_i, H = experts.w13.shape
+    T = x.shape[0]
     # Routing weights scattered to [T, E]; an id outside [0, E) lands in the dropped column E.
     ids = torch.where((topk_ids >= 0) & (topk_ids < E), topk_ids, E)
-    dense_w = torch.zeros(x.shape[0], E + 1, dtype=torch.float32, device=x.device)
+    dense_w = torch.zeros(T, E + 1, dtype=torch.float32, device=x.device)
     dense_w.scatter_add_(1, ids, topk_weights.to(torch.float32))  # a repeated id adds up
-    h = _gate_up_all(x, experts).view(-1, E, two_i)  # [T, E, 2I]
-    h = _silu_and_mul(h).transpose(0, 1)  # [E, T, I]
-    y = torch.bmm(h, experts.w2.transpose(1, 2))  # [E, T, H]
-    weighted = (y * dense_w[:, :E].t()[..., None]).to(x.dtype)  # [E, T, H]
-    return weighted.sum(dim=0)
+    h = _silu_and_mul(_gate_up_all(x, experts).view(T, E, two_i))  # [T, E, I]
+    h = (h * dense_w[:, :E, None]).to(x.dtype).view(T, E * (two_i // 2))
+    if isinstance(experts, CpuExpertWeights) and experts.w2_all is not None:
+        return linear(h, experts.w2_all)
+    return F.linear(h, _down_side_by_side(experts.w2))
+
+
+def _down_side_by_side(w2: torch.Tensor) -> torch.Tensor:
+    """w2 [E, H, I] -> [H, E * I]: column block e is expert e's down projection."""
+    E, H, I = w2.shape
+    return w2.permute(1, 0, 2).reshape(H, E * I)
 
 
 def _sorted_experts(x, topk_weights, topk_ids, experts: ExpertWeights) -> torch.Tensor:
