@@ -40,9 +40,10 @@ class CpuExpertWeights(ExpertWeights):
 DENSE_EXPERTS_PER_CHOICE = 4  # with E <= this * top_k, run every expert on every token ...
 DENSE_MAX_EXPERTS = DENSE_EXPERTS_PER_CHOICE * 8  # ... (top_k <= 8 in DeepSeek's models): w2_all only then
 DENSE_MAX_TOKENS = 64  # ... of a batch this small (E = 6, top-2: dense 299 / sorted 333 us at 64 tokens, 425 / 378 at 96)
-# With packed experts (linear.py) the one big gate/up GEMM gains most: dense 204 / 275 / 351 us
-# against sorted 309 / 344 / 390 at 64 / 96 / 128 tokens, 684 against 559 at 256.
-DENSE_MAX_TOKENS_PACKED = 128
+# With packed experts (linear.py), gate/up and down each one GEMM: dense 256 / 298 / 353 us against
+# sorted 428 / 440 / 456 at 128 / 160 / 192 tokens, 568 against 564 at 320 (an MTP K=3 draft
+# stage at batch 32 runs 160-192 rows).
+DENSE_MAX_TOKENS_PACKED = 192
 FEW_PAIRS = 8  # otherwise, up to this many (token, expert) pairs run only the chosen experts
 
 

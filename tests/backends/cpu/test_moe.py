@@ -187,7 +187,7 @@ def test_expert_path_chosen_by_cost(monkeypatch, num_experts, top_k, tokens, pat
 
 
 @pytest.mark.skipif(not packed_linear.packing_enabled(), reason="torch built without oneDNN")
-@pytest.mark.parametrize("tokens,path", [(128, "_dense_experts"), (129, "_sorted_experts")])
+@pytest.mark.parametrize("tokens,path", [(192, "_dense_experts"), (193, "_sorted_experts")])
 def test_packed_experts_stay_dense_up_to_more_tokens(monkeypatch, tokens, path):
     calls = []
     for name in ("_dense_experts", "_sorted_experts"):
