@@ -181,7 +181,7 @@ def _gathered_experts(x, topk_weights, topk_ids, experts: ExpertWeights) -> torc
 def _dense_experts(x, topk_weights, topk_ids, experts: ExpertWeights) -> torch.Tensor:
     """Every expert on every token, unchosen pairs weighted 0. The down projection is linear, so
     the routing weight scales its input, and one GEMM against the experts' down projections side
-    by side does all six and their weighted sum (426 -> 278 us at 128 tokens, 47 -> 35 at one,
+    by side does all of them and their weighted sum (426 -> 278 us at 128 tokens, 47 -> 35 at one,
     against a bmm, a multiply and a sum over experts). The sum happens in the GEMM's accumulator,
     so in bfloat16 the experts' outputs are not rounded one by one as in transformers."""
     E, two_i, H = experts.w13.shape

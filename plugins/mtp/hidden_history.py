@@ -15,6 +15,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from mindspec.modeling.forward_metadata import token_positions
+
 
 class HiddenHistory:
     def __init__(self, keep: int):
@@ -38,10 +40,14 @@ class HiddenHistory:
         if slot is not None:
             self._free.append(slot)
 
-    def write(self, slots: np.ndarray, positions: np.ndarray, rows: torch.Tensor) -> None:
-        """rows [R, hidden]: the hidden states of ``positions`` [R] of the sequences in ``slots`` [R]."""
-        s, p = self._index(slots, positions)
-        self.buf[s, p] = rows.to(self.buf.dtype)
+    def write(self, slots: np.ndarray, first_positions: np.ndarray, counts: np.ndarray,
+              hidden: torch.Tensor, first_rows: np.ndarray) -> None:
+        """Per sequence b (slot slots[b]): hidden rows first_rows[b] .. + counts[b] - 1 are the
+        states of positions first_positions[b] .. + counts[b] - 1 (all [B] int64 arrays)."""
+        seq_idx, rows = token_positions(first_rows, counts)
+        _, positions = token_positions(first_positions, counts)
+        s, p = self._index(slots[seq_idx], positions)
+        self.buf[s, p] = hidden[torch.from_numpy(rows).to(hidden.device)].to(self.buf.dtype)
 
     def read(self, slots: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """[R, hidden]: position positions[r] of the sequence in slots[r], which must be one of

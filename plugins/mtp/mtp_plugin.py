@@ -35,7 +35,6 @@ import time
 import numpy as np
 import torch
 
-from mindspec.modeling.forward_metadata import token_positions
 from mindspec.modeling.loader import checkpoint_keys
 from mindspec.models.deepseekv2.config import DeepseekV2Config
 from mindspec.models.deepseekv2.weights import mtp_modules_in
@@ -186,10 +185,9 @@ class MtpPlugin(Plugin):
         counts = np.array([len(a) for a in outputs.accepted], dtype=np.int64)
         states = [self.states[seq.seq_id] for seq in batch.seqs]
         # Sequence b's accepted rows b * rows_per_seq + 0..count-1 hold positions n-1 .. n-2+count.
-        seq_idx, rows = token_positions(np.arange(len(states)) * rows_per_seq, counts)
-        _, positions = token_positions(np.array([st.hidden_end for st in states], dtype=np.int64), counts)
-        slots = np.array([st.slot for st in states], dtype=np.int64)
-        self.history.write(slots[seq_idx], positions, hidden[torch.from_numpy(rows).to(hidden.device)])
+        self.history.write(np.array([st.slot for st in states], dtype=np.int64),
+                           np.array([st.hidden_end for st in states], dtype=np.int64), counts,
+                           hidden, np.arange(len(states), dtype=np.int64) * rows_per_seq)
         for b, (state, count) in enumerate(zip(states, counts.tolist())):
             state.hidden_end += count
             # The modules this step ran wrote the entries of the tokens before it; the others did not.
@@ -212,17 +210,15 @@ class MtpPlugin(Plugin):
         keeps = np.minimum(q_lens, self.keep_hidden)
         prefilled = len(inputs.extra["mtp_modules"])
         ends = np.array([seq.num_cached_tokens for seq in batch.seqs], dtype=np.int64) + q_lens
-        for seq, q, end in zip(batch.seqs, q_lens.tolist(), ends.tolist()):
+        slots = np.empty(len(batch.seqs), dtype=np.int64)
+        for b, (seq, q, end) in enumerate(zip(batch.seqs, q_lens.tolist(), ends.tolist())):
             lag = self._fresh_lag()
             lag[prefilled:] = min(q, CATCH_UP)  # this prefill's entries, as far as its hidden states reach
+            slots[b] = self.history.add(seq.seq_id, hidden)
             self.states[seq.seq_id] = MtpSeqState(
-                slot=self.history.add(seq.seq_id, hidden), hidden_end=end,
-                lag=lag, in_think=self._prompt_in_think(seq.token_ids),
+                slot=int(slots[b]), hidden_end=end, lag=lag, in_think=self._prompt_in_think(seq.token_ids),
             )
-        seq_idx, rows = token_positions(np.cumsum(q_lens) - keeps, keeps)  # each prompt's last rows
-        _, positions = token_positions(ends - keeps, keeps)
-        slots = np.array([self.states[seq.seq_id].slot for seq in batch.seqs], dtype=np.int64)
-        self.history.write(slots[seq_idx], positions, hidden[torch.from_numpy(rows).to(hidden.device)])
+        self.history.write(slots, ends - keeps, keeps, hidden, np.cumsum(q_lens) - keeps)  # each prompt's last rows
 
     def adopt_prefilled(self, seq, hidden_size: int, dtype: torch.dtype, device) -> None:
         """A sequence prefilled on another node (PD disaggregation): its KV arrived, its hidden
@@ -231,7 +227,7 @@ class MtpPlugin(Plugin):
         n_prompt = seq.num_prompt_tokens
         zeros = torch.zeros(1, hidden_size, dtype=dtype, device=device)
         slot = self.history.add(seq.seq_id, zeros)
-        self.history.write(np.array([slot]), np.array([n_prompt - 1]), zeros)
+        self.history.write(np.array([slot]), np.array([n_prompt - 1]), np.ones(1, dtype=np.int64), zeros, np.zeros(1, dtype=np.int64))
         self.states[seq.seq_id] = MtpSeqState(
             slot=slot, hidden_end=n_prompt,
             lag=self._fresh_lag(), in_think=self._prompt_in_think(seq.prompt_token_ids), hidden_from=n_prompt,

@@ -15,11 +15,11 @@ def test_reads_back_the_last_keep_positions_across_the_wrap():
     a = h.add(10, torch.zeros(1, 4))
     b = h.add(11, torch.zeros(1, 4))
     first, later = np.arange(0, 4), np.arange(4, 9)  # sequence 10 writes 9 positions: 4..8 survive
-    h.write(np.full(4, a), first, _rows(first, 0))
+    h.write(np.array([a]), np.array([0]), np.array([4]), _rows(first, 0), np.array([0]))
     rows = _rows(later, 1)
-    h.write(np.full(5, a), later, rows)
+    h.write(np.array([a]), np.array([4]), np.array([5]), rows, np.array([0]))
     other = _rows([0, 1], 2)
-    h.write(np.array([b, b]), np.array([7, 8]), other)  # another slot is untouched by slot a's writes
+    h.write(np.array([b]), np.array([7]), np.array([2]), other, np.array([0]))  # another slot is untouched by slot a's writes
     assert torch.equal(h.read(np.full(5, a), later), rows)
     assert torch.equal(h.read(np.array([b, a, b]), np.array([8, 6, 7])), torch.stack([other[1], rows[2], other[0]]))
 
@@ -29,7 +29,7 @@ def test_slots_are_reused_and_growth_keeps_contents():
     slots = [h.add(i, torch.zeros(1, 4)) for i in range(8)]
     assert slots == list(range(8))
     rows = _rows(range(8), 3)
-    h.write(np.array(slots), np.full(8, 2), rows)
+    h.write(np.array(slots), np.full(8, 2), np.ones(8, dtype=np.int64), rows, np.arange(8))
     h.remove(3)
     assert h.add(99, torch.zeros(1, 4)) == 3  # a finished sequence's slot goes to the next one
     assert h.add(100, torch.zeros(1, 4)) == 8  # past the first 8 slots: the buffer grows
