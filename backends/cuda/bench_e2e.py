@@ -45,7 +45,8 @@ def _step_fn(wrapper, batch: int, context: int, k: int, mode: str, block_size: i
     table_arr = di.block_tables(tables)
     main = di.main_inputs(np.array([t[-1] for t in tokens]), num_tokens, table_arr, block_size, k)
     subs = di.sub_inputs(tokens, layout, table_arr, block_size, k, mode)
-    hidden = torch.randn(int(layout.sub_q_lens.sum()), cfg.hidden_size, dtype=wrapper.dtype, device=dev)
+    # Drawn on the host: a failed graph capture can leave the device generator unusable.
+    hidden = torch.randn(int(layout.sub_q_lens.sum()), cfg.hidden_size).to(dev, wrapper.dtype)
 
     def step():
         d_subs = [to_device(s, dev) for s in subs]

@@ -46,7 +46,9 @@ def align_routes(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Rout
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
     counts.scatter_add_(0, key, torch.ones_like(key))
     padded = (counts + block_m - 1) // block_m * block_m
-    padded[num_experts] = 0  # the skipped bucket gets no rows
+    # The skipped bucket gets no rows. (Not `padded[E] = 0`: indexing with a Python scalar copies a
+    # host tensor to the device, which a CUDA graph capture refuses.)
+    padded[num_experts:].zero_()
     pad_end = torch.cumsum(padded, 0)  # [E + 1]
     pad_start = pad_end - padded
     order = torch.argsort(key, stable=True)  # [P] pairs grouped by expert

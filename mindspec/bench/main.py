@@ -5,6 +5,7 @@
     mindspec bench --compile ...                             # also the torch.compile'd decode step
     mindspec bench --batching static ...                     # groups of b, each run to its slowest sequence
     mindspec bench --backend cuda ...                        # the cuda backend's kernel and e2e benchmarks
+    mindspec bench --backend cuda --compare ...              # this comparison on a GPU (CUDA graphs on)
 """
 from __future__ import annotations
 
@@ -23,10 +24,16 @@ from mindspec.bench.corpus import heldout_prompts
 from mindspec.text_generator.sampling.params import SamplingParams
 
 MIN_PROMPTS = 8  # per configuration and batch size, so that batch 1 is not one prompt's luck
+BACKENDS = ("cpu", "cuda")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", default="cpu", help="cpu (this benchmark) | cuda (the cuda backend's benchmarks)")
+    p.add_argument("--backend", default="cpu", choices=BACKENDS,
+                   help="cpu (this benchmark) | cuda (the cuda backend's benchmarks; with --compare, this one)")
+    p.add_argument("--compare", action="store_true",
+                   help="with --backend cuda: this comparison on the GPU instead of the cuda backend's benchmarks")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="mindspec's and transformers' dtype (the cpu tables use float32)")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
     p.add_argument("--out", default="benchmarks/results/bench_cpu", help="output path without suffix (.json, .png)")
     p.add_argument("--batches", default="1,4,16,32")
@@ -54,8 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.backend != "cpu":
-        raise ValueError(f"mindspec bench measures the cpu and cuda backends, not {args.backend!r}")
+    on_gpu = args.backend == "cuda"
+    if on_gpu and not torch.cuda.is_available():
+        print("mindspec bench: --backend cuda --compare needs a CUDA GPU and none is visible; nothing was measured",
+              file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
     model_dir = args.model or str(_default_model())
     hf_config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -69,15 +79,16 @@ def run(args: argparse.Namespace) -> int:
     count = max(speed.prompt_count(b, MIN_PROMPTS, args.batching) for b in batches)
     output_lens = speed.output_lengths(count, args.new_tokens, args.output_len_range)
     num_blocks = max(batches + [MIN_PROMPTS]) * -(-(args.prompt_tokens + max(output_lens) + 16) // 16) + 8
-    llms = {c.name: _llm(model_dir, c, num_blocks, max(batches)) for c in configs}
+    llms = {c.name: _llm(model_dir, c, num_blocks, max(batches), args.backend, args.dtype) for c in configs}
     tokenizer = next(iter(llms.values())).tokenizer.hf_tokenizer
     prompts = heldout_prompts(tokenizer, count, args.prompt_tokens)
-    hf = _hf_model(model_dir) if args.hf else None
+    hf = _hf_model(model_dir, args.backend, args.dtype) if args.hf else None
+    device = torch.cuda.get_device_name() if on_gpu else platform.processor() or platform.machine()
     report = {
-        "model": model_dir, "backend": "cpu", "device": platform.processor() or platform.machine(),
+        "model": model_dir, "backend": args.backend, "device": device,
         "batching": args.batching, "threads": args.threads, "rounds": args.rounds, "new_tokens": args.new_tokens,
         "output_len_range": args.output_len_range,
-        "prompt_tokens": args.prompt_tokens, "dtype": "float32", "greedy": True,
+        "prompt_tokens": args.prompt_tokens, "dtype": args.dtype, "greedy": True,
         "prompts_per_batch": {f"batch {b}": speed.prompt_count(b, MIN_PROMPTS, args.batching) for b in batches},
         "configs": {c.name: {"plugin_params": c.plugin_params, "decode_graphs": c.decode_graphs,
                                "async_scheduling": c.async_scheduling, "lossless_policy": c.lossless}
@@ -85,18 +96,21 @@ def run(args: argparse.Namespace) -> int:
         "results": {},
         "command": getattr(args, "command_line", "mindspec bench"),
     }
-    compiled = frozenset(c.name for c in configs if c.decode_graphs)
+    # Compiled steps, and on a GPU every configuration (CUDA graphs are captured per batch-size
+    # bucket on first use), run once untimed per batch size.
+    warm_up = frozenset(c.name for c in configs if c.decode_graphs or on_gpu)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     for batch in batches:
         t = time.time()
         report["results"][f"batch {batch}"] = speed.bench_batch(llms, hf, prompts, batch, MIN_PROMPTS, args.rounds,
-                                                                params, args.batching, compiled, output_lens)
+                                                                params, args.batching, warm_up, output_lens)
+        out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")  # a cut-short run keeps these
         row = report["results"][f"batch {batch}"]
         print(f"batch {batch} ({args.batching}, {time.time() - t:.0f} s): " +
               ", ".join(f"{n} {r['tokens_per_s_median']:.0f} tok/s" for n, r in row.items()), flush=True)
-    if args.profile:
+    if args.profile and not on_gpu:  # its per-layer host timers would time kernel launches on a GPU
         report["profile"] = _profile(llms, prompts, params)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     from mindspec.bench.plots import plot_report
 
@@ -117,22 +131,24 @@ def _profile(llms: dict, prompts: list[list[int]], params: SamplingParams) -> di
     return out
 
 
-def _llm(model_dir: str, config: "speed.Config", num_blocks: int, max_batch: int):
+def _llm(model_dir: str, config: "speed.Config", num_blocks: int, max_batch: int, backend: str = "cpu",
+         dtype: str = "float32"):
     from mindspec.llm import LLM
 
     # The running limit must not cut a static group; continuous runs lower it per run.
-    return LLM(model=model_dir, dtype="float32", cache_block_size=16, num_blocks=num_blocks, progress=False,
+    return LLM(model=model_dir, backend=backend, dtype=dtype, cache_block_size=16, num_blocks=num_blocks, progress=False,
                plugin_params=config.plugin_params, decode_graphs=config.decode_graphs,
                async_scheduling=config.async_scheduling, max_batch_size=max(256, max_batch),
                max_prefill_batch_size=64)
 
 
-def _hf_model(model_dir: str):
+def _hf_model(model_dir: str, backend: str = "cpu", dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
 
     # transformers' own default for the experts (grouped_mm where torch has it): what its users
     # get, and on this model no slower than the eager loop (1.1x faster at batch 16).
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    return model.to("cuda") if backend == "cuda" else model
 
 
 def _default_model() -> Path:
@@ -145,7 +161,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     backend = argparse.ArgumentParser(add_help=False)
     backend.add_argument("--backend", default="cpu")
-    if backend.parse_known_args(argv)[0].backend == "cuda":  # the cuda backend has its own benchmark
+    backend.add_argument("--compare", action="store_true")
+    chosen = backend.parse_known_args(argv)[0]
+    if chosen.backend == "cuda" and not chosen.compare:  # the cuda backend has its own benchmark
         from mindspec.backends.cuda.bench import main as cuda_main
 
         return cuda_main(argv)

@@ -20,7 +20,7 @@ def plot_report(report: dict, path: Path) -> None:
     axes = axes.ravel()
     batching = report.get("batching", "static")  # reports from before the option were static
     for ax, batch in zip(axes, batches):
-        _speedups(ax, batch, report["results"][batch], batching)
+        _speedups(ax, batch, report["results"][batch], batching, _where(report))
     _acceptance(axes[len(batches)], batches[0], report["results"][batches[0]])
     if profiles:
         _profile(axes[len(batches) + 1], profiles)
@@ -31,7 +31,13 @@ def plot_report(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _speedups(ax, batch: str, rows: dict, batching: str) -> None:
+def _where(report: dict) -> str:
+    """'cpu', or the backend and its device ('cuda, NVIDIA H100 80GB HBM3')."""
+    backend = report.get("backend", "cpu")
+    return backend if backend == "cpu" else f"{backend}, {report.get('device', '?')}"
+
+
+def _speedups(ax, batch: str, rows: dict, batching: str, where: str) -> None:
     names = list(rows)
     values = [rows[n]["speedup_vs_mtp_off"] for n in names]
     colors = ["#c44e52" if n == "transformers generate" else "#55a868" if "compile" in n else "#4c72b0" for n in names]
@@ -39,7 +45,7 @@ def _speedups(ax, batch: str, rows: dict, batching: str) -> None:
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks(range(len(names)), names, rotation=65, ha="right", fontsize=7)
     ax.set_ylabel("tokens/s relative to MTP off (median)")
-    ax.set_title(f"{batch} ({batching} batching): greedy, cpu", fontsize=10)
+    ax.set_title(f"{batch} ({batching} batching): greedy, {where}", fontsize=10)
 
 
 def _acceptance(ax, batch: str, rows: dict) -> None:

@@ -53,7 +53,9 @@ WAVES = 4
 class Config:
     name: str
     plugin_params: Optional[dict] = None
-    decode_graphs: bool = False  # torch.compile of the decode step on cpu
+    # True: torch.compile of the decode step on cpu; None: the backend's default (CUDA graphs on a
+    # GPU, eager on cpu). False would turn a GPU's graphs off.
+    decode_graphs: Optional[bool] = None
     async_scheduling: bool = False  # host post-processing overlaps the next step
     lossless: bool = True  # relaxed acceptance trades exactness for speed
 
@@ -187,7 +189,7 @@ def run_hf(model, groups: list[list[list[int]]], lengths: list[list[int]], m: Me
     tokens, latencies = 0, []
     start = time.perf_counter()
     for group, group_lengths in zip(groups, lengths):
-        ids, new_tokens = torch.tensor(group), max(group_lengths)
+        ids, new_tokens = torch.tensor(group, device=getattr(model, "device", "cpu")), max(group_lengths)
         t = time.perf_counter()
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                        min_new_tokens=new_tokens, do_sample=False)
@@ -254,6 +256,8 @@ def bench_batch(llms: dict[str, LLM], hf, prompts: list[list[int]], batch: int, 
 
     for name in warm_up:
         run(llms[name], Measurement())
+    if hf is not None and str(getattr(hf, "device", "cpu")) != "cpu":  # CUDA context, cuBLAS handles, kernel caches
+        run_hf(hf, groups[:1], [[4] * len(groups[0])], Measurement())
     for _ in range(rounds):
         for name, llm in llms.items():
             run(llm, results[name])

@@ -338,7 +338,7 @@ class _LazyCapture:
         try:
             graph = self.runner.wrapper.backend.capture_graph(self.fn)
         except Exception as exc:  # a failed capture must not take serving down: run this bucket eagerly
-            log.warning("graph capture of %s failed (%s); running it eagerly", self.key, exc)
+            log.warning("graph capture of %s failed (%s); running it eagerly", self.key, exc, exc_info=True)
             self.runner.stats.eager_fallbacks += 1
             return EagerStep(self.fn)
         self.runner.stats.captures += 1

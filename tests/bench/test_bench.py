@@ -184,3 +184,21 @@ def test_transformers_groups_run_to_their_longest_output_and_count_what_was_aske
     speed.run_hf(FakeHF(), [[[1], [2]], [[3], [4]]], [[3, 7], [5, 2]], m)
     assert FakeHF.asked == [(2, 7, 7), (2, 5, 5)]
     assert m.tokens_per_s == [(3 + 7 + 5 + 2) / 5]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal without a GPU")
+def test_compare_on_cuda_refuses_clearly_without_a_gpu(tmp_path, capsys):
+    """`--backend cuda --compare` is this comparison on a GPU; `--backend cuda` alone is the cuda
+    backend's own benchmark. Without a GPU both exit 2 and write nothing."""
+    assert main(["--backend", "cuda", "--compare", "--out", str(tmp_path / "r")]) == 2
+    assert "--compare needs a CUDA GPU" in capsys.readouterr().err
+    assert main(["--backend", "cuda", "--out", str(tmp_path / "r")]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_default_configs_leave_graphs_to_the_backend():
+    """decode_graphs None: CUDA graphs on a GPU, eager on cpu; only '+compile' asks for True."""
+    configs = speed.default_configs([1, 3], 3, 0, 1, compiled=True)
+    assert {c.decode_graphs for c in configs if "compile" not in c.name} == {None}
+    assert all(c.decode_graphs for c in configs if "compile" in c.name)

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The cuda backend on a real GPU, offline: its tests natively (not under Triton's interpreter), then
+# `mindspec bench --backend cuda`. Logs and the benchmark's JSON/PNG go to $OUT.
+#
+#   OUT=benchmarks/out/gpu bash scripts/gpu_check.sh [tests|bench|all] [extra bench args...]
+#   bash scripts/gpu_check.sh py SCRIPT [ARGS...]
+#
+# Needs python3 with a CUDA torch, triton, transformers, safetensors, tokenizers, numpy, pytest and
+# matplotlib already installed (no package is fetched). mindspec itself runs from this checkout.
+set -u
+OUT=${OUT:-benchmarks/out/gpu}
+WHAT=${1:-all}
+shift || true
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+
+# mindspec from this checkout without pip: backends/, plugins/ and models/ live in the mindspec
+# namespace (setup.py's package_dir). The checkout's mindspec/ comes first on sys.path (pytest's
+# rootdir, python -c's cwd), so link them into it for this run and remove the links afterwards.
+LINKS=()
+for top in backends plugins models; do
+  if [[ ! -e mindspec/$top ]]; then ln -s "../$top" "mindspec/$top"; LINKS+=("mindspec/$top"); fi
+done
+trap 'rm -f "${LINKS[@]}"' EXIT
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
+  $PY -c "import sys, torch, triton, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  $PY -c "import mindspec.backends.cuda, mindspec.models.deepseekv2; print('mindspec imports from', mindspec.__path__)"
+} 2>&1 | tee "$OUT/env.log"
+
+if [[ $WHAT == tests || $WHAT == all ]]; then
+  timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider --timeout 150 -o addopts="" -rfE \
+    tests/backends/cuda tests/modeling/test_graph_runner.py ${TEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -80
+fi
+if [[ $WHAT == bench || $WHAT == all ]]; then
+  timeout "${BENCH_TIMEOUT:-300}" $PY -c "import sys; from mindspec.cli import main; sys.exit(main(sys.argv[1:]))" \
+    bench --backend cuda --out "$OUT/cuda_bench" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
+fi
+if [[ $WHAT == py ]]; then  # any script against this checkout: gpu_check.sh py SCRIPT ARGS...
+  $PY "$@" 2>&1 | tee "$OUT/py.log" | tail -120
+fi
