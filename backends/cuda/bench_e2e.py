@@ -39,7 +39,7 @@ def _step_fn(wrapper, batch: int, context: int, k: int, mode: str, block_size: i
         wrapper.forward(prefill)
     if not k:
         host = build_model_inputs([[t[-1]] for t in tokens], [context] * batch, tables, block_size)
-        return lambda: wrapper.forward(to_device(host, dev))
+        return lambda: wrapper.forward_host(host)
     num_tokens = np.full(batch, context)
     layout = di.decode_layout(num_tokens, np.ones(batch, dtype=np.int64), k, mode)
     table_arr = di.block_tables(tables)
@@ -49,8 +49,7 @@ def _step_fn(wrapper, batch: int, context: int, k: int, mode: str, block_size: i
     hidden = torch.randn(int(layout.sub_q_lens.sum()), cfg.hidden_size).to(dev, wrapper.dtype)
 
     def step():
-        d_subs = [to_device(s, dev) for s in subs]
-        return wrapper.forward_speculative(to_device(main, dev), d_subs, modules, hidden, d_subs[0].lm_head_indices)
+        return wrapper.forward_speculative_host(main, subs, modules, hidden, subs[0].lm_head_indices)
 
     return step
 

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from mindspec.backend import AttentionMetadata
+from mindspec.modeling.packed_transfer import to_device_packed
 
 
 @dataclass
@@ -108,25 +109,40 @@ class DeviceInputs:
     lm_head_indices: torch.Tensor  # [N] int64
 
 
-def to_device(inputs: ModelInputs, device: torch.device | str, tree_mask: Optional[torch.Tensor] = None) -> DeviceInputs:
-    def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype, non_blocking=True)
+def input_arrays(inputs: ModelInputs) -> list[np.ndarray]:
+    """The arrays a forward moves to the device, in ``device_inputs``' order and dtypes."""
+    return [
+        inputs.input_ids.astype(np.int64, copy=False), inputs.positions.astype(np.int64, copy=False),
+        inputs.slots.astype(np.int64, copy=False), inputs.block_tables.astype(np.int32, copy=False),
+        inputs.seq_lens.astype(np.int32, copy=False), inputs.q_lens.astype(np.int32, copy=False),
+        inputs.q_start_loc, inputs.lm_head_indices.astype(np.int64, copy=False),
+    ]
 
+
+def to_device(inputs: ModelInputs, device: torch.device | str, tree_mask: Optional[torch.Tensor] = None) -> DeviceInputs:
+    device = torch.device(device)
+    arrays = input_arrays(inputs)
+    if device.type == "cpu":  # no copy at all: tensors share the arrays' memory
+        tensors = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+    else:
+        tensors = to_device_packed(arrays, device)
+    return device_inputs(tensors, inputs, tree_mask)
+
+
+def device_inputs(tensors: list[torch.Tensor], inputs: ModelInputs, tree_mask: Optional[torch.Tensor] = None) -> DeviceInputs:
+    """DeviceInputs from the tensors of ``inputs``' arrays in to_device's order (host lists from
+    ``inputs``)."""
+    input_ids, positions, slots, block_tables, seq_lens, q_lens, q_start_loc, lm_head_indices = tensors
     meta = AttentionMetadata(
-        slots=dev(inputs.slots, torch.int64),
-        block_tables=dev(inputs.block_tables, torch.int32),
-        seq_lens=dev(inputs.seq_lens, torch.int32),
-        q_lens=dev(inputs.q_lens, torch.int32),
-        q_start_loc=dev(inputs.q_start_loc, torch.int32),
+        slots=slots,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        q_lens=q_lens,
+        q_start_loc=q_start_loc,
         seq_lens_host=inputs.seq_lens.tolist(),
         q_lens_host=inputs.q_lens.tolist(),
         is_prefill=inputs.is_prefill,
         tree_mask=tree_mask,
         block_size=inputs.block_size,
     )
-    return DeviceInputs(
-        input_ids=dev(inputs.input_ids, torch.int64),
-        positions=dev(inputs.positions, torch.int64),
-        meta=meta,
-        lm_head_indices=dev(inputs.lm_head_indices, torch.int64),
-    )
+    return DeviceInputs(input_ids=input_ids, positions=positions, meta=meta, lm_head_indices=lm_head_indices)

@@ -1,5 +1,6 @@
-"""Decode-step graph runner: pad a decode batch to a batch-size bucket, copy it into static
-buffers, and replay one captured step per bucket (CUDA graphs), backend-agnostic.
+"""Decode-step graph runner: pad a decode batch's host inputs to a batch-size bucket, copy them
+into the bucket's static buffers in one transfer, and replay one captured step per bucket (CUDA
+graphs), backend-agnostic.
 
 A captured graph replays fixed shapes and fixed addresses, so every decode forward of a bucket
 must look the same: ``num_seqs`` sequences of ``q`` new tokens each (plain decode: q = 1; MTP
@@ -27,10 +28,11 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
-from mindspec.backend import AttentionMetadata
-from mindspec.modeling.forward_metadata import DeviceInputs
+from mindspec.modeling.forward_metadata import ModelInputs, device_inputs, input_arrays, token_positions
+from mindspec.modeling.packed_transfer import PackedLayout, pinned_staging
 
 log = logging.getLogger(__name__)
 
@@ -65,59 +67,32 @@ def _pad_rows(spec: PadSpec, real_seqs: int, real_tokens: int) -> list[int]:
     return pad + [slack] if spec.slack_seq else pad
 
 
-def pad_inputs(inputs: DeviceInputs, spec: PadSpec, lm_rows_per_seq: int) -> DeviceInputs:
-    """The forward of ``inputs`` with padding sequences appended (see the module docstring).
+def pad_inputs(inputs: ModelInputs, spec: PadSpec, lm_rows_per_seq: int) -> ModelInputs:
+    """The host inputs with padding sequences appended (see the module docstring).
 
     Each padding sequence (not the slack one) contributes its last ``lm_rows_per_seq`` rows to
     lm_head_indices, so outputs keep the shape [num_seqs * lm_rows_per_seq, ...]."""
-    meta = inputs.meta
-    real_seqs, real_tokens = meta.q_lens.shape[0], inputs.input_ids.shape[0]
-    if meta.block_tables.shape[1] > spec.width:
-        raise ValueError(f"block tables of {meta.block_tables.shape[1]} columns exceed the padded width {spec.width}")
-    pad_q = _pad_rows(spec, real_seqs, real_tokens)
-    pad_seq_lens = [max(n, 1) for n in pad_q]
-    pad_pos = [p for n in pad_q for p in range(n)]
-    starts, lm_rows = [], []
-    for b, n in enumerate(pad_q):
-        start = real_tokens + sum(pad_q[:b])
-        starts.append(start + n)
-        if b < spec.num_seqs - real_seqs:
-            lm_rows.extend(range(start + n - lm_rows_per_seq, start + n))
-    dev = inputs.input_ids.device
-
-    def tail(values, dtype):
-        return torch.tensor(values, dtype=dtype, device=dev)
-
-    pos = tail(pad_pos, torch.int64)
-    tables = torch.full((real_seqs + len(pad_q), spec.width), spec.dummy_block, dtype=torch.int32, device=dev)
-    tables[:real_seqs, : meta.block_tables.shape[1]] = meta.block_tables
-    # replace() keeps every other field of the metadata (new ones included) as the real batch has it.
-    padded_meta = replace(
-        meta,
-        slots=torch.cat([meta.slots, spec.dummy_block * spec.block_size + pos % spec.block_size]),
+    real_seqs, real_tokens = inputs.num_seqs, inputs.num_tokens
+    if inputs.block_tables.shape[1] > spec.width:
+        raise ValueError(f"block tables of {inputs.block_tables.shape[1]} columns exceed the padded width {spec.width}")
+    pad_q = np.array(_pad_rows(spec, real_seqs, real_tokens), dtype=np.int32)
+    _, pad_pos = token_positions(np.zeros(len(pad_q), dtype=np.int64), pad_q)
+    ends = real_tokens + np.cumsum(pad_q, dtype=np.int64)  # one past each padding sequence's rows
+    lm_ends = ends[: spec.num_seqs - real_seqs]  # the slack sequence has no lm_head rows
+    lm_rows = (lm_ends[:, None] + np.arange(-lm_rows_per_seq, 0)).reshape(-1)
+    tables = np.full((real_seqs + len(pad_q), spec.width), spec.dummy_block, dtype=np.int32)
+    tables[:real_seqs, : inputs.block_tables.shape[1]] = inputs.block_tables
+    return ModelInputs(
+        input_ids=np.concatenate([inputs.input_ids, np.zeros(len(pad_pos), dtype=np.int64)]),
+        positions=np.concatenate([inputs.positions, pad_pos]),
+        slots=np.concatenate([inputs.slots, spec.dummy_block * spec.block_size + pad_pos % spec.block_size]),
         block_tables=tables,
-        seq_lens=torch.cat([meta.seq_lens, tail(pad_seq_lens, torch.int32)]),
-        q_lens=torch.cat([meta.q_lens, tail(pad_q, torch.int32)]),
-        q_start_loc=torch.cat([meta.q_start_loc, tail(starts, torch.int32)]),
-        seq_lens_host=list(meta.seq_lens_host) + pad_seq_lens,
-        q_lens_host=list(meta.q_lens_host) + pad_q,
+        seq_lens=np.concatenate([inputs.seq_lens, np.maximum(pad_q, 1)]).astype(np.int32),
+        q_lens=np.concatenate([inputs.q_lens, pad_q]).astype(np.int32),
+        lm_head_indices=np.concatenate([inputs.lm_head_indices, lm_rows]).astype(np.int64),
         is_prefill=False,
-        tree_mask=None,
-        scratch={},
+        block_size=inputs.block_size,
     )
-    return DeviceInputs(
-        input_ids=torch.cat([inputs.input_ids, torch.zeros(len(pad_pos), dtype=torch.int64, device=dev)]),
-        positions=torch.cat([inputs.positions, pos]),
-        meta=padded_meta,
-        lm_head_indices=torch.cat([inputs.lm_head_indices, tail(lm_rows, torch.int64)]),
-    )
-
-
-def pad_rows(x: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """x [n, ...] -> [num_rows, ...], zero rows appended."""
-    out = x.new_zeros((num_rows,) + tuple(x.shape[1:]))
-    out[: x.shape[0]] = x
-    return out
 
 
 # ------------------------------------------------------------------------------------------
@@ -126,39 +101,35 @@ def pad_rows(x: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 
 class StaticInputs:
-    """Fixed-address copies of one padded DeviceInputs; ``load`` copies new values in place."""
+    """Fixed-address device copies of one bucket's padded inputs (and extra int64 arrays), all in
+    one buffer: ``load`` brings a step's values in with a single host-to-device copy."""
 
-    def __init__(self, template: DeviceInputs):
-        m = template.meta
-        self.inputs = DeviceInputs(
-            input_ids=template.input_ids.clone(),
-            positions=template.positions.clone(),
-            meta=replace(
-                m, slots=m.slots.clone(), block_tables=m.block_tables.clone(), seq_lens=m.seq_lens.clone(),
-                q_lens=m.q_lens.clone(), q_start_loc=m.q_start_loc.clone(),
-                seq_lens_host=list(m.seq_lens_host), q_lens_host=list(m.q_lens_host), scratch={},
-            ),
-            lm_head_indices=template.lm_head_indices.clone(),
-        )
+    def __init__(self, templates: list[ModelInputs], extras: list[np.ndarray], device: torch.device):
+        arrays = self._arrays(templates, extras)
+        self.layout = PackedLayout.of(arrays)
+        self.pinned = pinned_staging(device)
+        self.buffer = torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=device)
+        views = self.layout.views(self.buffer)
+        self.inputs = [device_inputs(views[8 * i : 8 * i + 8], t) for i, t in enumerate(templates)]
+        self.extras = views[8 * len(templates) :]
 
-    def load(self, padded: DeviceInputs) -> None:
-        s, m = self.inputs, padded.meta
-        for dst, src in (
-            (s.input_ids, padded.input_ids), (s.positions, padded.positions), (s.lm_head_indices, padded.lm_head_indices),
-            (s.meta.slots, m.slots), (s.meta.block_tables, m.block_tables), (s.meta.seq_lens, m.seq_lens),
-            (s.meta.q_lens, m.q_lens), (s.meta.q_start_loc, m.q_start_loc),
-        ):
-            if dst.shape != src.shape:
-                raise ValueError(f"static buffer {tuple(dst.shape)} cannot hold {tuple(src.shape)}")
-            dst.copy_(src, non_blocking=True)
+    @staticmethod
+    def _arrays(inputs: list[ModelInputs], extras: list[np.ndarray]) -> list[np.ndarray]:
+        return [a for x in inputs for a in input_arrays(x)] + [e.astype(np.int64, copy=False) for e in extras]
+
+    def load(self, padded: list[ModelInputs], extras: list[np.ndarray]) -> None:
+        staging = self.layout.stage(self._arrays(padded, extras), self.pinned)
+        self.buffer.copy_(staging, non_blocking=True)
         # Eager backends read the host lists; a captured graph never looks at them again.
-        s.meta.seq_lens_host = list(m.seq_lens_host)
-        s.meta.q_lens_host = list(m.q_lens_host)
+        for static, x in zip(self.inputs, padded):
+            static.meta.seq_lens_host = x.seq_lens.tolist()
+            static.meta.q_lens_host = x.q_lens.tolist()
 
     def reset_scratch(self) -> None:
         # Per-forward memos must be recomputed from the new values (and, during a capture, be
         # computed inside the graph so that replays recompute them).
-        self.inputs.meta.scratch.clear()
+        for x in self.inputs:
+            x.meta.scratch.clear()
 
 
 class EagerStep:
@@ -174,13 +145,12 @@ class EagerStep:
 
 @dataclass
 class _Entry:
-    statics: list[StaticInputs]
-    extra: dict[str, torch.Tensor]  # other static tensors (hidden states, drafter lm rows)
+    statics: StaticInputs
+    hidden: Optional[torch.Tensor] = None  # [rows, hidden] the draft steps' padded hidden states
     step: object = None  # EagerStep or the backend's captured graph
 
     def reset_scratch(self) -> None:
-        for s in self.statics:
-            s.reset_scratch()
+        self.statics.reset_scratch()
 
 
 @dataclass
@@ -197,10 +167,10 @@ class RunnerStats:
 
 
 class DecodeGraphRunner:
-    """Routes decode forwards of a ModelWrapper through padded static buffers and captured steps.
-
-    The wrapper calls ``accepts`` first; the runner calls the wrapper's own forward for the step
-    it captures, and ``accepts`` answers False while it does (no recursion)."""
+    """Runs decode forwards of a ModelWrapper, given as host inputs, through padded static
+    buffers and captured steps. The wrapper asks ``accepts`` first; what is refused runs eagerly.
+    Padding happens on the host, so a step's device work outside the graph is one copy in, the
+    replay, and copies of the real rows out."""
 
     def __init__(self, wrapper, buckets=DEFAULT_BUCKETS, max_blocks_per_seq: Optional[int] = None, capture: bool = True):
         cc = wrapper.cache_config
@@ -216,93 +186,82 @@ class DecodeGraphRunner:
         self.width = max_blocks_per_seq or min(cc.num_blocks, -(-max_pos // cc.block_size)) + 1
         self.stats = RunnerStats()
         self._entries: dict[tuple, _Entry] = {}
-        self._busy = False
 
     # ---- routing ---------------------------------------------------------------------------
     def bucket(self, num_seqs: int) -> Optional[int]:
         return next((b for b in self.buckets if b >= num_seqs), None)
 
-    def _meta_ok(self, meta: AttentionMetadata, num_seqs: int) -> bool:
-        return (
-            not meta.is_prefill
-            and meta.tree_mask is None
-            and len(meta.q_lens_host) == num_seqs
-            and meta.block_tables.shape[1] <= self.width
-        )
+    def _fits(self, inputs: ModelInputs, num_seqs: int) -> bool:
+        return not inputs.is_prefill and inputs.num_seqs == num_seqs and inputs.block_tables.shape[1] <= self.width
 
-    def accepts(self, inputs: DeviceInputs, sub_steps: Optional[list[DeviceInputs]] = None) -> bool:
-        if self._busy:
+    def accepts(self, inputs: ModelInputs, sub_steps: Optional[list[ModelInputs]] = None,
+                tree_mask: Optional[torch.Tensor] = None) -> bool:
+        num_seqs = inputs.num_seqs
+        if tree_mask is not None or num_seqs == 0 or self.bucket(num_seqs) is None or not self._fits(inputs, num_seqs):
             return False
-        meta = inputs.meta
-        num_seqs = len(meta.q_lens_host)
-        if num_seqs == 0 or self.bucket(num_seqs) is None or not self._meta_ok(meta, num_seqs):
-            return False
-        if len(set(meta.q_lens_host)) != 1 or inputs.lm_head_indices.shape[0] % num_seqs:
+        if (inputs.q_lens != inputs.q_lens[0]).any() or len(inputs.lm_head_indices) % num_seqs:
             return False
         if sub_steps is not None:
-            return all(self._meta_ok(s.meta, num_seqs) and s.lm_head_indices.shape[0] == num_seqs for s in sub_steps)
+            return all(self._fits(s, num_seqs) and len(s.lm_head_indices) == num_seqs for s in sub_steps)
         return True
 
-    # ---- plain decode ----------------------------------------------------------------------------
-    def forward(self, inputs: DeviceInputs):
-        meta = inputs.meta
-        num_seqs, q = len(meta.q_lens_host), meta.q_lens_host[0]
-        num_rows, lm_per_seq = inputs.input_ids.shape[0], inputs.lm_head_indices.shape[0] // num_seqs
-        seqs = self.bucket(num_seqs)
-        spec = PadSpec(seqs, q, seqs * q, self.width, self.dummy_block, self.block_size)
-        padded = pad_inputs(inputs, spec, lm_per_seq)
-        key = ("decode", seqs, q, lm_per_seq)
+    def _spec(self, inputs: ModelInputs, rows_per_seq: Optional[int] = None) -> PadSpec:
+        seqs, q = self.bucket(inputs.num_seqs), int(inputs.q_lens[0])
+        rows = seqs * (rows_per_seq or q)
+        return PadSpec(seqs, q, rows, self.width, self.dummy_block, self.block_size, slack_seq=rows_per_seq is not None)
+
+    def _entry(self, key: tuple, padded: list[ModelInputs], extras: list[np.ndarray], make_fn) -> _Entry:
         entry = self._entries.get(key)
         if entry is None:
-            entry = _Entry([StaticInputs(padded)], {})
-            entry.step = self._make_step(key, entry, lambda: self.wrapper.forward(entry.statics[0].inputs))
-            self._entries[key] = entry
-        entry.statics[0].load(padded)
+            entry = self._entries[key] = _Entry(StaticInputs(padded, extras, self.wrapper.device))
+            entry.step = self._make_step(key, entry, make_fn(entry))
+        entry.statics.load(padded, extras)
+        return entry
+
+    # ---- plain decode ----------------------------------------------------------------------------
+    def forward(self, inputs: ModelInputs):
+        num_seqs = inputs.num_seqs
+        lm_per_seq = len(inputs.lm_head_indices) // num_seqs
+        spec = self._spec(inputs)
+        key = ("decode", spec.num_seqs, spec.q, lm_per_seq)
+        entry = self._entry(key, [pad_inputs(inputs, spec, lm_per_seq)], [],
+                            lambda e: lambda: self.wrapper.forward(e.statics.inputs[0]))
         out = self._replay(entry)
-        return _sliced(out, inputs.lm_head_indices.shape[0], num_rows, None)
+        return _sliced(out, len(inputs.lm_head_indices), inputs.num_tokens, None)
 
     # ---- MTP draft + verify ----------------------------------------------------------------------
     def forward_speculative(
         self,
-        inputs: DeviceInputs,
-        sub_steps: list[DeviceInputs],
+        inputs: ModelInputs,
+        sub_steps: list[ModelInputs],
         mtp_modules: list[int],
-        hidden_states: torch.Tensor,
-        lm_head_local_dp: torch.Tensor,
+        hidden_states: torch.Tensor,  # [sub rows, hidden] on the device
+        lm_head_local_dp: np.ndarray,  # [B] the drafter's lm_head rows
     ):
-        meta = inputs.meta
-        num_seqs, q = len(meta.q_lens_host), meta.q_lens_host[0]
-        seqs = self.bucket(num_seqs)
-        main_spec = PadSpec(seqs, q, seqs * q, self.width, self.dummy_block, self.block_size)
-        sub_q = max(max(s.meta.q_lens_host) for s in sub_steps)
+        num_seqs, q = inputs.num_seqs, int(inputs.q_lens[0])
+        sub_q = max(int(s.q_lens.max()) for s in sub_steps)
         per_seq = -(-sub_q // q) * q  # rows per sequence in the draft steps, a multiple of q
-        sub_spec = PadSpec(seqs, q, seqs * per_seq, self.width, self.dummy_block, self.block_size, slack_seq=True)
-        main = pad_inputs(inputs, main_spec, inputs.lm_head_indices.shape[0] // num_seqs)
-        subs = [pad_inputs(s, sub_spec, 1) for s in sub_steps]
-        hidden = pad_rows(hidden_states, sub_spec.num_tokens)
+        lm_per_seq = len(inputs.lm_head_indices) // num_seqs
+        main_spec, sub_spec = self._spec(inputs), self._spec(inputs, per_seq)
+        padded = [pad_inputs(inputs, main_spec, lm_per_seq)] + [pad_inputs(s, sub_spec, 1) for s in sub_steps]
         # The drafter's lm_head rows of the padding sequences are theirs in the padded draft steps.
-        lm_local = torch.cat([lm_head_local_dp, subs[0].lm_head_indices[num_seqs:]])
-        key = ("speculative", seqs, q, per_seq, tuple(mtp_modules), inputs.lm_head_indices.shape[0] // num_seqs)
-        entry = self._entries.get(key)
-        if entry is None:
-            entry = _Entry([StaticInputs(main)] + [StaticInputs(s) for s in subs],
-                           {"hidden": hidden.clone(), "lm_local": lm_local.clone()})
-            modules = list(mtp_modules)
+        lm_local = np.concatenate([lm_head_local_dp, padded[1].lm_head_indices[num_seqs:]])
+        key = ("speculative", main_spec.num_seqs, q, per_seq, tuple(mtp_modules), lm_per_seq)
+        modules = list(mtp_modules)
 
-            def step():
-                statics = entry.statics
-                return self.wrapper.forward_speculative(
-                    statics[0].inputs, [s.inputs for s in statics[1:]], modules, entry.extra["hidden"], entry.extra["lm_local"]
-                )
+        def make_fn(e: _Entry):
+            e.hidden = hidden_states.new_zeros((sub_spec.num_tokens, hidden_states.shape[1]))
+            statics = e.statics
+            return lambda: self.wrapper.forward_speculative(
+                statics.inputs[0], statics.inputs[1:], modules, e.hidden, statics.extras[0])
 
-            entry.step = self._make_step(key, entry, step)
-            self._entries[key] = entry
-        for static, padded in zip(entry.statics, [main] + subs):
-            static.load(padded)
-        entry.extra["hidden"].copy_(hidden)
-        entry.extra["lm_local"].copy_(lm_local)
+        entry = self._entry(key, padded, [lm_local], make_fn)
+        rows = hidden_states.shape[0]
+        entry.hidden[:rows].copy_(hidden_states)
+        if rows < entry.hidden.shape[0]:
+            entry.hidden[rows:].zero_()  # padding rows: finite values, whatever a bucket ran before
         out = self._replay(entry)
-        return _sliced(out, inputs.lm_head_indices.shape[0], inputs.input_ids.shape[0], num_seqs)
+        return _sliced(out, len(inputs.lm_head_indices), inputs.num_tokens, num_seqs)
 
     # ---- capture and replay ----------------------------------------------------------------------
     def _make_step(self, key: tuple, entry: _Entry, fn: Callable[[], object]):
@@ -315,14 +274,10 @@ class DecodeGraphRunner:
         return _LazyCapture(self, key, run)
 
     def _replay(self, entry: _Entry):
-        self._busy = True
-        try:
-            step = entry.step
-            if isinstance(step, _LazyCapture):
-                step = entry.step = step.capture()
-            step.replay()
-        finally:
-            self._busy = False
+        step = entry.step
+        if isinstance(step, _LazyCapture):
+            step = entry.step = step.capture()
+        step.replay()
         self.stats.replays += 1
         return step.outputs
 

@@ -1,7 +1,9 @@
 """ModelWrapper: binds a model to the backend chosen by config, owns its KV cache, warms it up.
 
-MindIE's ATBModelWrapper equivalent: the generator hands it device inputs and it calls the model
-with the caches; nothing above it knows which backend or model class runs.
+MindIE's ATBModelWrapper equivalent: the generator hands it host inputs (``forward_host``,
+``forward_speculative_host``: decode batches go to the graph runner where the backend captures
+graphs) or device inputs (eager), and it calls the model with the caches; nothing above it knows
+which backend or model class runs.
 """
 from __future__ import annotations
 
@@ -9,10 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 
 from mindspec.backend import Backend, LatentCache, get_backend
-from mindspec.modeling.forward_metadata import DeviceInputs, build_model_inputs, to_device
+from mindspec.modeling.forward_metadata import DeviceInputs, ModelInputs, build_model_inputs, to_device
 from mindspec.modeling.compiled_decode import CompiledDecode
 from mindspec.modeling.graph_runner import maybe_graph_runner
 from mindspec.modeling.loader import read_hf_config
@@ -96,11 +99,18 @@ class ModelWrapper:
             self.backend.prepare(x.meta)
 
     def forward(self, inputs: DeviceInputs):
-        if self.graph_runner is not None and self.graph_runner.accepts(inputs):  # padded, replayed decode
-            return self.graph_runner.forward(inputs)
+        """One forward, eagerly (or torch.compile'd on cpu); replayed graphs take host inputs:
+        ``forward_host``."""
         self._prepare(inputs)
         forward = self.compiled.forward if self.compiled and not inputs.meta.is_prefill else self.model.forward
         return forward(inputs.input_ids, inputs.positions, self.caches, inputs.meta, inputs.lm_head_indices)
+
+    def forward_host(self, inputs: ModelInputs, tree_mask: Optional[torch.Tensor] = None):
+        """``forward`` from host inputs: a decode batch the graph runner takes is padded and
+        replayed, anything else moves to the device and runs eagerly."""
+        if self.graph_runner is not None and self.graph_runner.accepts(inputs, tree_mask=tree_mask):
+            return self.graph_runner.forward(inputs)
+        return self.forward(to_device(inputs, self.device, tree_mask))
 
     def forward_mtp(self, module_idx: int, inputs: DeviceInputs, hidden_states: torch.Tensor):
         self._prepare(inputs)
@@ -124,8 +134,6 @@ class ModelWrapper:
     ):
         from mindspec.models.deepseekv2.flash_causal_deepseekv2 import DraftStep
 
-        if self.graph_runner is not None and self.graph_runner.accepts(inputs, sub_steps):  # padded, replayed decode
-            return self.graph_runner.forward_speculative(inputs, sub_steps, mtp_modules, hidden_states, lm_head_local_dp)
         self._prepare(inputs, *sub_steps)
         first = sub_steps[0]
         steps = [DraftStep(m, d.positions, d.meta) for m, d in zip(mtp_modules, sub_steps)]
@@ -135,6 +143,21 @@ class ModelWrapper:
             first.input_ids, hidden_states, lm_head_local_dp, steps, self.caches,
         )
 
+    def forward_speculative_host(
+        self,
+        inputs: ModelInputs,
+        sub_steps: list[ModelInputs],
+        mtp_modules: list[int],
+        hidden_states: torch.Tensor,  # [sub rows, hidden] on the device
+        lm_head_local_dp: np.ndarray,  # [B]
+    ):
+        """``forward_speculative`` from host inputs (replayed when the graph runner takes them)."""
+        if self.graph_runner is not None and self.graph_runner.accepts(inputs, sub_steps):
+            return self.graph_runner.forward_speculative(inputs, sub_steps, mtp_modules, hidden_states, lm_head_local_dp)
+        lm = torch.from_numpy(np.ascontiguousarray(lm_head_local_dp, dtype=np.int64)).to(self.device)
+        steps = [to_device(s, self.device) for s in sub_steps]
+        return self.forward_speculative(to_device(inputs, self.device), steps, mtp_modules, hidden_states, lm)
+
     @torch.inference_mode()
     def warmup(self, num_tokens: int = 4) -> None:
         """One dummy prefill written into the reserved block, so first-request latency is not the
@@ -142,6 +165,6 @@ class ModelWrapper:
         cc = self.cache_config
         n = max(1, min(num_tokens, cc.block_size))
         host = build_model_inputs([[0] * n], [0], [[cc.dummy_block_id]], cc.block_size)
-        self.forward(to_device(host, self.device))
+        self.forward_host(host)
         self.backend.synchronize()
 

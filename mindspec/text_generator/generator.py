@@ -75,15 +75,13 @@ class Generator:
 
     # ---- one rank's forward ------------------------------------------------------------------
     def _run(self, inputs, subs, hidden_states, mtp_modules, lm_head_local_dp) -> GeneratorOutput:
-        x = to_device(inputs, self.device)
+        w = self.model_wrapper
         if subs is not None:
-            steps = [to_device(s, self.device) for s in subs]
-            lm = torch.from_numpy(np.ascontiguousarray(lm_head_local_dp)).to(self.device)
-            out = self.model_wrapper.forward_speculative(x, steps, mtp_modules, hidden_states.to(self.device), lm)
+            out = w.forward_speculative_host(inputs, subs, mtp_modules, hidden_states.to(self.device), lm_head_local_dp)
         elif mtp_modules:
-            out = self.model_wrapper.forward_prefill_mtp(x, mtp_modules)
+            out = w.forward_prefill_mtp(to_device(inputs, self.device), mtp_modules)
         else:
-            out = self.model_wrapper.forward(x)
+            out = w.forward_host(inputs)
         return GeneratorOutput(logits=out.logits, hidden_states=out.hidden_states, draft_tokens=out.draft_tokens)
 
     # ---- data parallel -----------------------------------------------------------------------

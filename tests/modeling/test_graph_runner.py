@@ -9,8 +9,10 @@ import torch
 
 from mindspec import LLM, SamplingParams
 from mindspec.backends.cpu import CpuBackend
-from mindspec.modeling.forward_metadata import build_model_inputs, to_device
-from mindspec.modeling.graph_runner import DecodeGraphRunner, EagerStep, PadSpec, maybe_graph_runner, pad_inputs
+from mindspec.modeling.forward_metadata import build_model_inputs, input_arrays, to_device
+from mindspec.modeling.graph_runner import (
+    DecodeGraphRunner, EagerStep, PadSpec, StaticInputs, maybe_graph_runner, pad_inputs,
+)
 from mindspec.modeling.model_wrapper import ModelWrapper
 from mindspec.plugins.mtp import decode_inputs as di
 from tests.support.checkpoints import make_self_predicting_checkpoint, tiny_v3_config
@@ -107,10 +109,9 @@ def test_speculative_step_padded_equals_unpadded(wrapper, checkpoint, mode, buck
     before = _snapshot(wrapper)
 
     def step():
-        d_main, d_subs = to_device(main, "cpu"), [to_device(s, "cpu") for s in subs]
         with torch.inference_mode():
-            return wrapper.forward_speculative(d_main, d_subs, list(range(K)) if mode == "vanilla" else [0] * K,
-                                               hidden, d_subs[0].lm_head_indices)
+            return wrapper.forward_speculative_host(main, subs, list(range(K)) if mode == "vanilla" else [0] * K,
+                                                    hidden, subs[0].lm_head_indices)
 
     expected = step()
     after_eager = _snapshot(wrapper)
@@ -138,7 +139,7 @@ def test_plain_decode_padded_equals_unpadded(wrapper, checkpoint):
 
     def step():
         with torch.inference_mode():
-            return wrapper.forward(to_device(host, "cpu"))
+            return wrapper.forward_host(host)
 
     expected = step()
     after_eager = _snapshot(wrapper)
@@ -153,26 +154,28 @@ def test_plain_decode_padded_equals_unpadded(wrapper, checkpoint):
 
 
 def test_padding_rows_live_in_the_dummy_block_only():
-    host = build_model_inputs([[1, 2, 3], [4, 5, 6]], [4, 10], [[3, 7], [1, 2, 5, 6]], BLOCK_SIZE)
-    inputs = to_device(host, "cpu")
+    inputs = build_model_inputs([[1, 2, 3], [4, 5, 6]], [4, 10], [[3, 7], [1, 2, 5, 6]], BLOCK_SIZE)
     spec = PadSpec(num_seqs=4, q=3, num_tokens=4 * 3 + 5, width=6, dummy_block=63, block_size=BLOCK_SIZE, slack_seq=True)
     padded = pad_inputs(inputs, spec, lm_rows_per_seq=1)
-    m = padded.meta
-    assert m.q_lens.tolist() == [3, 3, 3, 3, 5] and m.q_lens_host == [3, 3, 3, 3, 5]
-    assert m.q_start_loc.tolist() == [0, 3, 6, 9, 12, 17]
-    assert m.seq_lens.tolist()[:2] == [7, 13] and min(m.seq_lens.tolist()) >= 1  # never a length-0 row
-    assert torch.all(m.block_tables[2:] == 63)  # padding rows see the dummy block only ...
-    assert torch.all(m.slots[6:] // BLOCK_SIZE == 63)  # ... and write nowhere else
-    assert torch.equal(m.block_tables[:2, :4], inputs.meta.block_tables) and torch.all(m.block_tables[:2, 4:] == 63)
+    assert padded.q_lens.tolist() == [3, 3, 3, 3, 5] and padded.q_start_loc.tolist() == [0, 3, 6, 9, 12, 17]
+    assert padded.seq_lens.tolist()[:2] == [7, 13] and padded.seq_lens.min() >= 1  # never a length-0 row
+    assert (padded.block_tables[2:] == 63).all()  # padding rows see the dummy block only ...
+    assert (padded.slots[6:] // BLOCK_SIZE == 63).all()  # ... and write nowhere else
+    assert (padded.block_tables[:2, :4] == inputs.block_tables).all() and (padded.block_tables[:2, 4:] == 63).all()
     assert padded.lm_head_indices.tolist() == [2, 5, 8, 11]  # one row per padding sequence, not the slack one
-    assert torch.equal(padded.input_ids[:6], inputs.input_ids) and torch.equal(padded.positions[:6], inputs.positions)
+    assert (padded.input_ids[:6] == inputs.input_ids).all() and (padded.positions[:6] == inputs.positions).all()
+    assert padded.positions[6:].tolist() == [0, 1, 2, 0, 1, 2, 0, 1, 2, 3, 4] and not padded.is_prefill
+    assert [a.dtype for a in input_arrays(padded)] == [a.dtype for a in input_arrays(inputs)]
     # a slack sequence with no rows still has seq_len 1
-    tight = pad_inputs(inputs, PadSpec(2, 3, 6, 6, 63, BLOCK_SIZE, slack_seq=True), 1).meta
+    tight = pad_inputs(inputs, PadSpec(2, 3, 6, 6, 63, BLOCK_SIZE, slack_seq=True), 1)
     assert tight.q_lens.tolist() == [3, 3, 0] and tight.seq_lens.tolist()[-1] == 1
+    # two lm_head rows per sequence (verification): the last two rows of each padding sequence
+    two = pad_inputs(inputs.with_(lm_head_indices=np.array([1, 2, 4, 5])), PadSpec(3, 3, 9, 6, 63, BLOCK_SIZE), 2)
+    assert two.lm_head_indices.tolist() == [1, 2, 4, 5, 7, 8]
 
 
 def test_pad_refuses_what_does_not_fit():
-    inputs = to_device(build_model_inputs([[1], [2]], [3, 4], [[1], [2, 3]], BLOCK_SIZE), "cpu")
+    inputs = build_model_inputs([[1], [2]], [3, 4], [[1], [2, 3]], BLOCK_SIZE)
     with pytest.raises(ValueError, match="do not fit"):
         pad_inputs(inputs, PadSpec(2, 1, 3, 4, 63, BLOCK_SIZE), 1)  # rows left over, no slack sequence
     with pytest.raises(ValueError, match="width"):
@@ -181,18 +184,34 @@ def test_pad_refuses_what_does_not_fit():
 
 def test_accepts_only_uniform_decode_batches(wrapper):
     runner = DecodeGraphRunner(wrapper, buckets=(1, 2, 4), capture=False, max_blocks_per_seq=4)
-    decode = to_device(build_model_inputs([[1], [2]], [3, 4], [[1], [2, 3]], BLOCK_SIZE), "cpu")
+    decode = build_model_inputs([[1], [2]], [3, 4], [[1], [2, 3]], BLOCK_SIZE)
     assert runner.accepts(decode)
-    prefill = to_device(build_model_inputs([[1, 2], [3]], [0, 0], [[1], [2]], BLOCK_SIZE), "cpu")
-    assert not runner.accepts(prefill)
-    ragged = to_device(build_model_inputs([[1, 2], [3]], [4, 4], [[1, 4], [2, 5]], BLOCK_SIZE), "cpu")
-    assert not runner.accepts(ragged)
-    too_many = to_device(build_model_inputs([[1]] * 5, [3] * 5, [[b] for b in range(5)], BLOCK_SIZE), "cpu")
-    assert not runner.accepts(too_many)
-    too_wide = to_device(build_model_inputs([[1]], [30], [list(range(8))], BLOCK_SIZE), "cpu")
-    assert not runner.accepts(too_wide)
-    tree = to_device(build_model_inputs([[1, 2]], [3], [[1, 2]], BLOCK_SIZE), "cpu", tree_mask=torch.ones(1, 2, 2, dtype=torch.bool))
-    assert not runner.accepts(tree)
+    assert not runner.accepts(build_model_inputs([[1, 2], [3]], [0, 0], [[1], [2]], BLOCK_SIZE))  # prefill
+    assert not runner.accepts(build_model_inputs([[1, 2], [3]], [4, 4], [[1, 4], [2, 5]], BLOCK_SIZE))  # ragged
+    assert not runner.accepts(build_model_inputs([[1]] * 5, [3] * 5, [[b] for b in range(5)], BLOCK_SIZE))  # too many
+    assert not runner.accepts(build_model_inputs([[1]], [30], [list(range(8))], BLOCK_SIZE))  # too wide
+    tree = build_model_inputs([[1, 2]], [3], [[1, 2]], BLOCK_SIZE)
+    assert runner.accepts(tree) and not runner.accepts(tree, tree_mask=torch.ones(1, 2, 2, dtype=torch.bool))
+    sub_ok, sub_prefill = build_model_inputs([[1], [2]], [2, 3], [[1], [2, 3]], BLOCK_SIZE), decode.with_(is_prefill=True)
+    assert runner.accepts(decode, [sub_ok]) and not runner.accepts(decode, [sub_prefill])
+
+
+def test_static_inputs_load_one_step_in_one_buffer(wrapper):
+    """A bucket's padded inputs (and extra arrays) live in one device buffer; each load rewrites
+    it in place with the next step's values, and the DeviceInputs views see them."""
+    first = build_model_inputs([[1], [2]], [3, 4], [[1], [2, 3]], BLOCK_SIZE)
+    statics = StaticInputs([first, first], [np.array([0, 1])], torch.device("cpu"))
+    buffer = statics.buffer.data_ptr()
+    nxt = build_model_inputs([[7], [8]], [5, 6], [[4, 5], [6, 9]], BLOCK_SIZE)
+    statics.load([nxt, first], [np.array([1, 0])])
+    assert statics.buffer.data_ptr() == buffer
+    x = statics.inputs[0]
+    assert x.input_ids.tolist() == [7, 8] and x.positions.tolist() == [5, 6] and x.meta.seq_lens_host == [6, 7]
+    assert x.meta.block_tables.tolist() == [[4, 5], [6, 9]] and x.meta.slots.tolist() == nxt.slots.tolist()
+    assert x.meta.q_start_loc.dtype == torch.int32 and x.lm_head_indices.dtype == torch.int64
+    assert statics.inputs[1].input_ids.tolist() == [1, 2] and statics.extras[0].tolist() == [1, 0]
+    with pytest.raises(ValueError, match="do not fit"):
+        statics.load([build_model_inputs([[1]], [3], [[1]], BLOCK_SIZE), first], [np.array([0, 1])])
 
 
 class _CapturingCpu(CpuBackend):

@@ -12,6 +12,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from mindspec.modeling.packed_transfer import to_device_packed
+
 from .params import SamplingParams
 
 
@@ -114,22 +116,32 @@ class SamplingMetadata:
         any_rep = any(r != 1.0 for r in rep)
         any_fp = any(x != 0.0 for x in pres + freq)
 
-        f32 = dict(dtype=torch.float32, device=device)
-        i64 = dict(dtype=torch.int64, device=device)
+        columns = [
+            np.array(temperature, np.float32), np.array(greedy, np.bool_), np.array(top_k, np.int64),
+            np.array(top_p, np.float32), np.array(min_p, np.float32), np.array(rep, np.float32),
+            np.array(pres, np.float32), np.array(freq, np.float32), np.array(seeds, np.int64),
+            np.array(positions, np.int64),
+        ]
+        # One host-to-device copy for all ten on a GPU; on cpu the tensors share the arrays.
+        if device.type == "cpu":
+            tensors = [torch.from_numpy(c) for c in columns]
+        else:
+            tensors = to_device_packed(columns, device)
+        temp_t, greedy_t, top_k_t, top_p_t, min_p_t, rep_t, pres_t, freq_t, seeds_t, pos_t = tensors
         md = cls(
             num_rows=n,
             vocab_size=v,
             device=device,
-            temperature=torch.tensor(temperature, **f32),
-            greedy_mask=torch.tensor(greedy, dtype=torch.bool, device=device),
-            top_k=torch.tensor(top_k, **i64),
-            top_p=torch.tensor(top_p, **f32),
-            min_p=torch.tensor(min_p, **f32),
-            repetition_penalty=torch.tensor(rep, **f32),
-            presence_penalty=torch.tensor(pres, **f32),
-            frequency_penalty=torch.tensor(freq, **f32),
-            seeds=torch.tensor(seeds, **i64),
-            output_positions=torch.tensor(positions, **i64),
+            temperature=temp_t,
+            greedy_mask=greedy_t,
+            top_k=top_k_t,
+            top_p=top_p_t,
+            min_p=min_p_t,
+            repetition_penalty=rep_t,
+            presence_penalty=pres_t,
+            frequency_penalty=freq_t,
+            seeds=seeds_t,
+            output_positions=pos_t,
             seeds_host=seeds,
             output_positions_host=positions,
             all_greedy=all(greedy),

@@ -1,0 +1,74 @@
+"""Many small host arrays to the device in one copy.
+
+A decode step's inputs are a dozen arrays of a few to a few hundred integers each. Copied one by
+one, each is a separate host-to-device transfer (~10-20 us of host time on a GPU, most of a
+small step's host work there); packed back to back into one staging buffer (pinned on CUDA, so
+the copy is asynchronous) they are one transfer, and the device tensors are views into it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+ALIGN = 8  # bytes: every view starts at a multiple of the widest element (int64 / float64)
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where each array lives in the byte buffer: (numpy dtype, shape, byte offset)."""
+
+    fields: tuple[tuple[np.dtype, tuple[int, ...], int], ...]
+    nbytes: int
+
+    @classmethod
+    def of(cls, arrays: Sequence[np.ndarray]) -> "PackedLayout":
+        fields, offset = [], 0
+        for a in arrays:
+            fields.append((a.dtype, tuple(a.shape), offset))
+            offset += -(-a.nbytes // ALIGN) * ALIGN
+        return cls(tuple(fields), max(offset, ALIGN))
+
+    def fits(self, arrays: Sequence[np.ndarray]) -> bool:
+        return len(arrays) == len(self.fields) and all(
+            a.dtype == dt and tuple(a.shape) == shape for a, (dt, shape, _) in zip(arrays, self.fields)
+        )
+
+    def stage(self, arrays: Sequence[np.ndarray], pinned: bool = False) -> torch.Tensor:
+        """A host uint8 tensor [nbytes] holding the arrays at their offsets."""
+        if not self.fits(arrays):
+            got = [(a.dtype.name, tuple(a.shape)) for a in arrays]
+            want = [(dt.name, shape) for dt, shape, _ in self.fields]
+            raise ValueError(f"packed transfer: arrays {got} do not fit the layout {want}")
+        staging = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pinned)
+        raw = staging.numpy()
+        for a, (dt, _, off) in zip(arrays, self.fields):
+            raw[off : off + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+        return staging
+
+    def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Typed tensors over ``buffer`` (uint8 [nbytes], any device), one per field."""
+        out = []
+        for dt, shape, off in self.fields:
+            size = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+            out.append(buffer[off : off + size].view(_torch_dtype(dt)).view(shape))
+        return out
+
+
+def _torch_dtype(dt: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=dt)).dtype
+
+
+def pinned_staging(device: torch.device) -> bool:
+    """Page-locked staging makes a host-to-device copy asynchronous; only CUDA has it here."""
+    return device.type == "cuda"
+
+
+def to_device_packed(arrays: Sequence[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
+    """The arrays as device tensors (views of one buffer), moved in one copy."""
+    device = torch.device(device)
+    layout = PackedLayout.of(arrays)
+    staging = layout.stage(arrays, pinned=pinned_staging(device))
+    return layout.views(staging.to(device, non_blocking=True))
