@@ -143,7 +143,7 @@ class PluginManager:
         )
 
     def sample(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs) -> None:
-        drafts = None if outputs.draft_tokens is None else outputs.draft_tokens.cpu().numpy()
+        drafts = outputs.drafts_host()
         md = self.sampling_metadata(batch, inputs, drafts)
         inputs.extra["sampling_metadata"] = md
         res = self.sampler(outputs.logits, md)

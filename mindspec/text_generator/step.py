@@ -60,3 +60,10 @@ class StepOutputs:
     accepted: list[list[int]] = field(default_factory=list)
     num_draft_accepted: Optional[list[int]] = None
     accepted_rows: list[list[int]] = field(default_factory=list)  # logits rows of the accepted tokens
+    _drafts_host: Optional[np.ndarray] = field(default=None, repr=False)
+
+    def drafts_host(self) -> Optional[np.ndarray]:
+        """draft_tokens on the host [B, K], read back from the device once per step."""
+        if self._drafts_host is None and self.draft_tokens is not None:
+            self._drafts_host = self.draft_tokens.cpu().numpy()
+        return self._drafts_host

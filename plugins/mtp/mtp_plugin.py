@@ -166,7 +166,7 @@ class MtpPlugin(Plugin):
         if not self._speculating(batch, inputs):
             return outputs
         n, k = len(batch), self._drafts(batch, inputs)
-        drafts = outputs.draft_tokens.cpu().numpy()
+        drafts = outputs.drafts_host()
         targets = outputs.sampled.reshape(n, k + 1)
         accepted = self._accept(batch, inputs, outputs, drafts, targets)
         outputs.accepted = policy.emitted_tokens(drafts, targets, accepted)
