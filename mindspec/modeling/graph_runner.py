@@ -187,6 +187,11 @@ class DecodeGraphRunner:
         self.stats = RunnerStats()
         self._entries: dict[tuple, _Entry] = {}
 
+    @property
+    def num_graphs(self) -> int:
+        """Steps captured (or, after a failed capture, set up eagerly) so far: one per shape key."""
+        return len(self._entries)
+
     # ---- routing ---------------------------------------------------------------------------
     def bucket(self, num_seqs: int) -> Optional[int]:
         return next((b for b in self.buckets if b >= num_seqs), None)

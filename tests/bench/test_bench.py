@@ -120,15 +120,20 @@ def test_continuous_bench_runs_every_prompt_in_one_generate_with_at_most_b_runni
 class _CountingLLM:
     """Stands in for an LLM: echoes each prompt's first token, counts its generate calls."""
 
-    def __init__(self):
+    def __init__(self, new_graphs=()):
         from types import SimpleNamespace
 
         self.calls = 0
-        self.engine = SimpleNamespace(scheduler=SimpleNamespace(config=SimpleNamespace(max_batch_size=256)))
+        self.new_graphs = list(new_graphs)  # graphs the n-th generate call captures (then none)
+        runner = SimpleNamespace(num_graphs=0) if new_graphs else None
+        self.engine = SimpleNamespace(scheduler=SimpleNamespace(config=SimpleNamespace(max_batch_size=256)),
+                                      model_wrapper=SimpleNamespace(graph_runner=runner))
 
     def generate(self, prompts, params):
         from types import SimpleNamespace
 
+        if self.calls < len(self.new_graphs):
+            self.engine.model_wrapper.graph_runner.num_graphs += self.new_graphs[self.calls]
         self.calls += 1
         self.max_tokens = [q.max_tokens for q in params]
         return [SimpleNamespace(token_ids=[p[0]] * q.max_tokens, spec_decode=None) for p, q in zip(prompts, params)]
@@ -143,6 +148,17 @@ def test_warm_up_runs_a_configuration_once_untimed():
                              warm_up=frozenset({"compiled"}))
     assert llms["mtp off"].calls == 3 * 2 and llms["compiled"].calls == 4 * 2  # 2 groups per round
     assert len(rows["compiled"]["tokens_per_s_rounds"]) == 3
+
+
+def test_warm_up_repeats_until_no_new_graph_is_captured():
+    """Continuous batching, one generate per run: graphs captured in warm-up runs 1-3 (adaptive
+    speculation meeting new shapes), none in run 4, so timing starts after run 4."""
+    from mindspec.text_generator.sampling.params import SamplingParams
+
+    llms = {"graphs": _CountingLLM(new_graphs=[3, 2, 1]), "mtp off": _CountingLLM(new_graphs=[2])}
+    speed.bench_batch(llms, None, [[i] for i in range(8)], 2, 4, 3, SamplingParams(max_tokens=2), "continuous",
+                      warm_up=frozenset(llms))
+    assert llms["graphs"].calls == 4 + 3 and llms["mtp off"].calls == 2 + 3
 
 
 def test_output_lengths_fixed_or_drawn_from_the_range():
