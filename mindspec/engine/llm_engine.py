@@ -67,7 +67,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.async_stepper = self._async_stepper() if args.scheduler.async_scheduling else None
         if args.warmup:
-            self.model_wrapper.warmup()
+            self.model_wrapper.warmup(max_seqs=args.scheduler.max_batch_size)
             if self.model_wrapper.compiled is not None:
                 self.warmup_decode()
 

@@ -31,7 +31,9 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from mindspec.modeling.forward_metadata import ModelInputs, device_inputs, input_arrays, token_positions
+from mindspec.modeling.forward_metadata import (
+    ModelInputs, build_model_inputs, device_inputs, input_arrays, token_positions,
+)
 from mindspec.modeling.packed_transfer import PackedLayout, pinned_staging
 
 log = logging.getLogger(__name__)
@@ -233,6 +235,15 @@ class DecodeGraphRunner:
                             lambda e: lambda: self.wrapper.forward(e.statics.inputs[0]))
         out = self._replay(entry)
         return _sliced(out, len(inputs.lm_head_indices), inputs.num_tokens, None)
+
+    def capture_decode_buckets(self, max_seqs: int) -> None:
+        """Capture the plain decode step of every bucket up to the one holding ``max_seqs`` now,
+        as vLLM captures its batch sizes at start-up: no request waits for a capture later. The
+        stand-in sequences have one cached token in the dummy block and write only there."""
+        last = self.bucket(max_seqs) or self.buckets[-1]
+        for b in (b for b in self.buckets if b <= last):
+            tables = [[self.dummy_block]] * b
+            self.forward(build_model_inputs([[0]] * b, [1] * b, tables, self.block_size))
 
     # ---- MTP draft + verify ----------------------------------------------------------------------
     def forward_speculative(

@@ -159,12 +159,15 @@ class ModelWrapper:
         return self.forward_speculative(to_device(inputs, self.device), steps, mtp_modules, hidden_states, lm)
 
     @torch.inference_mode()
-    def warmup(self, num_tokens: int = 4) -> None:
+    def warmup(self, num_tokens: int = 4, max_seqs: Optional[int] = None) -> None:
         """One dummy prefill written into the reserved block, so first-request latency is not the
-        place where lazy initialisation happens; nothing of a real sequence is touched."""
+        place where lazy initialisation happens; nothing of a real sequence is touched. With a
+        graph runner and ``max_seqs``, also capture the plain decode step of every batch-size
+        bucket up to ``max_seqs`` sequences."""
         cc = self.cache_config
         n = max(1, min(num_tokens, cc.block_size))
         host = build_model_inputs([[0] * n], [0], [[cc.dummy_block_id]], cc.block_size)
         self.forward_host(host)
+        if self.graph_runner is not None and max_seqs:
+            self.graph_runner.capture_decode_buckets(max_seqs)
         self.backend.synchronize()
-

@@ -245,15 +245,18 @@ def test_capture_once_per_bucket_and_fallback(checkpoint, monkeypatch, fail, cap
     backend = _CapturingCpu(fail)
     monkeypatch.setattr("mindspec.modeling.model_wrapper.get_backend", lambda name, device=None: backend)
     llm = LLM(model=str(path), dtype="float32", cache_block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, progress=False,
-              plugin_params=params)
+              plugin_params=params, max_batch_size=3)
     runner = llm.engine.model_wrapper.graph_runner
     assert isinstance(runner, DecodeGraphRunner)
+    plain = {("decode", b, 1, 1) for b in (1, 2, 4)}  # captured at start-up, up to the bucket of 3 sequences
+    assert set(runner._entries) == plain and backend.captures == 3
     with caplog.at_level(logging.WARNING):
         assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected
         alone = llm.generate([prompts[0]], greedy)[0].token_ids
     assert alone == expected[0]
     buckets_used = {key[1] for key in runner._entries}
     assert backend.captures == len(runner._entries) and buckets_used <= {1, 2, 4}
+    assert {k for k in runner._entries if k[0] == "decode" and k[2] == 1} == plain  # no plain capture while serving
     assert runner.stats.replays > backend.captures  # later steps replay what was captured
     if fail:
         assert runner.stats.eager_fallbacks == backend.captures and "capture" in caplog.text
