@@ -109,8 +109,12 @@ class DeviceInputs:
     lm_head_indices: torch.Tensor  # [N] int64
 
 
+NUM_INPUT_ARRAYS = 8  # what input_arrays returns per ModelInputs
+
+
 def input_arrays(inputs: ModelInputs) -> list[np.ndarray]:
-    """The arrays a forward moves to the device, in ``device_inputs``' order and dtypes."""
+    """The NUM_INPUT_ARRAYS arrays a forward moves to the device, in ``device_inputs``' order and
+    dtypes."""
     return [
         inputs.input_ids.astype(np.int64, copy=False), inputs.positions.astype(np.int64, copy=False),
         inputs.slots.astype(np.int64, copy=False), inputs.block_tables.astype(np.int32, copy=False),

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from mindspec.modeling.forward_metadata import (
-    ModelInputs, build_model_inputs, device_inputs, input_arrays, token_positions,
+    NUM_INPUT_ARRAYS, ModelInputs, build_model_inputs, device_inputs, input_arrays, token_positions,
 )
 from mindspec.modeling.packed_transfer import PackedLayout, pinned_staging
 
@@ -112,8 +112,9 @@ class StaticInputs:
         self.pinned = pinned_staging(device)
         self.buffer = torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=device)
         views = self.layout.views(self.buffer)
-        self.inputs = [device_inputs(views[8 * i : 8 * i + 8], t) for i, t in enumerate(templates)]
-        self.extras = views[8 * len(templates) :]
+        n = NUM_INPUT_ARRAYS
+        self.inputs = [device_inputs(views[n * i : n * (i + 1)], t) for i, t in enumerate(templates)]
+        self.extras = views[n * len(templates) :]
 
     @staticmethod
     def _arrays(inputs: list[ModelInputs], extras: list[np.ndarray]) -> list[np.ndarray]:
