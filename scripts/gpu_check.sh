@@ -3,7 +3,11 @@
 # `mindspec bench --backend cuda`. Logs and the benchmark's JSON/PNG go to $OUT.
 #
 #   OUT=benchmarks/out/gpu bash scripts/gpu_check.sh [tests|bench|all] [extra bench args...]
+#   bash scripts/gpu_check.sh compare [extra bench args...]   # the MTP/transformers comparison
 #   bash scripts/gpu_check.sh py SCRIPT [ARGS...]
+#
+# Timings on one H100 (2026-11-24): tests ~95 s; `bench` ~4 min; `compare` with
+# --batches 1,16,32 --ks 1,3 --rounds 3 --no-async ~6-8 min (one device call allows 10).
 #
 # Needs python3 with a CUDA torch, triton, transformers, safetensors, tokenizers, numpy, pytest and
 # matplotlib already installed (no package is fetched). mindspec itself runs from this checkout.
@@ -38,6 +42,10 @@ fi
 if [[ $WHAT == bench || $WHAT == all ]]; then
   timeout "${BENCH_TIMEOUT:-300}" $PY -c "import sys; from mindspec.cli import main; sys.exit(main(sys.argv[1:]))" \
     bench --backend cuda --out "$OUT/cuda_bench" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
+fi
+if [[ $WHAT == compare ]]; then
+  timeout "${BENCH_TIMEOUT:-540}" $PY -m mindspec.cli bench --backend cuda --compare --out "$OUT/compare" "$@" 2>&1 \
+    | grep -v "^model\.\|^Key \|UNEXPECTED\|^Notes\|^- \|Loading weights\|LOAD REPORT" | tee "$OUT/compare.log" | tail -40
 fi
 if [[ $WHAT == py ]]; then  # any script against this checkout: gpu_check.sh py SCRIPT ARGS...
   $PY "$@" 2>&1 | tee "$OUT/py.log" | tail -120
