@@ -5,8 +5,10 @@ The first draft step of a decode feeds MTP module 0 the main hidden states of th
 cache entries it writes, so a sequence must keep a short history (K - 1 entries MTP Vanilla
 rewrites, plus the entries plain steps left to catch up). Kept as one tensor per sequence, every
 step cost a cat and a slice per sequence and the gather a loop over sequences (0.34 ms of a 10.5 ms
-plain step at batch 32); in one buffer, position p of the sequence in slot s lives at
-[s, p % keep], and a step writes and reads all its rows with one indexing op each.
+plain step at batch 32); in one buffer a step writes and reads all its rows with one indexing
+op each. The buffer is flat, [1 + slots * keep, hidden]: position p of the sequence in slot s
+lives at row 1 + s * keep + p % keep, and row 0 stays zero for the rows a read marks invalid
+(padding), so a read is one gather with one index array (one host-to-device copy on a GPU).
 """
 from __future__ import annotations
 
@@ -16,12 +18,14 @@ import numpy as np
 import torch
 
 from mindspec.modeling.forward_metadata import token_positions
+from mindspec.modeling.packed_transfer import to_device_packed
 
 
 class HiddenHistory:
     def __init__(self, keep: int):
         self.keep = keep
-        self.buf: Optional[torch.Tensor] = None  # [slots, keep, hidden]; allocated by the first add
+        self.buf: Optional[torch.Tensor] = None  # [1 + capacity * keep, hidden]; allocated by the first add
+        self.capacity = 0  # slots the buffer holds
         self._slots: dict[int, int] = {}
         self._free: list[int] = []
 
@@ -46,26 +50,32 @@ class HiddenHistory:
         states of positions first_positions[b] .. + counts[b] - 1 (all [B] int64 arrays)."""
         seq_idx, rows = token_positions(first_rows, counts)
         _, positions = token_positions(first_positions, counts)
-        s, p = self._index(slots[seq_idx], positions)
-        self.buf[s, p] = hidden[torch.from_numpy(rows).to(hidden.device)].to(self.buf.dtype)
+        dst, src = self._to_device([self._rows(slots[seq_idx], positions), rows])
+        self.buf[dst] = hidden[src].to(self.buf.dtype)
 
-    def read(self, slots: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+    def read(self, slots: np.ndarray, positions: np.ndarray, valid: Optional[np.ndarray] = None) -> torch.Tensor:
         """[R, hidden]: position positions[r] of the sequence in slots[r], which must be one of
-        its last ``keep`` written positions (an older one has been overwritten)."""
-        s, p = self._index(slots, positions)
-        return self.buf[s, p]
+        its last ``keep`` written positions (an older one has been overwritten); zeros where
+        ``valid`` [R] is False."""
+        rows = self._rows(slots, positions)
+        if valid is not None:
+            rows = np.where(valid, rows, 0)
+        (index,) = self._to_device([rows])
+        return self.buf.index_select(0, index)
 
-    def _index(self, slots: np.ndarray, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        device = self.buf.device
-        s = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(device)
-        p = torch.from_numpy(np.mod(positions, self.keep).astype(np.int64)).to(device)
-        return s, p
+    def _rows(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        return 1 + np.asarray(slots, dtype=np.int64) * self.keep + np.mod(positions, self.keep).astype(np.int64)
+
+    def _to_device(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        if self.buf.device.type == "cpu":
+            return [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in arrays]
+        return to_device_packed([a.astype(np.int64, copy=False) for a in arrays], self.buf.device)
 
     def _reserve(self, slots: int, like: torch.Tensor) -> None:
-        if self.buf is not None and self.buf.shape[0] >= slots:
+        if self.buf is not None and self.capacity >= slots:
             return
-        grown = torch.zeros(max(slots, 2 * (0 if self.buf is None else self.buf.shape[0]), 8), self.keep, like.shape[-1],
-                            dtype=like.dtype, device=like.device)
+        capacity = max(slots, 2 * self.capacity, 8)
+        grown = torch.zeros(1 + capacity * self.keep, like.shape[-1], dtype=like.dtype, device=like.device)
         if self.buf is not None:
-            grown[: self.buf.shape[0]] = self.buf
-        self.buf = grown
+            grown[: self.buf.shape[0]] = self.buf  # slot s keeps its rows: they depend on keep only
+        self.buf, self.capacity = grown, capacity

@@ -268,8 +268,7 @@ class MtpPlugin(Plugin):
         """[sub rows, hidden]: each window row's main hidden state; padding rows zero."""
         seq_idx, positions, valid = di.hidden_rows(layout)
         slots = np.array([self.states[seq.seq_id].slot for seq in seqs], dtype=np.int64)
-        out = self.history.read(slots[seq_idx], positions)
-        return out.masked_fill_(torch.from_numpy(~valid).to(out.device)[:, None], 0.0)
+        return self.history.read(slots[seq_idx], positions, valid)
 
     def _accept(self, batch, inputs, outputs, drafts, targets) -> np.ndarray:
         p = self.params

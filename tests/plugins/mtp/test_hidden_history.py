@@ -33,7 +33,17 @@ def test_slots_are_reused_and_growth_keeps_contents():
     h.remove(3)
     assert h.add(99, torch.zeros(1, 4)) == 3  # a finished sequence's slot goes to the next one
     assert h.add(100, torch.zeros(1, 4)) == 8  # past the first 8 slots: the buffer grows
-    assert h.buf.shape[0] >= 9
+    assert h.capacity >= 9 and h.buf.shape[0] == 1 + h.capacity * 3
     keep = [0, 1, 2, 4, 5, 6, 7]
     assert torch.equal(h.read(np.array(keep), np.full(7, 2)), rows[keep])
     assert h.add(5, torch.zeros(1, 4)) == 5  # a sequence already holding a slot keeps it
+
+
+def test_invalid_rows_read_zeros():
+    """Padding rows of a draft window read the zero row, whatever slot and position they name."""
+    h = HiddenHistory(keep=4)
+    a = h.add(1, torch.zeros(1, 4))
+    rows = _rows(range(3), 5)
+    h.write(np.array([a]), np.array([0]), np.array([3]), rows, np.array([0]))
+    got = h.read(np.array([a, a, a]), np.array([2, -7, 0]), valid=np.array([True, False, True]))
+    assert torch.equal(got, torch.stack([rows[2], torch.zeros(4), rows[0]]))
