@@ -105,18 +105,22 @@ def run(args: argparse.Namespace) -> int:
         t = time.time()
         report["results"][f"batch {batch}"] = speed.bench_batch(llms, hf, prompts, batch, MIN_PROMPTS, args.rounds,
                                                                 params, args.batching, warm_up, output_lens)
-        out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")  # a cut-short run keeps these
+        _write_json(report, out)  # a run cut short keeps the batch sizes it finished
         row = report["results"][f"batch {batch}"]
         print(f"batch {batch} ({args.batching}, {time.time() - t:.0f} s): " +
               ", ".join(f"{n} {r['tokens_per_s_median']:.0f} tok/s" for n, r in row.items()), flush=True)
     if args.profile and not on_gpu:  # its per-layer host timers would time kernel launches on a GPU
         report["profile"] = _profile(llms, prompts, params)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    _write_json(report, out)
     from mindspec.bench.plots import plot_report
 
     plot_report(report, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     return 0
+
+
+def _write_json(report: dict, out: Path) -> None:
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
 
 
 def _profile(llms: dict, prompts: list[list[int]], params: SamplingParams) -> dict:

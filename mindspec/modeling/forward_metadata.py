@@ -124,13 +124,7 @@ def input_arrays(inputs: ModelInputs) -> list[np.ndarray]:
 
 
 def to_device(inputs: ModelInputs, device: torch.device | str, tree_mask: Optional[torch.Tensor] = None) -> DeviceInputs:
-    device = torch.device(device)
-    arrays = input_arrays(inputs)
-    if device.type == "cpu":  # no copy at all: tensors share the arrays' memory
-        tensors = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
-    else:
-        tensors = to_device_packed(arrays, device)
-    return device_inputs(tensors, inputs, tree_mask)
+    return device_inputs(to_device_packed(input_arrays(inputs), device), inputs, tree_mask)
 
 
 def device_inputs(tensors: list[torch.Tensor], inputs: ModelInputs, tree_mask: Optional[torch.Tensor] = None) -> DeviceInputs:

@@ -67,8 +67,11 @@ def pinned_staging(device: torch.device) -> bool:
 
 
 def to_device_packed(arrays: Sequence[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
-    """The arrays as device tensors (views of one buffer), moved in one copy."""
+    """The arrays as device tensors (views of one buffer), moved in one copy. On cpu nothing
+    moves: the tensors share the arrays' memory."""
     device = torch.device(device)
+    if device.type == "cpu":
+        return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
     layout = PackedLayout.of(arrays)
     staging = layout.stage(arrays, pinned=pinned_staging(device))
     return layout.views(staging.to(device, non_blocking=True))

@@ -50,7 +50,7 @@ class HiddenHistory:
         states of positions first_positions[b] .. + counts[b] - 1 (all [B] int64 arrays)."""
         seq_idx, rows = token_positions(first_rows, counts)
         _, positions = token_positions(first_positions, counts)
-        dst, src = self._to_device([self._rows(slots[seq_idx], positions), rows])
+        dst, src = to_device_packed([self._rows(slots[seq_idx], positions), rows], self.buf.device)
         self.buf[dst] = hidden[src].to(self.buf.dtype)
 
     def read(self, slots: np.ndarray, positions: np.ndarray, valid: Optional[np.ndarray] = None) -> torch.Tensor:
@@ -60,16 +60,11 @@ class HiddenHistory:
         rows = self._rows(slots, positions)
         if valid is not None:
             rows = np.where(valid, rows, 0)
-        (index,) = self._to_device([rows])
+        (index,) = to_device_packed([rows], self.buf.device)
         return self.buf.index_select(0, index)
 
     def _rows(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
         return 1 + np.asarray(slots, dtype=np.int64) * self.keep + np.mod(positions, self.keep).astype(np.int64)
-
-    def _to_device(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        if self.buf.device.type == "cpu":
-            return [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in arrays]
-        return to_device_packed([a.astype(np.int64, copy=False) for a in arrays], self.buf.device)
 
     def _reserve(self, slots: int, like: torch.Tensor) -> None:
         if self.buf is not None and self.capacity >= slots:

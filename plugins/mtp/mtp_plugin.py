@@ -6,8 +6,9 @@ forward; the decoding policy keeps 1..K+1 tokens per sequence. Rejected drafts n
 the sequence length is the rollback, and the next step overwrites their slots.
 
 Per-sequence cache (MindIE's mtp_hidden_states / mtp_last_token_num): the main model's hidden
-states of the last positions (hidden_history.py: one ring buffer for every sequence) and, per MTP module, how many tokens still lack its cache entry (the
-tokens the last step that used it accepted: 1 after prefill; more after steps without it).
+states of the last positions (hidden_history.py: one ring buffer for every sequence) and, per MTP
+module, how many tokens still lack its cache entry (the tokens the last step that used it
+accepted: 1 after prefill; more after steps without it).
 
 Adaptive speculation (adaptive.py, on by default): per decode step the plugin picks how many
 drafts to verify, k in 0..K, whichever the measured throughput at this batch size favours (k = 0

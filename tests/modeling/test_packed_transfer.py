@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from mindspec.modeling.forward_metadata import build_model_inputs, to_device
+from mindspec.modeling.forward_metadata import build_model_inputs, input_arrays, to_device
 from mindspec.modeling.packed_transfer import ALIGN, PackedLayout, to_device_packed
 
 
@@ -21,11 +21,12 @@ def _arrays():
 
 def test_views_round_trip_every_dtype_and_shape():
     arrays = _arrays()
-    tensors = to_device_packed(arrays, "cpu")
-    for a, t in zip(arrays, tensors):
-        assert t.dtype == torch.from_numpy(a).dtype and tuple(t.shape) == a.shape
-        assert np.array_equal(t.numpy(), a)
     layout = PackedLayout.of(arrays)
+    packed = layout.views(layout.stage(arrays))  # what a GPU gets, on the host
+    for tensors in (packed, to_device_packed(arrays, "cpu")):  # cpu: the arrays' own memory
+        for a, t in zip(arrays, tensors):
+            assert t.dtype == torch.from_numpy(a).dtype and tuple(t.shape) == a.shape
+            assert np.array_equal(t.numpy(), a)
     assert all(off % ALIGN == 0 for _, _, off in layout.fields) and layout.nbytes % ALIGN == 0
 
 
@@ -42,8 +43,9 @@ def test_to_device_views_equal_the_zero_copy_cpu_tensors():
     """to_device packs for every device but cpu; the packed views hold the same inputs."""
     host = build_model_inputs([[3, 4, 5], [6]], [0, 7], [[2], [4, 5]], 4)
     plain = to_device(host, "cpu")
-    packed = to_device_packed([host.input_ids, host.positions, host.slots, host.block_tables, host.seq_lens,
-                               host.q_lens, host.q_start_loc, host.lm_head_indices], "cpu")
+    arrays = input_arrays(host)
+    layout = PackedLayout.of(arrays)
+    packed = layout.views(layout.stage(arrays))
     mine = [plain.input_ids, plain.positions, plain.meta.slots, plain.meta.block_tables, plain.meta.seq_lens,
             plain.meta.q_lens, plain.meta.q_start_loc, plain.lm_head_indices]
     for a, b in zip(mine, packed):

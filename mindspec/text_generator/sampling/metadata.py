@@ -123,10 +123,7 @@ class SamplingMetadata:
             np.array(positions, np.int64),
         ]
         # One host-to-device copy for all ten on a GPU; on cpu the tensors share the arrays.
-        if device.type == "cpu":
-            tensors = [torch.from_numpy(c) for c in columns]
-        else:
-            tensors = to_device_packed(columns, device)
+        tensors = to_device_packed(columns, device)
         temp_t, greedy_t, top_k_t, top_p_t, min_p_t, rep_t, pres_t, freq_t, seeds_t, pos_t = tensors
         md = cls(
             num_rows=n,
