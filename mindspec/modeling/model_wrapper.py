@@ -17,6 +17,7 @@ import torch
 from mindspec.backend import Backend, LatentCache, get_backend
 from mindspec.modeling.forward_metadata import DeviceInputs, ModelInputs, build_model_inputs, to_device
 from mindspec.modeling.compiled_decode import CompiledDecode
+from mindspec.modeling.draft_rows import lm_rows_only_steps, on_lm_rows
 from mindspec.modeling.graph_runner import maybe_graph_runner
 from mindspec.modeling.loader import read_hf_config
 from mindspec.modeling.registry import model_class, supported_model_types
@@ -131,12 +132,14 @@ class ModelWrapper:
         mtp_modules: list[int],
         hidden_states: torch.Tensor,
         lm_head_local_dp: torch.Tensor,
+        lm_rows_only: Optional[list[bool]] = None,  # per step: it runs on the lm_head rows alone (draft_rows.py)
     ):
         from mindspec.models.deepseekv2.flash_causal_deepseekv2 import DraftStep
 
         self._prepare(inputs, *sub_steps)
         first = sub_steps[0]
-        steps = [DraftStep(m, d.positions, d.meta) for m, d in zip(mtp_modules, sub_steps)]
+        narrow = lm_rows_only or [False] * len(sub_steps)
+        steps = [DraftStep(m, d.positions, d.meta, n) for m, d, n in zip(mtp_modules, sub_steps, narrow)]
         forward = self.compiled.forward_speculative if self.compiled else self.model.forward_speculative
         return forward(
             inputs.input_ids, inputs.positions, inputs.meta, inputs.lm_head_indices,
@@ -150,13 +153,18 @@ class ModelWrapper:
         mtp_modules: list[int],
         hidden_states: torch.Tensor,  # [sub rows, hidden] on the device
         lm_head_local_dp: np.ndarray,  # [B]
+        lm_rows_only: Optional[list[bool]] = None,
     ):
-        """``forward_speculative`` from host inputs (replayed when the graph runner takes them)."""
+        """``forward_speculative`` from host inputs (replayed when the graph runner takes them).
+        Run eagerly, draft steps whose other rows write nothing run on the lm_head rows alone
+        (``lm_rows_only``: that choice per step, made by the caller when ranks must agree on it;
+        None: made from ``sub_steps``)."""
         if self.graph_runner is not None and self.graph_runner.accepts(inputs, sub_steps):
             return self.graph_runner.forward_speculative(inputs, sub_steps, mtp_modules, hidden_states, lm_head_local_dp)
         lm = torch.from_numpy(np.ascontiguousarray(lm_head_local_dp, dtype=np.int64)).to(self.device)
-        steps = [to_device(s, self.device) for s in sub_steps]
-        return self.forward_speculative(to_device(inputs, self.device), steps, mtp_modules, hidden_states, lm)
+        narrow = lm_rows_only_steps(sub_steps) if lm_rows_only is None else lm_rows_only
+        steps = [to_device(on_lm_rows(s) if n else s, self.device) for s, n in zip(sub_steps, narrow)]
+        return self.forward_speculative(to_device(inputs, self.device), steps, mtp_modules, hidden_states, lm, narrow)
 
     @torch.inference_mode()
     def warmup(self, num_tokens: int = 4, max_seqs: Optional[int] = None) -> None:

@@ -19,6 +19,7 @@ import torch
 from mindspec.distributed import dp_plan, parallel_state
 from mindspec.distributed.dp_gather import OutputGather
 from mindspec.distributed.parallel_state import ParallelContext
+from mindspec.modeling.draft_rows import lm_rows_only_steps
 from mindspec.modeling.forward_metadata import ModelInputs, to_device
 from mindspec.modeling.model_wrapper import ModelWrapper
 
@@ -74,10 +75,11 @@ class Generator:
         return self._forward_dp(model_inputs, sub_model_inputs, hidden_states, mtp_modules)
 
     # ---- one rank's forward ------------------------------------------------------------------
-    def _run(self, inputs, subs, hidden_states, mtp_modules, lm_head_local_dp) -> GeneratorOutput:
+    def _run(self, inputs, subs, hidden_states, mtp_modules, lm_head_local_dp, lm_rows_only=None) -> GeneratorOutput:
         w = self.model_wrapper
         if subs is not None:
-            out = w.forward_speculative_host(inputs, subs, mtp_modules, hidden_states.to(self.device), lm_head_local_dp)
+            out = w.forward_speculative_host(inputs, subs, mtp_modules, hidden_states.to(self.device), lm_head_local_dp,
+                                             lm_rows_only)
         elif mtp_modules:
             out = w.forward_prefill_mtp(to_device(inputs, self.device), mtp_modules)
         else:
@@ -96,7 +98,11 @@ class Generator:
             pad = mine.new_zeros((shard.num_sub_pad, mine.shape[1]))  # dummies draft from zeros
             local_hidden = torch.cat([mine, pad])
         lm_local = None if subs is None else shard.subs[0].lm_head_indices
-        out = self._run(shard.main, shard.subs, local_hidden, mtp_modules, lm_local)
+        # Draft steps on lm_head rows alone, decided on the whole batch: every rank the same way,
+        # so the expert-parallel collectives see the same row counts (a rank's dummies would not
+        # pass the test on its own share).
+        narrow = None if subs is None else lm_rows_only_steps(subs)
+        out = self._run(shard.main, shard.subs, local_hidden, mtp_modules, lm_local, narrow)
         self._count(shard)
         return self._gather(out, inputs, shard)
 

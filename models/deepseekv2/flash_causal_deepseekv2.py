@@ -39,11 +39,18 @@ class ModelOutput:
 
 @dataclass
 class DraftStep:
-    """Where one MTP draft step reads and writes: its module, positions and cache metadata."""
+    """Where one MTP draft step reads and writes: its module, positions and cache metadata.
+
+    A step runs over the rows of the draft's input layout, or, with ``lm_rows_only``, over each
+    sequence's lm_head row alone (one row per sequence, in sequence order): what an MTP Eagle step
+    after the first needs, since its other rows write no cache entry and feed nothing the next
+    step uses (TensorRT-LLM and vLLM feed those steps one token per sequence). Such steps come
+    last: after one, the full-layout hidden states no longer exist."""
 
     module_idx: int
-    positions: torch.Tensor  # [Ts]
+    positions: torch.Tensor  # [Ts], or [B] with lm_rows_only
     meta: AttentionMetadata  # slots -1 where this step must not write (padding, verified entries)
+    lm_rows_only: bool = False
 
 
 class FlashCausalDeepseekV2:
@@ -155,14 +162,15 @@ class FlashCausalDeepseekV2:
         positions: torch.Tensor,  # [T] (position i: the convention of mindspec, see DESIGN.md 5)
         caches: list[LatentCache],
         meta: AttentionMetadata,
-        lm_head_indices: torch.Tensor,  # [N]
+        lm_head_indices: Optional[torch.Tensor],  # [N]; None: every row
         last: bool = False,
     ) -> ModelOutput:
         """-> logits [N, vocab] and the block output [T, hidden] for the next stage; a ``last``
-        stage feeds none, so only its lm_head rows run past attention (hidden_states [N, hidden])."""
+        stage feeds the next one (if any) only through its lm_head rows, so only those rows run
+        past attention (hidden_states [N, hidden])."""
         module = self.mtp_modules[module_idx]
         cache = caches[self.cfg.num_hidden_layers + module_idx]
-        if last:
+        if last or lm_head_indices is None:
             block_out = module.forward(input_ids, hidden_states, positions, cache, meta, lm_head_indices)
             return ModelOutput(logits=module.logits(block_out), hidden_states=block_out)
         block_out = module.forward(input_ids, hidden_states, positions, cache, meta)
@@ -177,16 +185,21 @@ class FlashCausalDeepseekV2:
         caches: list[LatentCache],
     ) -> torch.Tensor:
         """K greedy MTP steps -> draft_tokens [B, K]. Each step rolls its input left by one and puts
-        the new draft at the lm_head index; the block output becomes the next step's hidden state."""
+        the new draft at the lm_head index; the block output becomes the next step's hidden state.
+        A step before an ``lm_rows_only`` one hands on its lm_head rows alone: the new drafts and
+        their block outputs."""
         drafts = []
         ids, hidden = input_ids, hidden_states
         for k, step in enumerate(steps):
-            last = k + 1 == len(steps)
-            out = self.forward_mtp(step.module_idx, ids, hidden, step.positions, caches, step.meta, lm_head_indices, last)
+            following = steps[k + 1] if k + 1 < len(steps) else None
+            lm = None if step.lm_rows_only else lm_head_indices
+            narrow = following is None or following.lm_rows_only  # only lm_head rows feed on
+            out = self.forward_mtp(step.module_idx, ids, hidden, step.positions, caches, step.meta, lm, narrow)
             draft = out.logits.argmax(dim=-1)  # [B]
             drafts.append(draft)
-            if not last:
-                ids, hidden = _shift_in(ids, draft, lm_head_indices), out.hidden_states
+            if following is not None:
+                ids = draft if following.lm_rows_only else _shift_in(ids, draft, lm_head_indices)
+                hidden = out.hidden_states
         return torch.stack(drafts, dim=1)
 
     def forward_speculative(

@@ -1,0 +1,52 @@
+"""Which MTP draft steps run on each sequence's lm_head row alone, and their inputs there.
+
+The plugin builds every draft step in seed 000's layout: the rows of the first step, rolled left
+by one per step. From MTP Eagle's second step on, only the lm_head rows write a cache entry (the
+others would overwrite entries of verified tokens with draft-conditioned ones, so they get slot
+-1), and a row's output feeds only the same row of the next step. So from the first step whose
+other rows write nothing, to the last, those rows compute outputs nobody reads. The model wrapper
+runs such a suffix of steps on the lm_head rows alone, one row per sequence, as TensorRT-LLM and
+vLLM feed an eagle step after the first; the drafts are the same. MTP Vanilla's steps write every
+row (each module has its own cache) and keep the full layout.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mindspec.modeling.forward_metadata import ModelInputs
+
+
+def lm_rows_only_steps(sub_steps: list[ModelInputs]) -> list[bool]:
+    """Per step, whether it can run on its lm_head rows alone: never the first step (its rows feed
+    from the main model's hidden states), then a suffix of steps that write no other row."""
+    narrow = [False] * len(sub_steps)
+    for s in range(len(sub_steps) - 1, 0, -1):
+        if not _writes_lm_rows_only(sub_steps[s]):
+            break
+        narrow[s] = True
+    return narrow
+
+
+def _writes_lm_rows_only(step: ModelInputs) -> bool:
+    lm = step.lm_head_indices
+    if lm.shape[0] != step.num_seqs:  # one lm_head row per sequence, in sequence order
+        return False
+    others = np.ones(step.num_tokens, dtype=bool)
+    others[lm] = False
+    return not bool((step.slots[others] >= 0).any())
+
+
+def on_lm_rows(step: ModelInputs) -> ModelInputs:
+    """The step over its lm_head rows alone: row b is sequence b's lm_head row, attending to the
+    cache up to its own position (causal: the rows dropped came after it or wrote nothing)."""
+    lm = step.lm_head_indices
+    positions = step.positions[lm]
+    num_seqs = lm.shape[0]
+    return step.with_(
+        input_ids=step.input_ids[lm],
+        positions=positions,
+        slots=step.slots[lm],
+        seq_lens=(positions + 1).astype(np.int32),
+        q_lens=np.ones(num_seqs, dtype=np.int32),
+        lm_head_indices=np.arange(num_seqs, dtype=np.int64),
+    )
