@@ -2,12 +2,17 @@
 limits) and the routed experts.
 
 Experts run one of three ways, chosen by cost (measured on a 2-core x86 CPU, per-op overhead
-~5-10 us). When experts are few (E <= 4 * top_k, as in small models) and so are the tokens (a
-decode step, an MTP verification), every expert runs on every token in two GEMMs (gate/up of
-all experts; their down projections side by side, which also sums them) with weight 0 for
-unchosen pairs: a few large ops beat a loop of tiny ones, even for one token (at
-E = 6, top-2: 45 us against 55 us looping over the chosen experts; 78 us against 182 us for the 4
-tokens of an MTP K=3 verification), and nothing waits for the host. That computes E / top_k times
+~5-10 us). One token (a batch-1 decode step, an MTP draft step's lm_head row) runs only its
+top_k experts: a decode step streams every layer's weights from memory, and reading top_k / E of
+the experts' weights beats the fewer ops of the dense path (E = 6, top-2, twelve layers cycled
+as in a step: 82 against 112 us per layer; with the weights left in cache by a loop over one
+layer, 55 against 45; MTP off at batch 1: 1.06x tokens/s, paired runs). When experts are few
+(E <= 4 * top_k, as in small models) and so are the tokens (a decode step, an MTP
+verification), every expert runs on every token in two GEMMs (gate/up of all experts; their
+down projections side by side, which also sums them) with weight 0 for unchosen pairs: a few
+large ops beat a loop of tiny ones (at E = 6, top-2: 78 us against 182 us for the 4 tokens of an
+MTP K=3 verification; 89 against 254 us with the weights streamed from memory), and nothing
+waits for the host. That computes E / top_k times
 the FLOPs needed, which a prefill pays for: beyond DENSE_MAX_TOKENS tokens the experts run sorted
 (1.7 ms against 3.8 ms per layer for a prefill of 16 prompts of 65 tokens). Many experts
 (DeepSeek-V3: 256, top-8): a handful of (token, expert) pairs run only the chosen experts (a small
@@ -111,6 +116,8 @@ def moe_experts(
             return _gathered_experts(x, topk_weights, topk_ids, experts)
         dense = few_experts and T * k >= E
         return (_dense_experts if dense else _sorted_experts)(x, topk_weights, topk_ids, experts)
+    if T == 1 and k < E:  # read only the chosen experts' weights (module docstring)
+        return _few_experts(x, topk_weights, topk_ids, experts)
     w13_all = _w13_all(experts)
     dense_max = DENSE_MAX_TOKENS if w13_all is None or w13_all.packed is None else DENSE_MAX_TOKENS_PACKED
     if few_experts and T <= dense_max:

@@ -167,7 +167,8 @@ def test_every_expert_path_matches_naive_loop(monkeypatch, path, packed):
 
 
 @pytest.mark.parametrize("num_experts,top_k,tokens,path", [
-    (6, 2, 1, "_dense_experts"),  # few experts: two batched GEMMs, even for one token
+    (6, 2, 1, "_few_experts"),  # one token: only its experts' weights are read
+    (6, 2, 2, "_dense_experts"),  # few experts: two batched GEMMs from two tokens on
     (6, 2, 4, "_dense_experts"),  # and for an MTP verification's tokens
     (6, 2, 64, "_dense_experts"),
     (6, 2, 65, "_sorted_experts"),  # a prefill: E / top_k times the FLOPs no longer pays
