@@ -163,14 +163,14 @@ class FlashCausalDeepseekV2:
         caches: list[LatentCache],
         meta: AttentionMetadata,
         lm_head_indices: Optional[torch.Tensor],  # [N]; None: every row
-        last: bool = False,
+        lm_rows_out: bool = False,
     ) -> ModelOutput:
-        """-> logits [N, vocab] and the block output [T, hidden] for the next stage; a ``last``
-        stage feeds the next one (if any) only through its lm_head rows, so only those rows run
-        past attention (hidden_states [N, hidden])."""
+        """-> logits [N, vocab] and the block output [T, hidden] for the next stage. With
+        ``lm_rows_out`` (the last stage, or one whose next stage takes only its lm_head rows) only
+        those rows run past attention (hidden_states [N, hidden])."""
         module = self.mtp_modules[module_idx]
         cache = caches[self.cfg.num_hidden_layers + module_idx]
-        if last or lm_head_indices is None:
+        if lm_rows_out or lm_head_indices is None:
             block_out = module.forward(input_ids, hidden_states, positions, cache, meta, lm_head_indices)
             return ModelOutput(logits=module.logits(block_out), hidden_states=block_out)
         block_out = module.forward(input_ids, hidden_states, positions, cache, meta)
@@ -193,8 +193,8 @@ class FlashCausalDeepseekV2:
         for k, step in enumerate(steps):
             following = steps[k + 1] if k + 1 < len(steps) else None
             lm = None if step.lm_rows_only else lm_head_indices
-            narrow = following is None or following.lm_rows_only  # only lm_head rows feed on
-            out = self.forward_mtp(step.module_idx, ids, hidden, step.positions, caches, step.meta, lm, narrow)
+            lm_rows_out = following is None or following.lm_rows_only  # only lm_head rows feed on
+            out = self.forward_mtp(step.module_idx, ids, hidden, step.positions, caches, step.meta, lm, lm_rows_out)
             draft = out.logits.argmax(dim=-1)  # [B]
             drafts.append(draft)
             if following is not None:
