@@ -49,9 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(vLLM's --random-range-ratio); 0: every output new_tokens long")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
-    # Off by default: on a 2-core cpu compiling the speculative graphs took over 26 minutes.
+    # Off by default: it compiles only one-row blocks (batch-1 plain steps, eagle draft steps).
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
-                   help="also measure the torch.compile'd decode step (compiling takes minutes to an hour)")
+                   help="also measure the torch.compile'd decode step (one-row blocks; compiling takes 10-60 s)")
     p.add_argument("--async", dest="asynchronous", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure async scheduling (MTP off and K=3)")
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,

@@ -171,11 +171,14 @@ class ModelWrapper:
         """One dummy prefill written into the reserved block, so first-request latency is not the
         place where lazy initialisation happens; nothing of a real sequence is touched. With a
         graph runner and ``max_seqs``, also capture the plain decode step of every batch-size
-        bucket up to ``max_seqs`` sequences."""
+        bucket up to ``max_seqs`` sequences; with compiled blocks, run one plain decode step of
+        one sequence, which compiles them."""
         cc = self.cache_config
         n = max(1, min(num_tokens, cc.block_size))
         host = build_model_inputs([[0] * n], [0], [[cc.dummy_block_id]], cc.block_size)
         self.forward_host(host)
+        if self.compiled is not None and n > 1:  # compile the one-row decode blocks now, not on a request
+            self.forward_host(build_model_inputs([[0]], [n - 1], [[cc.dummy_block_id]], cc.block_size))
         if self.graph_runner is not None and max_seqs:
             self.graph_runner.capture_decode_buckets(max_seqs)
         self.backend.synchronize()
