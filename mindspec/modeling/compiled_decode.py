@@ -51,7 +51,7 @@ def _configure_dynamo() -> None:
 
 def decoder_blocks(model) -> list:
     """Every decoder block of the model: the main layers, then each MTP module's block."""
-    return list(model.layers) + [m.block for m in getattr(model, "mtp_modules", [])]
+    return list(model.layers) + [m.block for m in model.mtp_modules]
 
 
 class CompiledDecode:
