@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from mindspec.backend import AttentionMetadata
@@ -74,52 +75,60 @@ def cache_rows(meta: AttentionMetadata, block_size: int, device: torch.device) -
     key = (_ROWS_KEY, block_size)
     rows = meta.scratch.get(key)
     if rows is None:
-        seq_lens = torch.as_tensor(meta.seq_lens_host, dtype=torch.int64, device=device)
-        rows = meta.scratch[key] = _cache_rows(meta, seq_lens, block_size, meta.max_seq_len, device)
+        seq_lens = np.asarray(meta.seq_lens_host, dtype=np.int64)
+        rows = meta.scratch[key] = _tensor(_cache_rows(meta, seq_lens, block_size, meta.max_seq_len), device)
     return rows
+
+
+# The plan is built with numpy from the host lengths: a dozen numpy ops on arrays of a few hundred
+# entries cost ~1 us each against 2-4 us for the same torch ops, and a speculative step builds
+# one plan per draft stage plus the verification's (scratch plan_np.py: 59 -> ~20 us per plan).
+def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a)).to(device)  # no copy on the cpu
 
 
 def _build(meta: AttentionMetadata, device: torch.device) -> AttentionPlan:
     B, Q, S = meta.num_seqs, meta.max_q_len, meta.max_seq_len
-    q_lens = torch.as_tensor(meta.q_lens_host, dtype=torch.int64, device=device)
-    seq_lens = torch.as_tensor(meta.seq_lens_host, dtype=torch.int64, device=device)
+    q_lens = np.asarray(meta.q_lens_host, dtype=np.int64)
+    seq_lens = np.asarray(meta.seq_lens_host, dtype=np.int64)
     tok_seq = tok_pos = None
-    if any(q != Q for q in meta.q_lens_host):
-        tok_seq = torch.repeat_interleave(torch.arange(B, device=device), q_lens)
-        starts = torch.cumsum(q_lens, 0) - q_lens
-        tok_pos = torch.arange(int(q_lens.sum()), device=device) - starts[tok_seq]
+    if (q_lens != Q).any():
+        seq = np.repeat(np.arange(B), q_lens)
+        starts = np.cumsum(q_lens) - q_lens
+        tok_seq, tok_pos = _tensor(seq, device), _tensor(np.arange(len(seq)) - starts[seq], device)
     return AttentionPlan(
         num_seqs=B, max_q=Q, max_s=S, tok_seq=tok_seq, tok_pos=tok_pos,
-        bias=_bias(meta, q_lens, seq_lens, Q, S, device),
+        bias=_tensor(_bias(meta, q_lens, seq_lens, Q, S), device),
     )
 
 
-def _cache_rows(meta: AttentionMetadata, seq_lens: torch.Tensor, block_size: int, S: int, device) -> torch.Tensor:
-    s = torch.arange(S, device=device)
+def _cache_rows(meta: AttentionMetadata, seq_lens: np.ndarray, block_size: int, S: int) -> np.ndarray:
+    s = np.arange(S)
     n_blocks = -(-S // block_size)
-    tables = meta.block_tables[:, :n_blocks].to(device=device, dtype=torch.int64)  # [B, n_blocks]
+    tables = meta.block_tables.cpu().numpy()[:, :n_blocks].astype(np.int64)  # [B, n_blocks]
     if tables.shape[1] < n_blocks:  # a table narrower than the longest sequence: only padding reads it
-        tables = torch.nn.functional.pad(tables, (0, n_blocks - tables.shape[1]))
+        tables = np.pad(tables, ((0, 0), (0, n_blocks - tables.shape[1])))
     rows = tables[:, s // block_size] * block_size + s % block_size  # [B, S]
     # Unused table entries may hold anything: never let a masked key index outside the cache.
-    return torch.where(s[None, :] < seq_lens[:, None], rows, torch.zeros_like(rows))
+    return np.where(s[None, :] < seq_lens[:, None], rows, 0)
 
 
-def _bias(meta: AttentionMetadata, q_lens, seq_lens, Q: int, S: int, device) -> torch.Tensor:
+def _bias(meta: AttentionMetadata, q_lens: np.ndarray, seq_lens: np.ndarray, Q: int, S: int) -> np.ndarray:
     """Key s is visible to new token i of sequence b when s < seq_len and s is context, or
     (bottom-right causal) s <= ctx + i, or the tree mask allows it among the new tokens."""
-    k_idx = torch.arange(S, device=device)[None, None, :]
-    i_idx = torch.arange(Q, device=device)[None, :, None]
+    B = len(q_lens)
+    k_idx = np.arange(S)[None, None, :]
+    i_idx = np.arange(Q)[None, :, None]
     ctx = (seq_lens - q_lens)[:, None, None]  # cached tokens before the new ones
     in_seq = k_idx < seq_lens[:, None, None]
     if meta.tree_mask is None:
         among_new = k_idx <= ctx + i_idx
     else:
-        tree = meta.tree_mask.to(device=device, dtype=torch.bool)
-        j = (k_idx - ctx).clamp(0, tree.shape[-1] - 1).expand(len(q_lens), Q, S)
-        among_new = torch.gather(tree[:, :Q], 2, j)
+        tree = meta.tree_mask.cpu().numpy().astype(bool)[:, :Q]  # [B, Q, max_q]
+        j = np.broadcast_to(np.clip(k_idx - ctx, 0, tree.shape[-1] - 1), (B, Q, S))
+        among_new = np.take_along_axis(tree, j, axis=2)
     allowed = in_seq & ((k_idx < ctx) | among_new)
     # Padding query cells (i >= q_len) are dropped later; let them see key 0 so softmax has no NaN.
     allowed = allowed | ((i_idx >= q_lens[:, None, None]) & (k_idx == 0))
-    bias = torch.zeros(allowed.shape, dtype=torch.float32, device=device)
-    return bias.masked_fill_(~allowed, float("-inf"))[:, :, None, :]  # [B, Q, 1, S]
+    bias = np.where(allowed, np.float32(0), np.float32(-np.inf))
+    return bias.reshape(B, Q, 1, S)  # [B, Q, 1, S]
