@@ -32,6 +32,17 @@ from mindspec.bench.corpus import corpus_files, read  # the one corpus definitio
 from mindspec.modeling.rotary import build_rotary, rope_parameters, softmax_scale
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+# A code model has no roles: a chat is the messages' text joined by newlines after BOS, and the
+# model continues it as code. List contents keep their text parts (OpenAI's content-part form).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}"
+    "{% if not loop.last %}{{ '\\n' }}{% endif %}"
+    "{% endfor %}"
+)
 
 CONFIG = dict(
     model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], vocab_size=4096, hidden_size=192,
@@ -66,7 +77,8 @@ def train_tokenizer(files: list[Path], vocab_size: int):
     from tokenizers import processors
 
     tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, 0)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, clean_up_tokenization_spaces=False)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, clean_up_tokenization_spaces=False,
+                                   chat_template=CHAT_TEMPLATE)
 
 
 def encode_files(tokenizer, files: list[Path]) -> np.ndarray:

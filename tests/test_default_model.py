@@ -51,3 +51,15 @@ def test_first_command_prints_python():
     assert res.returncode == 0, res.stderr
     text = res.stdout
     assert len(text.strip()) > 20 and any(s in text for s in ("return", "if ", "=", "(")), text
+
+
+def test_shipped_chat_template_joins_messages_as_a_code_prompt():
+    """The shipped code model's chat template: BOS, then the messages' text joined by newlines."""
+    from mindspec.text_generator.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(DEFAULT_MODEL_DIR)
+    messages = [{"role": "system", "content": "# math helpers"},
+                {"role": "user", "content": [{"type": "text", "text": "def add(a, b):"}]}]
+    text = tok.render_chat_template(messages)
+    assert text == "<｜begin▁of▁sentence｜># math helpers\ndef add(a, b):"
+    assert tok.apply_chat_template(messages) == tok.encode("# math helpers\ndef add(a, b):")  # encode adds BOS

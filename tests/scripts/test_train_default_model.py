@@ -53,6 +53,17 @@ def test_script_reproduces_the_shipped_tokenizer_and_config(tmp_path):
         assert (tmp_path / name).read_text() == (DEFAULT_MODEL_DIR / name).read_text(), name
 
 
+def test_script_writes_the_shipped_chat_template(tmp_path):
+    from mindspec.text_generator.tokenizer import load_tokenizer
+
+    train = _script()
+    train.train_tokenizer([SCRIPT], vocab_size=300).save_pretrained(str(tmp_path))
+    shipped = json.loads((DEFAULT_MODEL_DIR / "tokenizer_config.json").read_text())["chat_template"]
+    assert shipped == train.CHAT_TEMPLATE
+    messages = [{"role": "user", "content": "import os"}, {"role": "user", "content": "x = 1"}]
+    assert load_tokenizer(tmp_path).render_chat_template(messages) == load_tokenizer(DEFAULT_MODEL_DIR).render_chat_template(messages)
+
+
 def _tensors(path):
     from safetensors.torch import load_file
 
