@@ -7,7 +7,8 @@ where graphs exist, off on cpu), and to ``ScheduleConfig``: ``numBlocks`` (a fix
 ``asyncScheduling`` (MindIE's MINDIE_ASYNC_SCHEDULING_ENABLE as a config key), ``waitingServedRatio`` and
 ``maxWaitingSteps`` (prefill batching while sequences decode: TGI's waiting_served_ratio and
 max_waiting_tokens; engine/scheduler.py).
-Every bad value is one ConfigError naming its JSON path.
+Every bad value is one ConfigError naming its JSON path. mindspec.config.schema lists every MindIE
+key and what mindspec does with it; MindIE keys mindspec ignores are named in one warning line.
 """
 from __future__ import annotations
 
@@ -18,36 +19,10 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from mindspec.config.plugin_params import PluginParamsError, parse_plugin_params
+from mindspec.config.schema import EXT, MODEL_CONFIG, SCHEMA, USE, audit_keys, warn_keys
 
 
 logger = logging.getLogger(__name__)
-
-# Keys mindspec reads, per section; MindIE's other keys (TLS files, PD timeouts, ...) are accepted
-# and reported once as ignored, so a MindIE config.json loads unchanged.
-USED_KEYS = {
-    "": {"Version", "ServerConfig", "BackendConfig", "LogConfig"},
-    "ServerConfig": {"ipAddress", "port", "managementPort", "metricsPort", "maxLinkNum", "tokenTimeout", "e2eTimeout",
-                     "allowAllZeroIpListening", "httpsEnabled", "maxRequestLength",
-                     "inferMode", "interCommPort", "pdRole", "pdPrefillAddress", "pdDecodeAddress"},
-    "BackendConfig": {"backendName", "ModelDeployConfig", "ScheduleConfig"},
-    "BackendConfig.ModelDeployConfig": {"maxSeqLen", "maxInputTokenLen", "truncation", "ModelConfig"},
-    "BackendConfig.ScheduleConfig": {"cacheBlockSize", "maxPrefillBatchSize", "maxPrefillTokens", "maxBatchSize",
-                                     "maxIterTimes", "numBlocks", "asyncScheduling", "templateType",
-                                     "waitingServedRatio", "maxWaitingSteps"},
-}
-
-
-def ignored_keys(obj: dict) -> list[str]:
-    """JSON paths of keys this build does not use."""
-    out = []
-    for section, used in USED_KEYS.items():
-        node = obj
-        for part in section.split(".") if section else []:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict):
-            out += [f"{section + '.' if section else ''}{k}" for k in node if k not in used]
-    return out
-
 
 class ConfigError(ValueError):
     """config.json is unreadable or holds a bad value; the message names the JSON path."""
@@ -245,11 +220,8 @@ def _is_host_port(value: str) -> bool:
     return bool(host) and port.isdigit() and 0 < int(port) < 65536
 
 
-_MODEL_KEYS = {"modelName", "modelWeightPath", "backendType", "dtype", "worldSize", "cpuMemSize", "npuMemSize",
-               "plugin_params", "dp", "tp", "decodeGraphs"}
-
-
-_MODEL_KEYS |= {"moe_ep", "moe_tp", "distTimeout", "kv_trans_timeout", "kv_link_timeout"}
+# ModelConfig keys mindspec reads; every other key is kept in ModelConfig.extra
+_MODEL_KEYS = {k for k, entry in SCHEMA[MODEL_CONFIG].items() if entry.status in (USE, EXT)}
 
 
 def _parallel(s: _Section) -> dict:
@@ -278,6 +250,7 @@ def _model(s: _Section, base_dir: Path) -> ModelConfig:
         parse_plugin_params(raw)
     except PluginParamsError as exc:
         raise ConfigError(f"{s._where('plugin_params')}: {exc}") from None
+    s.str("modelInstanceType", "Standard", ("Standard",))  # StandardMock: a server without a model
     return ModelConfig(
         model_name=s.str("modelName", Path(weight_path).name),
         model_weight_path=weight_path,
@@ -312,6 +285,8 @@ def _deploy(s: _Section, base_dir: Path) -> ModelDeployConfig:
 
 
 def _schedule(s: _Section, max_input: int) -> ScheduleConfig:
+    # mindspec batches prefill and decode apart (MindIE's Standard); Mix means SplitFuse
+    s.str("templateType", "Standard", ("Standard",))
     cfg = ScheduleConfig(
         cache_block_size=s.int("cacheBlockSize", 128, 1, 128),
         max_prefill_batch_size=s.int("maxPrefillBatchSize", 50, 1),
@@ -332,9 +307,10 @@ def _schedule(s: _Section, max_input: int) -> ScheduleConfig:
 
 def parse_config(obj: Any, source: str = "<dict>", base_dir: Union[str, Path] = ".") -> MindieConfig:
     root = _Section(obj, "")
-    for key in ignored_keys(root.data):
-        logger.warning("%s: %s is not used by mindspec (ignored)", source, key)
+    warn_keys(audit_keys(root.data), source, logger)
+    root.str("Version", "1.0.0", ("1.0.0",))
     backend = _Section(root.data.get("BackendConfig"), "BackendConfig")
+    backend.str("backendName", "mindieservice_llm_engine", ("mindieservice_llm_engine",))
     deploy = _deploy(_Section(backend.data.get("ModelDeployConfig"), "BackendConfig.ModelDeployConfig"), Path(base_dir))
     effective_input = min(deploy.max_input_token_len, deploy.max_seq_len - 1)
     schedule = _schedule(_Section(backend.data.get("ScheduleConfig"), "BackendConfig.ScheduleConfig"), effective_input)
