@@ -12,8 +12,10 @@ key and what mindspec does with it; MindIE keys mindspec ignores are named in on
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -37,7 +39,9 @@ TRUNCATION = {0: "reject", -1: "right", 1: "left"}
 
 @dataclass(frozen=True)
 class ServerConfig:
-    ip_address: str = "127.0.0.1"
+    ip_address: str = "127.0.0.1"  # the business port's address
+    # the management port's address, and the metrics port's unless it shares the business port
+    management_ip_address: str = "127.0.0.1"
     port: int = 1025
     management_port: int = 1026
     metrics_port: int = 1027
@@ -179,18 +183,48 @@ class _Section:
 def _server(s: _Section) -> ServerConfig:
     if s.data.get("httpsEnabled"):
         raise ConfigError("ServerConfig.httpsEnabled: mindspec serves plain HTTP; terminate TLS in a reverse proxy")
+    allow_all_zero = s.bool("allowAllZeroIpListening", False)
+    ip, management_ip = _addresses(s, allow_all_zero)
     return ServerConfig(
-        ip_address=s.str("ipAddress", "127.0.0.1"),
+        ip_address=ip,
+        management_ip_address=management_ip,
         port=s.int("port", 1025, 1, 65535),
         management_port=s.int("managementPort", 1026, 1, 65535),
         metrics_port=s.int("metricsPort", 1027, 1, 65535),
         max_link_num=s.int("maxLinkNum", 1000, 1),
         token_timeout=s.int("tokenTimeout", 600, 1),
         e2e_timeout=s.int("e2eTimeout", 600, 1),
-        allow_all_zero_ip_listening=s.bool("allowAllZeroIpListening", False),
+        allow_all_zero_ip_listening=allow_all_zero,
         max_request_length=s.int("maxRequestLength", 40, 1),
         **_pd_server(s),
     )
+
+
+CONTAINER_IP_ENV = "MIES_CONTAINER_IP"
+CONTAINER_MANAGEMENT_IP_ENV = "MIES_CONTAINER_MANAGEMENT_IP"
+
+
+def _addresses(s: _Section, allow_all_zero: bool) -> tuple[str, str]:
+    """(business, management) addresses as MindIE picks them: $MIES_CONTAINER_IP, else ipAddress;
+    $MIES_CONTAINER_MANAGEMENT_IP, else managementIpAddress, else the business address."""
+    ip = _address(s, "ipAddress", CONTAINER_IP_ENV, "127.0.0.1", allow_all_zero)
+    management = _address(s, "managementIpAddress", CONTAINER_MANAGEMENT_IP_ENV, None, allow_all_zero)
+    return ip, management or ip
+
+
+def _address(s: _Section, key: str, env: str, default: Optional[str], allow_all_zero: bool) -> Optional[str]:
+    configured = s.str(key, default)
+    value, where = (os.environ[env], f"${env}") if os.environ.get(env) else (configured, s._where(key))
+    if value is None:
+        return None
+    try:
+        address = ipaddress.ip_address(value)
+    except ValueError:
+        raise ConfigError(f"{where}: must be an IPv4 or IPv6 address, got {value!r}") from None
+    # MindIE: listening on every interface breaks the business/management split, so it is opt-in
+    if address.is_unspecified and not allow_all_zero:
+        raise ConfigError(f"{where}: {value} needs {s._where('allowAllZeroIpListening')} true")
+    return value
 
 
 PD_ROLES = ("prefill", "decode", "router")

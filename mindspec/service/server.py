@@ -9,7 +9,7 @@ from typing import Optional
 
 import uvicorn
 
-from mindspec.config.mindie_config import ConfigError, MindieConfig, load_config
+from mindspec.config.mindie_config import MindieConfig, load_config
 from mindspec.distributed import launch
 from mindspec.engine.args import EngineArgs
 
@@ -64,23 +64,33 @@ def build_state(config: MindieConfig, api_key: Optional[str] = None) -> ServiceS
                         max_seq_len=config.backend.model_deploy.max_seq_len, api_key=api_key)
 
 
+def listen_host(server_cfg, port: int) -> str:
+    """The business port (and a port merged with it, and the PD routes) listen on ipAddress; the
+    management and metrics ports on managementIpAddress (MindIE's business/management split)."""
+    if port in (server_cfg.port, server_cfg.inter_comm_port):
+        return server_cfg.ip_address
+    return server_cfg.management_ip_address
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+
+
 async def serve(config: MindieConfig, api_key: Optional[str] = None) -> None:
     server_cfg = config.server
-    host = server_cfg.ip_address
-    if host == "0.0.0.0" and not server_cfg.allow_all_zero_ip_listening:
-        raise ConfigError("ServerConfig.ipAddress: 0.0.0.0 needs ServerConfig.allowAllZeroIpListening true")
     state = build_state(config, api_key)
     apps = apps_by_port(state, server_cfg.port, server_cfg.management_port, server_cfg.metrics_port,
                         server_cfg.max_request_length_bytes, server_cfg.max_link_num)
     role = server_cfg.pd_role
     if role in ("prefill", "decode"):  # the PD routes, on a port of their own
         apps[server_cfg.inter_comm_port] = inter_comm_app(state, role)
-    servers = [uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+    hosts = {port: listen_host(server_cfg, port) for port in apps}
+    servers = [uvicorn.Server(uvicorn.Config(app, host=hosts[port], port=port, log_level="warning", access_log=False))
                for port, app in apps.items()]
     for s in servers:
         s.install_signal_handlers = lambda: None  # one handler below stops them all
     print(_banner(config, state), flush=True)
-    print("listening on " + ", ".join(f"http://{host}:{p}" for p in apps), flush=True)
+    print("listening on " + ", ".join(_url(hosts[p], p) for p in apps), flush=True)
     state.engine.start()
     loop = asyncio.get_running_loop()
 

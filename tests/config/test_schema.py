@@ -84,6 +84,7 @@ def test_documented_config_loads_with_one_summary_line(tmp_path, caplog, monkeyp
     # the implemented keys took MindIE's documented values
     assert (cfg.server.ip_address, cfg.server.port, cfg.server.management_port, cfg.server.metrics_port) == (
         "127.0.0.1", 1025, 1026, 1027)
+    assert cfg.server.management_ip_address == "127.0.0.2"
     assert cfg.server.max_link_num == 1000 and cfg.server.inter_comm_port == 1121
     assert cfg.model.backend_type == "atb" and cfg.model.world_size == 4 and cfg.model.cpu_mem_size == 5
     assert cfg.model.model_weight_path == "/data/atb_testdata/weights/llama1-65b-safetensors"
