@@ -116,8 +116,17 @@ class LLMEngine:
             raise RequestRejected(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         return ids
 
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: token ids against this model's vocabulary."""
+        vocab = self.model_wrapper.config.vocab_size
+        if params.logit_bias:
+            bad = sorted(t for t in params.logit_bias if not 0 <= t < vocab)
+            if bad:
+                raise RequestRejected(f"logit_bias token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None) -> RequestState:
         params = params or SamplingParams()
+        self.check_params(params)
         seq_id = next(self._ids)
         seq = Sequence(seq_id=seq_id, prompt_token_ids=self.encode(prompt), max_tokens=params.max_tokens, sampling_params=params)
         self.scheduler.add(seq)
@@ -179,6 +188,7 @@ class LLMEngine:
     ) -> RequestState:
         """Decode node: adopt a request prefilled on another node, from its KV and first token."""
         params = params or SamplingParams()
+        self.check_params(params)
         for plugin in self.plugin_manager.plugins:
             role = getattr(getattr(plugin, "params", None), "pd_role", "decode")
             if role != "decode":

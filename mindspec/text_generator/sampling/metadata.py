@@ -51,6 +51,10 @@ class SamplingMetadata:
     # min_tokens: (row, token) pairs to set to -inf (None when nothing is banned)
     banned_rows: torch.Tensor | None = None  # [M] int64
     banned_token_ids: torch.Tensor | None = None  # [M] int64
+    # logit_bias: (row, token, value) triples added to the logits (None when no row has a bias)
+    bias_rows: torch.Tensor | None = None  # [L] int64
+    bias_token_ids: torch.Tensor | None = None  # [L] int64
+    bias_values: torch.Tensor | None = None  # [L] fp32
 
     @property
     def any_filters(self) -> bool:
@@ -156,6 +160,7 @@ class SamplingMetadata:
                 params, prompt_ids, output_ids, v, device, any_rep
             )
         md.banned_rows, md.banned_token_ids = _min_tokens_bans(params, positions, eos, v, device)
+        md.bias_rows, md.bias_token_ids, md.bias_values = _logit_bias(params, v, device)
         return md
 
 
@@ -205,3 +210,22 @@ def _min_tokens_bans(params, positions, eos, v, device):
         torch.tensor(rows, dtype=torch.int64, device=device),
         torch.tensor(toks, dtype=torch.int64, device=device),
     )
+
+
+def _logit_bias(params, v, device):
+    """Every row's logit_bias as flat (row, token, value) arrays; None when no row has one. A
+    row repeats its sequence's params, so speculative rows carry the same bias as the others."""
+    rows, toks, vals = [], [], []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            rows.extend([i] * len(p.logit_bias))
+            toks.extend(p.logit_bias.keys())
+            vals.extend(p.logit_bias.values())
+    if not rows:
+        return None, None, None
+    if min(toks) < 0 or max(toks) >= v:
+        raise ValueError(f"logit_bias token ids outside [0, {v}): {sorted(t for t in set(toks) if not 0 <= t < v)}")
+    row_t, tok_t, val_t = to_device_packed(
+        [np.array(rows, np.int64), np.array(toks, np.int64), np.array(vals, np.float32)], device
+    )
+    return row_t, tok_t, val_t

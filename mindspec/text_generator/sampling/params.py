@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 _MAX_SEED = 2**63
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
 
 
 class SamplingParamsError(ValueError):
@@ -25,6 +26,24 @@ def _is_number(v) -> bool:
     return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
 
 
+def _normalize_logit_bias(bias: dict) -> dict:
+    """Token ids given as decimal strings (JSON object keys) become ints, values floats; anything
+    else is left as it is for _valid_logit_bias to reject."""
+    out = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            key = int(key)
+        out[key] = float(value) if _is_number(value) else value
+    return out
+
+
+def _valid_logit_bias(bias) -> bool:
+    return isinstance(bias, dict) and all(
+        _is_int(t) and t >= 0 and _is_number(v) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS
+        for t, v in bias.items()
+    )
+
+
 @dataclass
 class SamplingParams:
     """Sampling parameters of one request.
@@ -34,6 +53,11 @@ class SamplingParams:
     (output tokens only). `seed` makes the request's tokens depend only on (seed, output position).
     min_tokens keeps stop_token_ids and EOS (unless ignore_eos) from being sampled too early.
     `logprobs` asks for the top-n log-probabilities of every output position (0..20).
+    `logit_bias` maps token ids to a value in [-100, 100] added to their logits before any
+    sampling or greedy choice (with the penalties, so speculative verification sees it too);
+    the engine checks the ids against the vocabulary.
+    `prompt_logprobs` asks for the log-probability of every prompt token under the model (0: the
+    prompt token's only, k: also the top-k). With it, max_tokens may be 0 (score the prompt only).
     """
 
     temperature: float = 1.0
@@ -51,6 +75,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         self._normalize()
@@ -73,6 +99,8 @@ class SamplingParams:
             self.top_p = float(self.top_p)
         if _is_number(self.min_p):
             self.min_p = float(self.min_p)
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = _normalize_logit_bias(self.logit_bias)
 
     def _validate(self):
         def bad(name, rule):
@@ -94,8 +122,14 @@ class SamplingParams:
                 bad(name, "must be in [-2, 2]")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < _MAX_SEED):
             bad("seed", "must be None or an int in [0, 2**63)")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            bad("max_tokens", "must be an int >= 1")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            bad("prompt_logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
+        # max_tokens 0 only scores the prompt (OpenAI echo), which needs prompt_logprobs.
+        min_max_tokens = 0 if self.prompt_logprobs is not None else 1
+        if not _is_int(self.max_tokens) or self.max_tokens < min_max_tokens:
+            bad("max_tokens", "must be an int >= 1 (>= 0 with prompt_logprobs)")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             bad("min_tokens", "must be an int >= 0")
         if self.min_tokens > self.max_tokens:
@@ -114,6 +148,9 @@ class SamplingParams:
             bad("logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
         if not isinstance(self.skip_special_tokens, bool):
             bad("skip_special_tokens", "must be a bool")
+        if self.logit_bias is not None and not _valid_logit_bias(self.logit_bias):
+            bad("logit_bias", f"must be None or a dict of token id (int >= 0) to a number in "
+                              f"[{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
 
     @property
     def greedy(self) -> bool:

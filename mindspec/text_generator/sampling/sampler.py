@@ -1,7 +1,7 @@
 """Batched token sampler: penalties -> temperature -> top-k -> top-p -> min-p -> exponential race.
 
 Pipeline per row (all fp32, vectorised over rows):
-  1. penalised logits = penalties(raw logits) with min_tokens bans set to -inf.
+  1. penalised logits = penalties(raw logits) + logit_bias, min_tokens bans set to -inf.
   2. greedy rows: argmax of the penalised logits (ties -> lowest id).
   3. random rows: divide by temperature; top-k keeps tokens >= the k-th largest logit; top-p keeps
      tokens whose strictly-larger mass (under the top-k renormalised distribution) is < top_p;
@@ -47,11 +47,15 @@ class SamplerOutput:
 
 
 def penalised_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """fp32 logits after penalties and min_tokens bans (a new tensor; the input is untouched)."""
+    """fp32 logits after penalties, logit_bias and min_tokens bans (a new tensor; the input is
+    untouched). Every choice (greedy argmax, sampling, speculative verification) starts here, so
+    a bias or ban changes drafts' targets exactly as it changes plain decoding's tokens."""
     out = apply_penalties(logits, md)
-    if md.banned_rows is not None:
-        if out is logits:
-            out = out.clone()
+    if out is logits and (md.bias_rows is not None or md.banned_rows is not None):
+        out = out.clone()
+    if md.bias_rows is not None:
+        out.index_put_((md.bias_rows, md.bias_token_ids), md.bias_values, accumulate=True)
+    if md.banned_rows is not None:  # after the bias: a ban stays a ban whatever the bias
         out[md.banned_rows, md.banned_token_ids] = float("-inf")
     return out
 
