@@ -6,6 +6,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import routes_openai, routes_text
 from .errors import ApiError, error_body, error_response
@@ -73,6 +74,20 @@ async def _reject(send, status: int, message: str) -> None:
 
 
 def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        """Unknown routes (404) and wrong methods (405) answer with the error object every other
+        error has, not FastAPI's {"detail": ...}."""
+        if exc.status_code == 404:
+            message = f"no route {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        response = error_response(exc.status_code, message)
+        response.headers.update(exc.headers or {})  # 405 names the allowed methods (Allow)
+        return response
+
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError):
         return error_response(exc.status, exc.message, exc.param)
@@ -103,13 +118,19 @@ def business_app(state: ServiceState) -> FastAPI:
     app = FastAPI(title="mindspec", docs_url=None, redoc_url=None)
     app.include_router(routes_openai.router(state))
     app.include_router(routes_text.router(state))
+    _add_health_routes(app, state)  # probes that only know the serving port (TGI, vLLM, k8s)
     _install_error_handlers(app)
     return app
 
 
 def management_app(state: ServiceState) -> FastAPI:
     app = FastAPI(docs_url=None, redoc_url=None)
+    _add_health_routes(app, state)
+    _install_error_handlers(app)
+    return app
 
+
+def _add_health_routes(app: FastAPI, state: ServiceState) -> None:
     @app.get("/health")
     async def health():
         if state.engine.healthy:
@@ -126,9 +147,6 @@ def management_app(state: ServiceState) -> FastAPI:
             return {"status": "ready"}
         return JSONResponse({"status": "not ready"}, status_code=503)
 
-    _install_error_handlers(app)
-    return app
-
 
 def metrics_app(state: ServiceState) -> FastAPI:
     app = FastAPI(docs_url=None, redoc_url=None)
@@ -137,6 +155,7 @@ def metrics_app(state: ServiceState) -> FastAPI:
     async def metrics():
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    _install_error_handlers(app)
     return app
 
 

@@ -6,7 +6,8 @@ from typing import Optional
 from fastapi.responses import JSONResponse
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               413: "request_too_large", 422: "invalid_request_error", 503: "service_unavailable", 500: "internal_error"}
+               405: "method_not_allowed", 408: "timeout", 413: "request_too_large", 422: "invalid_request_error",
+               503: "service_unavailable", 500: "internal_error"}
 
 
 class ApiError(Exception):

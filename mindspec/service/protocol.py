@@ -1,7 +1,7 @@
 """Request bodies of the HTTP routes and their translation to SamplingParams."""
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -18,6 +18,19 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+MAX_N = 128  # MindIE's maxN default: choices per prompt
+MAX_CHOICES = 1024  # engine requests one HTTP request may start (prompts x n)
+
+
+def reject_unsupported(body: BaseModel, defaults: dict[str, Any]) -> None:
+    """A field this server does not implement, sent with a value other than its no-op default,
+    is a 400 naming it (never silently ignored). ``defaults``: field -> the accepted values."""
+    for name, accepted in defaults.items():
+        value = getattr(body, name)
+        if value not in accepted:
+            raise ApiError(400, f"{name}={value!r} is not supported by this server", param=name)
+
+
 class _OpenAISampling(_Body):
     model: Optional[str] = None
     max_tokens: Optional[int] = None
@@ -32,14 +45,29 @@ class _OpenAISampling(_Body):
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     repetition_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, Any]] = None  # OpenAI sends token ids as string keys
     ignore_eos: bool = False
     n: int = 1
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
+    use_beam_search: bool = False  # vLLM extras this server does not implement
+    guided_json: Optional[Any] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
-    def sampling_params(self, default_max_tokens: int, logprobs: Optional[int] = None) -> SamplingParams:
-        if self.n != 1:
-            raise ApiError(400, "only n=1 is supported", param="n")
+    _UNSUPPORTED: ClassVar[dict[str, tuple]] = {"use_beam_search": (False,), "guided_json": (None,),
+                                                "guided_regex": (None,), "guided_choice": (None,),
+                                                "guided_grammar": (None,)}
+
+    def check_n(self) -> None:
+        if not 1 <= self.n <= MAX_N:
+            raise ApiError(400, f"n must be in [1, {MAX_N}], got {self.n}", param="n")
+
+    def sampling_params(self, default_max_tokens: int, logprobs: Optional[int] = None,
+                        prompt_logprobs: Optional[int] = None) -> SamplingParams:
+        self.check_n()
+        reject_unsupported(self, self._UNSUPPORTED)
         values = dict(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -55,13 +83,40 @@ class _OpenAISampling(_Body):
             max_tokens=next((v for v in (self.max_completion_tokens, self.max_tokens) if v is not None), default_max_tokens),
             logprobs=logprobs,
         )
+        # Only named when used, so the routes work with an engine that lacks them.
+        if self.logit_bias:
+            values["logit_bias"] = self.logit_bias
+        if prompt_logprobs is not None:
+            values["prompt_logprobs"] = prompt_logprobs
         return to_sampling_params(values)
 
 
+CompletionPrompt = Union[str, list[int], list[str], list[list[int]]]
+
+
 class CompletionRequest(_OpenAISampling):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
+    prompt: CompletionPrompt
     logprobs: Optional[int] = None
     echo: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompts of the request: one string, one token-id list, or a list of either."""
+        p = self.prompt
+        prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+        if not prompts or any(not x for x in prompts):
+            raise ApiError(400, "prompt must not be empty", param="prompt")
+        if len(prompts) * self.n > MAX_CHOICES:
+            raise ApiError(400, f"{len(prompts)} prompts x n={self.n} exceeds {MAX_CHOICES} choices per request", param="n")
+        return prompts
+
+    def check_supported(self) -> None:
+        if self.suffix is not None:
+            raise ApiError(400, "suffix is not supported by this server", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ApiError(400, f"best_of must equal n ({self.n}) or be absent: this server returns every "
+                                f"sequence it generates", param="best_of")
 
 
 class ChatMessage(_Body):
@@ -73,6 +128,27 @@ class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = None
+    tools: Optional[list[Any]] = None
+    functions: Optional[list[Any]] = None
+    response_format: Optional[dict[str, Any]] = None
+    audio: Optional[Any] = None
+    prediction: Optional[Any] = None
+    modalities: Optional[list[str]] = None
+
+    def check_supported(self) -> None:
+        for name in ("tools", "functions", "audio", "prediction"):
+            if getattr(self, name):
+                raise ApiError(400, f"{name} is not supported by this server", param=name)
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ApiError(400, f"response_format type {self.response_format.get('type')!r} is not supported "
+                                f"(only 'text')", param="response_format")
+        if self.modalities and self.modalities != ["text"]:
+            raise ApiError(400, "modalities other than ['text'] are not supported", param="modalities")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+
+    def logprobs_k(self) -> Optional[int]:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class TgiParameters(_Body):
@@ -82,24 +158,63 @@ class TgiParameters(_Body):
     top_p: Optional[float] = None
     do_sample: bool = False
     repetition_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
     seed: Optional[int] = None
     stop: list[str] = Field(default_factory=list)
     details: bool = False
+    decoder_input_details: bool = False
+    top_n_tokens: Optional[int] = None
     return_full_text: bool = False
     ignore_eos: bool = False
+    truncate: Optional[int] = None
+    best_of: Optional[int] = None
+    typical_p: Optional[float] = None
+    watermark: bool = False
+    grammar: Optional[Any] = None
+    adapter_id: Optional[str] = None
+    priority: Optional[int] = None  # MindIE: 1 (highest) .. 5; this engine schedules first come, first served
+    timeout: Optional[float] = None  # MindIE: the request's own end-to-end limit in seconds
 
-    def sampling_params(self) -> SamplingParams:
+    # typical_p 1.0 is typical sampling switched off.
+    _UNSUPPORTED: ClassVar[dict[str, tuple]] = {"best_of": (None, 1), "typical_p": (None, 1.0), "watermark": (False,),
+                                                "grammar": (None,), "adapter_id": (None,)}
+
+    def check_supported(self) -> None:
+        reject_unsupported(self, self._UNSUPPORTED)
+        if self.truncate is not None and self.truncate < 1:
+            raise ApiError(400, f"truncate must be an int >= 1, got {self.truncate}", param="truncate")
+        if self.priority is not None and not 1 <= self.priority <= 5:
+            raise ApiError(400, f"priority must be in [1, 5], got {self.priority}", param="priority")
+        if self.timeout is not None and not self.timeout > 0:
+            raise ApiError(400, f"timeout must be > 0 seconds, got {self.timeout}", param="timeout")
+
+    @property
+    def wants_details(self) -> bool:
+        # TGI 0.9.4 (and MindIE): either flag returns the details.
+        return self.details or self.decoder_input_details
+
+    def sampling_params(self, seed: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+        self.check_supported()
         greedy = not self.do_sample and self.temperature in (None, 0)
-        return to_sampling_params(dict(
+        values = dict(
             temperature=0.0 if greedy else (self.temperature or 1.0),
             top_k=self.top_k or 0,
             top_p=self.top_p if self.top_p is not None else 1.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            seed=self.seed,
+            frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
+            seed=seed,
             stop=self.stop,
             max_tokens=self.max_new_tokens,
             ignore_eos=self.ignore_eos,
-        ))
+            logprobs=logprobs,
+        )
+        if self.decoder_input_details:
+            values["prompt_logprobs"] = 0
+        try:
+            return to_sampling_params(values)
+        except ApiError as exc:  # name TGI's fields, not the engine's
+            renamed = {"max_tokens": "max_new_tokens", "logprobs": "top_n_tokens"}.get(exc.param, exc.param)
+            raise ApiError(exc.status, exc.message.replace(f" {exc.param}=", f" {renamed}="), param=renamed) from None
 
 
 class TgiRequest(_Body):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
@@ -23,27 +24,42 @@ class Timeouts:
 class RequestRunner:
     def __init__(self, engine: AsyncEngine, metrics: ServiceMetrics, timeouts: Timeouts):
         self.engine, self.metrics, self.timeouts = engine, metrics, timeouts
+        # A PD router has no shared prefixes: n > 1 siblings there are independent requests.
+        self.shares_prefixes = "share_prefix_with" in inspect.signature(engine.generate).parameters
 
-    async def stream(self, prompt: Prompt, params: SamplingParams, request_id: str, add=None) -> AsyncIterator[RequestOutput]:
+    async def stream(self, prompt: Prompt, params: SamplingParams, request_id: str, add=None,
+                     share_prefix_with: Optional[str] = None,
+                     timeout: Optional[float] = None) -> AsyncIterator[RequestOutput]:
         """Engine outputs as they come. Raises ApiError for a refused request (before any output)
-        or a timeout; leaving the iteration early aborts the request. ``add``: see AsyncEngine."""
+        or a timeout; leaving the iteration early aborts the request. ``add``: see AsyncEngine.
+        ``share_prefix_with``: the request id of an n > 1 sibling whose prompt KV this one reuses.
+        ``timeout``: the request's own end-to-end limit in seconds (MindIE's ``timeout``
+        parameter), never longer than e2eTimeout."""
         start = time.monotonic()
         first: Optional[float] = None
         last: Optional[RequestOutput] = None
         status = "error"
-        gen = self.engine.generate(prompt, params, request_id, add) if add else self.engine.generate(prompt, params, request_id)
+        e2e, e2e_name = self.timeouts.e2e, "e2eTimeout"
+        if timeout is not None and timeout < e2e:
+            e2e, e2e_name = timeout, "the request's timeout"
+        extra = {}
+        if add is not None:
+            extra["add"] = add
+        if share_prefix_with is not None and self.shares_prefixes:
+            extra["share_prefix_with"] = share_prefix_with
+        gen = self.engine.generate(prompt, params, request_id, **extra)
         try:
             while True:
-                remaining = self.timeouts.e2e - (time.monotonic() - start)
+                remaining = e2e - (time.monotonic() - start)
                 if remaining <= 0:
-                    raise ApiError(408, f"request exceeded e2eTimeout ({self.timeouts.e2e:g} s)")
+                    raise ApiError(408, f"request exceeded {e2e_name} ({e2e:g} s)")
                 try:
                     out = await asyncio.wait_for(gen.__anext__(), min(self.timeouts.token, remaining))
                 except StopAsyncIteration:
                     break
                 except asyncio.TimeoutError:
                     if remaining < self.timeouts.token:
-                        raise ApiError(408, f"request exceeded e2eTimeout ({self.timeouts.e2e:g} s)") from None
+                        raise ApiError(408, f"request exceeded {e2e_name} ({e2e:g} s)") from None
                     raise ApiError(408, f"no tokens within tokenTimeout ({self.timeouts.token:g} s)") from None
                 except RequestError as exc:
                     raise ApiError(getattr(exc, "status", 400), str(exc)) from None
@@ -62,8 +78,9 @@ class RequestRunner:
             elif last is None:
                 self.metrics.request_finished("rejected")
 
-    async def complete(self, prompt: Prompt, params: SamplingParams, request_id: str) -> RequestOutput:
+    async def complete(self, prompt: Prompt, params: SamplingParams, request_id: str,
+                       share_prefix_with: Optional[str] = None, timeout: Optional[float] = None) -> RequestOutput:
         final = None
-        async for out in self.stream(prompt, params, request_id):
+        async for out in self.stream(prompt, params, request_id, share_prefix_with=share_prefix_with, timeout=timeout):
             final = out
         return final
