@@ -22,6 +22,7 @@ from typing import Any, Optional, Union
 
 from mindspec.config.plugin_params import PluginParamsError, parse_plugin_params
 from mindspec.config.schema import EXT, MODEL_CONFIG, SCHEMA, USE, audit_keys, warn_keys
+from mindspec.config.tls import PortsTls, ServerTls, parse_tls
 
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,8 @@ class ServerConfig:
     e2e_timeout: int = 600
     allow_all_zero_ip_listening: bool = False
     max_request_length: int = 40  # MB (MindIE's maxRequestLength)
+    # httpsEnabled: each port's certificate, key and client CAs (mindspec.config.tls); None: HTTP
+    tls: Optional[PortsTls] = None
     # PD disaggregation (MindIE inferMode "dmi"; mindspec's keys: pdRole, pdPrefillAddress,
     # pdDecodeAddress). A prefill or decode node serves its PD routes on interCommPort; a router
     # sends each request through the prefill node, then the decode node (mindspec.service.pd_*).
@@ -62,6 +65,16 @@ class ServerConfig:
     @property
     def max_request_length_bytes(self) -> int:
         return self.max_request_length * 1024 * 1024
+
+    def tls_for_port(self, port: int) -> Optional[ServerTls]:
+        """The business port (and ports merged with it) uses the tls* files, the management port
+        its own, a metrics port of its own the metrics files. The PD routes on interCommPort stay
+        plain HTTP: MindIE secures them with interCommTLSEnabled, which mindspec does not implement."""
+        if self.tls is None or (port == self.inter_comm_port and self.pd_role in ("prefill", "decode")):
+            return None
+        if port == self.port:
+            return self.tls.business
+        return self.tls.management if port == self.management_port else self.tls.metrics
 
 
 @dataclass(frozen=True)
@@ -180,12 +193,13 @@ class _Section:
         return value
 
 
-def _server(s: _Section) -> ServerConfig:
-    if s.data.get("httpsEnabled"):
-        raise ConfigError("ServerConfig.httpsEnabled: mindspec serves plain HTTP; terminate TLS in a reverse proxy")
+def _server(s: _Section, base_dir: Path) -> ServerConfig:
     allow_all_zero = s.bool("allowAllZeroIpListening", False)
     ip, management_ip = _addresses(s, allow_all_zero)
+    # MindIE's default is true; mindspec ships no certificates, so absent means plain HTTP
+    https = s.bool("httpsEnabled", False)
     return ServerConfig(
+        tls=parse_tls(s.data, s._where, base_dir, management_ip != ip) if https else None,
         ip_address=ip,
         management_ip_address=management_ip,
         port=s.int("port", 1025, 1, 65535),
@@ -349,7 +363,7 @@ def parse_config(obj: Any, source: str = "<dict>", base_dir: Union[str, Path] = 
     effective_input = min(deploy.max_input_token_len, deploy.max_seq_len - 1)
     schedule = _schedule(_Section(backend.data.get("ScheduleConfig"), "BackendConfig.ScheduleConfig"), effective_input)
     return MindieConfig(
-        server=_server(_Section(root.data.get("ServerConfig"), "ServerConfig")),
+        server=_server(_Section(root.data.get("ServerConfig"), "ServerConfig"), Path(base_dir)),
         backend=BackendConfig(model_deploy=deploy, schedule=schedule),
         source=source,
     )

@@ -67,13 +67,24 @@ def build_state(config: MindieConfig, api_key: Optional[str] = None) -> ServiceS
 def listen_host(server_cfg, port: int) -> str:
     """The business port (and a port merged with it, and the PD routes) listen on ipAddress; the
     management and metrics ports on managementIpAddress (MindIE's business/management split)."""
-    if port in (server_cfg.port, server_cfg.inter_comm_port):
+    pd_routes = server_cfg.pd_role in ("prefill", "decode") and port == server_cfg.inter_comm_port
+    if port == server_cfg.port or pd_routes:
         return server_cfg.ip_address
     return server_cfg.management_ip_address
 
 
-def _url(host: str, port: int) -> str:
-    return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+def _url(host: str, port: int, https: bool) -> str:
+    return f"{'https' if https else 'http'}://{'[' + host + ']' if ':' in host else host}:{port}"
+
+
+def uvicorn_config(app, host: str, port: int, tls) -> uvicorn.Config:
+    """One port's uvicorn config; ``tls`` (mindspec.config.tls.ServerTls or None) turns on HTTPS."""
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                            **(tls.uvicorn_kwargs() if tls else {}))
+    if tls is not None and len(tls.ca_files) > 1:
+        config.load()  # builds the SSLContext now: uvicorn takes one CA file, MindIE's tlsCaFile up to 3
+        tls.load_extra_cas(config.ssl)
+    return config
 
 
 async def serve(config: MindieConfig, api_key: Optional[str] = None) -> None:
@@ -85,12 +96,13 @@ async def serve(config: MindieConfig, api_key: Optional[str] = None) -> None:
     if role in ("prefill", "decode"):  # the PD routes, on a port of their own
         apps[server_cfg.inter_comm_port] = inter_comm_app(state, role)
     hosts = {port: listen_host(server_cfg, port) for port in apps}
-    servers = [uvicorn.Server(uvicorn.Config(app, host=hosts[port], port=port, log_level="warning", access_log=False))
+    servers = [uvicorn.Server(uvicorn_config(app, hosts[port], port, server_cfg.tls_for_port(port)))
                for port, app in apps.items()]
     for s in servers:
         s.install_signal_handlers = lambda: None  # one handler below stops them all
     print(_banner(config, state), flush=True)
-    print("listening on " + ", ".join(_url(hosts[p], p) for p in apps), flush=True)
+    https = server_cfg.tls is not None
+    print("listening on " + ", ".join(_url(hosts[p], p, https) for p in apps), flush=True)
     state.engine.start()
     loop = asyncio.get_running_loop()
 

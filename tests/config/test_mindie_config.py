@@ -69,7 +69,7 @@ BAD = [
     (("BackendConfig", "ModelDeployConfig", "truncation"), 2, "truncation"),
     (("BackendConfig", "ModelDeployConfig", "ModelConfig"), [], "ModelConfig: must be a non-empty list"),
     (("ServerConfig", "port"), 70000, "ServerConfig.port"),
-    (("ServerConfig", "httpsEnabled"), True, "httpsEnabled"),
+    (("ServerConfig", "httpsEnabled"), True, "ServerConfig.tlsCert: "),  # no certificate files here
 ]
 
 
