@@ -82,10 +82,3 @@ async def primed_fan_in(streams: Sequence[AsyncIterator[RequestOutput]]) -> Asyn
 
     return rest()
 
-
-async def final_outputs(merged: AsyncIterator[tuple[int, RequestOutput]], count: int) -> list[RequestOutput]:
-    """The last output of each of ``count`` streams (non-streaming answers)."""
-    last: list = [None] * count
-    async for index, out in merged:
-        last[index] = out
-    return last

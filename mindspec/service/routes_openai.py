@@ -105,8 +105,7 @@ def router(state: ServiceState) -> APIRouter:
         choices = [_CompletionChoice(state, body, prompts[k // body.n], k) for k in range(len(prompts) * body.n)]
         if body.stream:
             return StreamingResponse(_stream_completion(merged, choices, meta, body), media_type="text/event-stream")
-        async for index, out in merged:
-            choices[index].add(out)
+        await _feed(merged, choices)
         return {**meta, "choices": [c.final() for c in choices],
                 "usage": summed_usage([c.last for c in choices], body.n)}
 
@@ -126,12 +125,20 @@ def router(state: ServiceState) -> APIRouter:
         choices = [_ChatChoice(state, body, i) for i in range(body.n)]
         if body.stream:
             return StreamingResponse(_stream_chat(merged, choices, meta, body), media_type="text/event-stream")
-        async for index, out in merged:
-            choices[index].add(out)
+        await _feed(merged, choices)
         return {**meta, "object": "chat.completion", "choices": [c.final() for c in choices],
                 "usage": summed_usage([c.last for c in choices], body.n)}
 
     return api
+
+
+async def _feed(merged, choices) -> None:
+    """Every output to its choice (a non-streaming answer); the requests end with it either way."""
+    try:
+        async for index, out in merged:
+            choices[index].add(out)
+    finally:
+        await merged.aclose()
 
 
 def _completion_params(body: CompletionRequest) -> SamplingParams:
@@ -248,10 +255,13 @@ async def _guarded(gen: AsyncIterator[str]) -> AsyncIterator[str]:
 
 def _stream_completion(merged, choices: list[_CompletionChoice], meta: dict, body: CompletionRequest) -> AsyncIterator[str]:
     async def gen():
-        async for index, out in merged:
-            chunk = choices[index].add(out)
-            if chunk["text"] or chunk["logprobs"] or out.finished:
-                yield sse({**meta, "choices": [{"index": index, **chunk, "finish_reason": out.finish_reason}]})
+        try:
+            async for index, out in merged:
+                chunk = choices[index].add(out)
+                if chunk["text"] or chunk["logprobs"] or out.finished:
+                    yield sse({**meta, "choices": [{"index": index, **chunk, "finish_reason": out.finish_reason}]})
+        finally:  # a client that hangs up aborts every choice's request now, not at garbage collection
+            await merged.aclose()
         if body.stream_options and body.stream_options.include_usage:
             yield sse({**meta, "choices": [], "usage": summed_usage([c.last for c in choices], body.n)})
 
@@ -264,12 +274,15 @@ def _stream_chat(merged, choices: list[_ChatChoice], meta: dict, body: ChatCompl
         for c in choices:
             yield sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}]})
-        async for index, out in merged:
-            logprobs = choices[index].add(out)
-            if out.new_text or out.finished or (logprobs and logprobs["content"]):
-                delta = {"content": out.new_text} if out.new_text else {}
-                yield sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                                "finish_reason": out.finish_reason}]})
+        try:
+            async for index, out in merged:
+                logprobs = choices[index].add(out)
+                if out.new_text or out.finished or (logprobs and logprobs["content"]):
+                    delta = {"content": out.new_text} if out.new_text else {}
+                    yield sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                                    "finish_reason": out.finish_reason}]})
+        finally:
+            await merged.aclose()
         if body.stream_options and body.stream_options.include_usage:
             yield sse({**head, "choices": [], "usage": summed_usage([c.last for c in choices], body.n)})
 

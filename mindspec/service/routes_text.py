@@ -154,6 +154,8 @@ class _TgiCall:
                                "details": self._stream_details(out) if last else None})
         except ApiError as exc:
             yield sse({"error": {"message": exc.message, "type": "invalid_request_error", "code": exc.status}})
+        finally:  # a client that hangs up aborts the request now, not at garbage collection
+            await outs.aclose()
 
     def _stream_details(self, out: RequestOutput) -> dict:
         return {"finish_reason": _finish_reason(out), "generated_tokens": len(out.token_ids), "seed": self.seed,

@@ -50,3 +50,20 @@ def test_concurrent_clients_get_the_sync_texts(async_server, tiny_model):
     assert got == want
     assert async_server.healthy()
     assert complete(PROMPTS[0]) == want[0]
+
+
+def test_logprobs_and_n_under_async_scheduling(async_server, server):
+    """asyncScheduling builds step N+1 before step N's outputs are read: the logprobs each streamed
+    chunk carries still line up with its tokens, and match a synchronous server's."""
+    kw = dict(model="tiny", prompt="def add(a, b):", max_tokens=MAX_TOKENS, temperature=0, logprobs=2, n=2,
+              extra_body={"ignore_eos": True})
+    sync = openai.OpenAI(base_url=server.base + "/v1", api_key="unused").completions.create(**kw)
+    client = openai.OpenAI(base_url=async_server.base + "/v1", api_key="unused")
+    chunks = [c for chunk in client.completions.create(stream=True, **kw) for c in chunk.choices]
+    for choice in sync.choices:
+        mine = [c for c in chunks if c.index == choice.index]
+        assert "".join(c.text for c in mine) == choice.text
+        tokens = [t for c in mine if c.logprobs for t in c.logprobs.tokens]
+        offsets = [o for c in mine if c.logprobs for o in c.logprobs.text_offset]
+        assert tokens == choice.logprobs.tokens and offsets == choice.logprobs.text_offset
+        assert len(tokens) == MAX_TOKENS

@@ -3,6 +3,7 @@ pieces, bytes, text_offset), echo, n > 1, lists of prompts, logit_bias, models.r
 400s of unsupported fields. Expected token ids come from the TGI route's details and expected
 strings from the model's own Hugging Face tokenizer."""
 import re
+import time
 
 import httpx
 import openai
@@ -193,3 +194,19 @@ def test_unsupported_chat_fields_are_named(client):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], tools=tools)
     assert err.value.body["param"] == "tools"
     assert client.completions.create(model="tiny", prompt="a", max_tokens=2, best_of=2, n=2).choices[1].index == 1
+
+
+def test_hanging_up_on_n_choices_aborts_them_all(client, server):
+    aborted = server.metric("mindspec_requests_total", status="aborted")
+    stream = client.completions.create(model="tiny", prompt="while True:", n=2, max_tokens=400, temperature=1.0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 3:
+            stream.close()
+            break
+    for _ in range(100):
+        if server.metric("mindspec_requests_total", status="aborted") == aborted + 2:
+            break
+        time.sleep(0.1)
+    assert server.metric("mindspec_requests_total", status="aborted") == aborted + 2
+    assert server.metric("mindspec_kv_blocks_used") == 0 and server.healthy()
