@@ -1,4 +1,5 @@
-"""Maps the top-level backends/, plugins/ and models/ folders into the mindspec namespace."""
+"""Maps the top-level backends/, plugins/ and models/ folders into the mindspec namespace, and the
+top-level configs/ (ready-made MindIE config.json files) to mindspec/configs/ in the wheel."""
 from setuptools import find_packages, setup
 
 NAMESPACED = ("backends", "plugins", "models")
@@ -8,10 +9,14 @@ package_dir = {"mindspec": "mindspec"}
 for top in NAMESPACED:
     package_dir[f"mindspec.{top}"] = top
     packages += [f"mindspec.{name}" for name in find_packages(include=[top, f"{top}.*"])]
+# configs/ holds only JSON (no __init__.py): a data-only package, found by
+# mindspec.config.defaults.shipped_config_path
+package_dir["mindspec.configs"] = "configs"
+packages.append("mindspec.configs")
 
 setup(
     packages=packages,
     package_dir=package_dir,
-    package_data={"mindspec": ["assets/**/*", "configs/*.json"]},
+    package_data={"mindspec": ["assets/**/*"], "mindspec.configs": ["*.json"]},
     include_package_data=True,
 )

@@ -287,12 +287,22 @@ def _parallel(s: _Section) -> dict:
     return dict(world_size=world, dp=dp, tp=tp, moe_ep=parallel.moe_ep, dist_timeout=parallel.timeout_s)
 
 
-def _model(s: _Section, base_dir: Path) -> ModelConfig:
-    weight_path = s.str("modelWeightPath", None)
+def _weight_path(s: _Section, base_dir: Path) -> str:
+    """The checkpoint folder: "mindspec:default" or no key is the shipped model; a relative path is
+    taken from the config file's folder."""
+    from mindspec.config.defaults import DEFAULT_MODEL_REF, default_model_dir  # late: defaults imports this module
+
+    weight_path = s.str("modelWeightPath", DEFAULT_MODEL_REF)
+    if weight_path == DEFAULT_MODEL_REF:
+        return str(default_model_dir())
     if not weight_path:
-        raise ConfigError(f"{s._where('modelWeightPath')}: is required (the checkpoint directory)")
-    if not Path(weight_path).is_absolute():
-        weight_path = str((base_dir / weight_path).resolve())
+        raise ConfigError(f"{s._where('modelWeightPath')}: must not be empty (omit it or write "
+                          f"{DEFAULT_MODEL_REF!r} for the shipped model)")
+    return weight_path if Path(weight_path).is_absolute() else str((base_dir / weight_path).resolve())
+
+
+def _model(s: _Section, base_dir: Path) -> ModelConfig:
+    weight_path = _weight_path(s, base_dir)
     raw = s.data.get("plugin_params")
     try:
         parse_plugin_params(raw)

@@ -27,12 +27,13 @@ CONFIG_ENV = "MIES_CONFIG_JSON_PATH"
 
 
 def resolve_config(path: Optional[str]) -> MindieConfig:
-    """--config, else $MIES_CONFIG_JSON_PATH, else the built-in default (the shipped model)."""
+    """--config, else $MIES_CONFIG_JSON_PATH, else the built-in default (the shipped model). A
+    name that is not a file but a shipped config's ("config_cpu_no_mtp") loads that config."""
+    from mindspec.config.defaults import default_config, find_config
+
     path = path or os.environ.get(CONFIG_ENV)
     if path:
-        return load_config(path)
-    from mindspec.config.defaults import default_config
-
+        return load_config(find_config(path))
     return default_config()
 
 

@@ -88,7 +88,7 @@ def test_bad_values_name_their_path(keys, value, message):
     "key, value, message",
     [("backendType", "tpu", "backendType: must be one of"), ("dtype", "int8", "dtype"),
      ("plugin_params", "{bad", "plugin_params: plugin_params is not valid JSON"),
-     ("modelWeightPath", "", "modelWeightPath: is required"), ("dp", 0, "dp: must be in >= 1")],
+     ("modelWeightPath", "", "modelWeightPath: must not be empty"), ("dp", 0, "dp: must be in >= 1")],
 )
 def test_bad_model_values_name_their_path(key, value, message):
     d = _sample()

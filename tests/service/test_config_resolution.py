@@ -21,6 +21,16 @@ def test_environment_variable_is_used(monkeypatch, tiny_model, tmp_path):
     assert resolve_config(str(path)).server.port == 1
 
 
+def test_shipped_config_by_name(monkeypatch, tmp_path):
+    """`mindspec serve --config config_cpu_no_mtp` from any folder: the ready-made config."""
+    monkeypatch.chdir(tmp_path)
+    cfg = resolve_config("config_cpu_no_mtp")
+    assert cfg.source.endswith("config_cpu_no_mtp.json") and cfg.model.plugin_params is None
+    assert cfg.model.model_weight_path == str(DEFAULT_MODEL_DIR)
+    monkeypatch.setenv(CONFIG_ENV, "config_npu")
+    assert resolve_config(None).model.backend_type == "npu"
+
+
 def test_serve_default_model(tmp_path):
     """The shipped model behind a real server, as the README's curl shows it; Ctrl-C stops it cleanly."""
     ports = (free_port(), free_port(), free_port())
