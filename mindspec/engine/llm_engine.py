@@ -128,7 +128,8 @@ class LLMEngine:
         params = params or SamplingParams()
         self.check_params(params)
         seq_id = next(self._ids)
-        seq = Sequence(seq_id=seq_id, prompt_token_ids=self.encode(prompt), max_tokens=params.max_tokens, sampling_params=params)
+        seq = Sequence(seq_id=seq_id, prompt_token_ids=self.encode(prompt), max_tokens=params.max_tokens, sampling_params=params,
+                       prompt_only=params.max_tokens == 0)  # SamplingParams allows 0 with prompt_logprobs only
         self.scheduler.add(seq)
         state = self._new_state(seq, prompt if isinstance(prompt, str) else None, request_id)
         self.requests[seq_id] = state
@@ -243,6 +244,9 @@ class LLMEngine:
         if batch.is_prefill:
             for b, seq in enumerate(batch.seqs):
                 state = self.requests[seq.seq_id]
+                if seq.sampling_params.prompt_logprobs is not None and not state.prompt_logprobs_done:
+                    state.set_prompt_logprobs(outputs.prompt_logprobs.get(seq.seq_id))
+                    state.prompt_logprobs_done = True  # a recompute after a preemption changes nothing
                 if state.export_kv:
                     state.handoff = PrefillHandoff(list(seq.prompt_token_ids), outputs.accepted[b][0], self._read_kv(seq))
         updates = self.scheduler.postprocess(batch, outputs.accepted, self._is_stop)

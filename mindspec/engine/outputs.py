@@ -60,6 +60,10 @@ class RequestOutput:
     top_logprobs: Optional[list[dict[int, float]]] = None
     spec_decode: Optional[SpecDecodeStats] = None
     num_preemptions: int = 0
+    # With SamplingParams.prompt_logprobs, from the output after the prefill on: one entry per
+    # prompt token, None for the first (no context); log_softmax of the raw logits.
+    prompt_logprobs: Optional[list[Optional[float]]] = None
+    prompt_top_logprobs: Optional[list[Optional[dict[int, float]]]] = None
 
 
 @dataclass

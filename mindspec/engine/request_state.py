@@ -23,6 +23,9 @@ class RequestState:
     logprobs: Optional[list[float]] = None
     top_logprobs: Optional[list[dict[int, float]]] = None
     spec_decode: Optional[SpecDecodeStats] = None
+    prompt_logprobs: Optional[list[Optional[float]]] = None  # set once, after the prefill
+    prompt_top_logprobs: Optional[list[Optional[dict[int, float]]]] = None
+    prompt_logprobs_done: bool = False
     pending_text: str = field(default="")  # text produced since the last output was built
     export_kv: bool = False  # PD prefill node: capture the prompt KV after prefill
     handoff: Optional[object] = None  # the PrefillHandoff once captured
@@ -40,6 +43,19 @@ class RequestState:
         if matched:
             self.stop_reason = self.stop_matcher.matched_stop
         return matched
+
+    def set_prompt_logprobs(self, scored) -> None:
+        """Fill the prompt logprobs from a prefill's PromptLogprobs (prompt_logprobs.py; None for
+        a one-token prompt, which has nothing to score); entries before ``scored.first`` (entry 0,
+        or those of a prefix whose KV was shared) must be filled in already."""
+        n = self.seq.num_prompt_tokens
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs, self.prompt_top_logprobs = [None] * n, [None] * n
+        if scored is None:
+            return
+        end = scored.first + len(scored.chosen)
+        self.prompt_logprobs[scored.first:end] = scored.chosen.tolist()
+        self.prompt_top_logprobs[scored.first:end] = scored.top_dicts(self.seq.prompt_token_ids)
 
     def finish_text(self) -> None:
         if self.detokenizer is None or isinstance(self.stop_reason, str):  # a stop string ended it
@@ -71,6 +87,8 @@ class RequestState:
             top_logprobs=self.top_logprobs,
             spec_decode=self.spec_decode,
             num_preemptions=seq.num_preemptions,
+            prompt_logprobs=self.prompt_logprobs,
+            prompt_top_logprobs=self.prompt_top_logprobs,
         )
         self.pending_text = ""
         return out

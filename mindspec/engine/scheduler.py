@@ -155,8 +155,11 @@ class Scheduler:
         # Output limit: min(maxIterTimes, max_tokens), prompt + output <= maxSeqLen, and the last
         # decode step (num_tokens = n + max_tokens - 1, plus drafts) must fit the whole cache: a
         # sequence that could outgrow it would preempt itself forever.
+        # max_tokens 0 stays 0 only for a sequence that scores its prompt (prompt_logprobs): it
+        # finishes after its prefill without a token. Otherwise at least one token, as always.
+        floor = 0 if seq.prompt_only else 1
         seq.max_tokens = max(
-            1, min(seq.max_tokens, cfg.max_iter_times, cfg.max_seq_len - n, capacity - n + 1)
+            floor, min(seq.max_tokens, cfg.max_iter_times, cfg.max_seq_len - n, capacity - n + 1)
         )
 
     def add_prefilled(self, seq: Sequence) -> None:
@@ -332,6 +335,10 @@ class Scheduler:
             # KV now covers every token fed this step that was accepted (the last token and the
             # accepted drafts); the newest token is fed, and cached, next step.
             seq.num_cached_tokens = seq.num_tokens if batch.is_prefill else seq.num_cached_tokens + len(tokens)
+            if seq.max_tokens == 0:  # scored the prompt only: the prefill's token is dropped
+                self._finish(seq, FinishReason.LENGTH)
+                updates.append(SeqUpdate(seq, [], True))
+                continue
             appended = []
             for token in tokens:
                 seq.append_token(token)

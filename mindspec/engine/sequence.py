@@ -33,6 +33,7 @@ class Sequence:
     finish_reason: Optional[FinishReason] = None
     num_preemptions: int = 0
     extra: dict = field(default_factory=dict)  # plugin state keyed by plugin name
+    prompt_only: bool = False  # max_tokens 0 allowed: the prefill scores the prompt, nothing is generated
 
     @property
     def token_ids(self) -> list[int]:

@@ -113,6 +113,11 @@ class ModelWrapper:
             return self.graph_runner.forward(inputs)
         return self.forward(to_device(inputs, self.device, tree_mask))
 
+    def lm_head_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[R, vocab] float32 logits of hidden states the model returned (after the final norm):
+        the main model's lm_head, as its forward applies it at lm_head_indices."""
+        return self.backend.linear(hidden_states, self.model.lm_head).float()
+
     def forward_mtp(self, module_idx: int, inputs: DeviceInputs, hidden_states: torch.Tensor):
         self._prepare(inputs)
         return self.model.forward_mtp(

@@ -18,6 +18,7 @@ import numpy as np
 
 from mindspec.modeling.forward_metadata import build_model_inputs
 from mindspec.plugins.plugin import Plugin
+from mindspec.text_generator import prompt_logprobs
 from mindspec.text_generator.generator import Generator, GeneratorOutput
 from mindspec.text_generator.sampling.metadata import SamplingMetadata
 from mindspec.text_generator.sampling.sampler import Sampler
@@ -57,6 +58,10 @@ class PluginManager:
     def execute(self, batch: StepBatch, inputs: StepInputs) -> StepOutputs:
         """Device: forward, sample, verify; then the plugins' caches for the next step."""
         outputs = self.forward(batch, inputs)
+        if batch.is_prefill and any(prompt_logprobs.wanted(s) for s in batch.seqs):
+            outputs.prompt_logprobs = prompt_logprobs.compute(
+                batch.seqs, inputs.model_inputs, outputs.hidden_states, self.generator.model_wrapper.lm_head_logits
+            )
         for plugin in self.plugins:
             inputs = plugin.sample_preprocess(batch, inputs)
         self.sample(batch, inputs, outputs)

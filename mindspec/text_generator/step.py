@@ -60,6 +60,8 @@ class StepOutputs:
     accepted: list[list[int]] = field(default_factory=list)
     num_draft_accepted: Optional[list[int]] = None
     accepted_rows: list[list[int]] = field(default_factory=list)  # logits rows of the accepted tokens
+    # Prefill: prompt logprobs of the sequences that asked, by seq_id (prompt_logprobs.py)
+    prompt_logprobs: dict = field(default_factory=dict)
     _drafts_host: Optional[np.ndarray] = field(default=None, repr=False)
 
     def drafts_host(self) -> Optional[np.ndarray]:

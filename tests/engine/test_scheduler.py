@@ -370,6 +370,23 @@ def test_max_tokens_clip_order():
         assert seq.max_tokens == got, (n, asked)
 
 
+def test_prompt_only_sequence_finishes_at_its_prefill_without_a_token():
+    s = _sched(num_blocks=20)
+    scoring = _seq(0, 6, max_tokens=0)
+    scoring.prompt_only = True
+    other = _seq(1, 6, max_tokens=0)  # max_tokens 0 without prompt_only is still clipped to 1
+    s.add(scoring)
+    s.add(other)
+    assert (scoring.max_tokens, other.max_tokens) == (0, 1)
+    batch = s.schedule()
+    assert batch.is_prefill and batch.seqs == [scoring, other]
+    updates = s.postprocess(batch, [[5], [5]], never_stop)
+    assert [(u.new_token_ids, u.finished) for u in updates] == [([], True), ([5], True)]
+    assert scoring.output_token_ids == [] and scoring.finish_reason.value == "length"
+    assert s.block_manager.num_free_blocks == s.block_manager.num_usable_blocks
+    assert not s.has_unfinished()
+
+
 def test_config_validation():
     for name in ("max_batch_size", "max_prefill_batch_size", "max_prefill_tokens", "max_input_token_len",
                  "max_iter_times"):
