@@ -36,6 +36,9 @@ def test_absent_model_path_is_the_shipped_model():
 
 
 def test_shipped_config_by_name():
+    from mindspec.config import shipped_config_names, shipped_config_path as exported
+
+    assert exported is shipped_config_path and "config_cpu_no_mtp" in shipped_config_names()
     assert shipped_config_path("config_cpu_no_mtp") == CONFIGS / "config_cpu_no_mtp.json"
     assert shipped_config_path("config_cuda.json") == CONFIGS / "config_cuda.json"
     assert load_config(shipped_config_path("config_cpu_no_mtp")).model.plugin_params is None
