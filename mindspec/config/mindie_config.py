@@ -3,9 +3,10 @@
 Keys keep MindIE's camelCase spelling; defaults are MindIE's. mindspec adds to ``ModelConfig``:
 ``backendType`` also accepts cpu / cuda / auto (atb and torch mean npu), ``dtype``,
 ``decodeGraphs`` (decode steps as captured graphs on cuda/npu, torch.compile on cpu; absent: on
-where graphs exist, off on cpu), and to ``ScheduleConfig``: ``numBlocks`` (a fixed KV block count instead of a memory budget) and
-``asyncScheduling`` (MindIE's MINDIE_ASYNC_SCHEDULING_ENABLE as a config key), ``waitingServedRatio`` and
-``maxWaitingSteps`` (prefill batching while sequences decode: TGI's waiting_served_ratio and
+where graphs exist, off on cpu), ``cpuThreads`` (cpu backend threads per process), and to
+``ScheduleConfig``: ``numBlocks`` (a fixed KV block count instead of a memory budget),
+``asyncScheduling`` (MindIE's MINDIE_ASYNC_SCHEDULING_ENABLE as a config key), ``waitingServedRatio``
+and ``maxWaitingSteps`` (prefill batching while sequences decode: TGI's waiting_served_ratio and
 max_waiting_tokens; engine/scheduler.py).
 Every bad value is one ConfigError naming its JSON path. mindspec.config.schema lists every MindIE
 key and what mindspec does with it; MindIE keys mindspec ignores are named in one warning line.
@@ -91,6 +92,8 @@ class ModelConfig:
     tp: int = 1
     # mindspec: decode steps as captured graphs (cuda/npu) or torch.compile (cpu); None = backend default
     decode_graphs: Optional[bool] = None
+    # mindspec (cpuThreads): intra-op threads per process on the cpu backend; None = default policy
+    cpu_threads: Optional[int] = None
     extra: dict = field(default_factory=dict)
     # Multi-process runs (mindspec.distributed): MindIE's moe_ep; mindspec's distTimeout (seconds
     # any collective or rendezvous waits). PD: MindIE's kv_trans_timeout / kv_link_timeout.
@@ -321,6 +324,7 @@ def _model(s: _Section, base_dir: Path) -> ModelConfig:
         kv_trans_timeout=s.num("kv_trans_timeout", 10.0),
         kv_link_timeout=s.num("kv_link_timeout", 1080.0),
         decode_graphs=None if s.data.get("decodeGraphs") is None else s.bool("decodeGraphs", False),
+        cpu_threads=s.int("cpuThreads", None, 1),
         extra={k: v for k, v in s.data.items() if k not in _MODEL_KEYS},
     )
 

@@ -166,6 +166,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "dtype": _ext("ModelConfig.dtype"),
         "decodeGraphs": _ext("ModelConfig.decode_graphs"),
         "distTimeout": _ext("ModelConfig.dist_timeout"),
+        "cpuThreads": _ext("ModelConfig.cpu_threads -> EngineArgs.cpu_threads (cpu backend threads per process; "
+                           "absent: the default policy)"),
     },
     "BackendConfig.ScheduleConfig": {
         "templateType": _use("checked: \"Standard\" (prefill and decode in separate batches; Mix = SplitFuse is not available)"),

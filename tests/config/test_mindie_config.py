@@ -88,7 +88,9 @@ def test_bad_values_name_their_path(keys, value, message):
     "key, value, message",
     [("backendType", "tpu", "backendType: must be one of"), ("dtype", "int8", "dtype"),
      ("plugin_params", "{bad", "plugin_params: plugin_params is not valid JSON"),
-     ("modelWeightPath", "", "modelWeightPath: must not be empty"), ("dp", 0, "dp: must be in >= 1")],
+     ("modelWeightPath", "", "modelWeightPath: must not be empty"), ("dp", 0, "dp: must be in >= 1"),
+     ("cpuThreads", 0, "cpuThreads: must be in >= 1"), ("cpuThreads", "4", "cpuThreads: must be an integer"),
+     ("cpuThreads", 2.5, "cpuThreads: must be an integer")],
 )
 def test_bad_model_values_name_their_path(key, value, message):
     d = _sample()
@@ -106,6 +108,18 @@ def test_prefill_batching_keys_reach_the_scheduler():
     d["BackendConfig"]["ScheduleConfig"].update(waitingServedRatio=0, maxWaitingSteps=5)
     sched = EngineArgs.from_mindie_config(parse_config(d)).scheduler
     assert (sched.waiting_served_ratio, sched.max_waiting_steps) == (0.0, 5)
+
+
+def test_cpu_threads_reach_the_engine_args(caplog):
+    from mindspec.engine.args import EngineArgs
+
+    d = _sample()
+    assert parse_config(d).model.cpu_threads is None  # absent: the default thread policy
+    d["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["cpuThreads"] = 3
+    with caplog.at_level("WARNING"):
+        cfg = parse_config(d)
+    assert cfg.model.cpu_threads == 3 and caplog.records == [] and "cpuThreads" not in cfg.model.extra
+    assert EngineArgs.from_mindie_config(cfg).cpu_threads == 3
 
 
 def test_unreadable_files(tmp_path):
