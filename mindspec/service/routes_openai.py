@@ -11,6 +11,7 @@ from fastapi.responses import StreamingResponse
 
 from mindspec.engine.outputs import RequestOutput
 from mindspec.text_generator.sampling.params import SamplingParams
+from mindspec.text_generator.tokenizer import TokenizerError
 
 from .async_engine import Prompt
 from .errors import ApiError
@@ -117,7 +118,10 @@ def router(state: ServiceState) -> APIRouter:
         if tok is None or not tok.has_chat_template:
             raise ApiError(400, "this model has no chat template; use /v1/completions")
         messages = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
-        prompt = tok.apply_chat_template(messages)
+        try:
+            prompt = tok.apply_chat_template(messages)
+        except TokenizerError as exc:  # the template refused these messages (e.g. a role it raises on)
+            raise ApiError(400, str(exc), param="messages") from None
         params = body.sampling_params(max(1, state.max_seq_len - len(prompt)), logprobs=body.logprobs_k())
         rid = state.engine.new_request_id("chatcmpl")
         meta = {"id": rid, "created": int(time.time()), "model": state.model_name}
