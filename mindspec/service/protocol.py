@@ -175,8 +175,7 @@ class TgiParameters(_Body):
     priority: Optional[int] = None  # MindIE: 1 (highest) .. 5; this engine schedules first come, first served
     timeout: Optional[float] = None  # MindIE: the request's own end-to-end limit in seconds
 
-    # typical_p 1.0 is typical sampling switched off.
-    _UNSUPPORTED: ClassVar[dict[str, tuple]] = {"best_of": (None, 1), "typical_p": (None, 1.0), "watermark": (False,),
+    _UNSUPPORTED: ClassVar[dict[str, tuple]] = {"best_of": (None, 1), "watermark": (False,),
                                                 "grammar": (None,), "adapter_id": (None,)}
 
     def check_supported(self) -> None:
@@ -200,6 +199,7 @@ class TgiParameters(_Body):
             temperature=0.0 if greedy else (self.temperature or 1.0),
             top_k=self.top_k or 0,
             top_p=self.top_p if self.top_p is not None else 1.0,
+            typical_p=self.typical_p if self.typical_p is not None else 1.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
             seed=seed,

@@ -101,11 +101,11 @@ def test_stop_sequence_and_sampling_seed(client):
     assert replay.generated_text == sampled.generated_text
 
 
-def test_best_of_and_other_unsupported_fields_are_400(client, server):
+def test_best_of_and_other_unsupported_fields_are_400_typical_p_works(client, server):
     with pytest.raises(BadRequestError, match="best_of"):
         client.generate(PROMPT, max_new_tokens=2, best_of=2, do_sample=True)
-    with pytest.raises(BadRequestError, match="typical_p"):
-        client.generate(PROMPT, max_new_tokens=2, typical_p=0.5)
+    typical = client.generate(PROMPT, max_new_tokens=8, do_sample=True, typical_p=0.5, seed=4)  # supported
+    assert typical.generated_text == client.generate(PROMPT, max_new_tokens=8, do_sample=True, typical_p=0.5, seed=4).generated_text
     with pytest.raises(BadRequestError, match="watermark"):
         client.generate(PROMPT, max_new_tokens=2, watermark=True)
     r = httpx.post(server.base + "/", json={"inputs": PROMPT, "parameters": {"best_of": 3}}, timeout=60)

@@ -27,6 +27,7 @@ class SamplingMetadata:
     top_k: torch.Tensor  # [N] int64 in [1, V]; V = off
     top_p: torch.Tensor  # [N] fp32; 1.0 = off
     min_p: torch.Tensor  # [N] fp32; 0.0 = off
+    typical_p: torch.Tensor  # [N] fp32; 1.0 = off
     repetition_penalty: torch.Tensor  # [N] fp32
     presence_penalty: torch.Tensor  # [N] fp32
     frequency_penalty: torch.Tensor  # [N] fp32
@@ -43,6 +44,7 @@ class SamplingMetadata:
     any_top_k: bool
     any_top_p: bool
     any_min_p: bool
+    any_typical_p: bool
     any_seeded: bool
     max_num_logprobs: int | None  # max requested top-n over rows; None = nobody asked
     # penalty history (None when no row has penalties)
@@ -58,7 +60,7 @@ class SamplingMetadata:
 
     @property
     def any_filters(self) -> bool:
-        return self.any_top_k or self.any_top_p or self.any_min_p
+        return self.any_top_k or self.any_top_p or self.any_min_p or self.any_typical_p
 
     @classmethod
     def build(
@@ -109,6 +111,7 @@ class SamplingMetadata:
         top_k = [v if (p.top_k <= 0 or p.top_k >= v) else p.top_k for p in params]
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
+        typical_p = [p.typical_p for p in params]
         rep = [p.repetition_penalty for p in params]
         pres = [p.presence_penalty for p in params]
         freq = [p.frequency_penalty for p in params]
@@ -124,11 +127,11 @@ class SamplingMetadata:
             np.array(temperature, np.float32), np.array(greedy, np.bool_), np.array(top_k, np.int64),
             np.array(top_p, np.float32), np.array(min_p, np.float32), np.array(rep, np.float32),
             np.array(pres, np.float32), np.array(freq, np.float32), np.array(seeds, np.int64),
-            np.array(positions, np.int64),
+            np.array(positions, np.int64), np.array(typical_p, np.float32),
         ]
-        # One host-to-device copy for all ten on a GPU; on cpu the tensors share the arrays.
+        # One host-to-device copy for all eleven on a GPU; on cpu the tensors share the arrays.
         tensors = to_device_packed(columns, device)
-        temp_t, greedy_t, top_k_t, top_p_t, min_p_t, rep_t, pres_t, freq_t, seeds_t, pos_t = tensors
+        temp_t, greedy_t, top_k_t, top_p_t, min_p_t, rep_t, pres_t, freq_t, seeds_t, pos_t, typical_t = tensors
         md = cls(
             num_rows=n,
             vocab_size=v,
@@ -138,6 +141,7 @@ class SamplingMetadata:
             top_k=top_k_t,
             top_p=top_p_t,
             min_p=min_p_t,
+            typical_p=typical_t,
             repetition_penalty=rep_t,
             presence_penalty=pres_t,
             frequency_penalty=freq_t,
@@ -152,6 +156,7 @@ class SamplingMetadata:
             any_top_k=any(r and k < v for r, k in zip(rand, top_k)),
             any_top_p=any(r and p < 1.0 for r, p in zip(rand, top_p)),
             any_min_p=any(r and p > 0.0 for r, p in zip(rand, min_p)),
+            any_typical_p=any(r and p < 1.0 for r, p in zip(rand, typical_p)),
             any_seeded=any(r and s >= 0 for r, s in zip(rand, seeds)),
             max_num_logprobs=max(logprobs) if logprobs else None,
         )

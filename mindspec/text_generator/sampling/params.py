@@ -49,6 +49,8 @@ class SamplingParams:
     """Sampling parameters of one request.
 
     temperature 0 means greedy; top_k 0 or -1 and top_p 1 switch those filters off; min_p 0 is off.
+    typical_p < 1 is locally typical sampling (Meister et al.; HF's TypicalLogitsWarper, TGI's
+    typical_p): keep the tokens whose surprisal is closest to the entropy, up to typical_p mass.
     Penalties follow vLLM: repetition (HF rule, prompt + output tokens), frequency and presence
     (output tokens only). `seed` makes the request's tokens depend only on (seed, output position).
     min_tokens keeps stop_token_ids and EOS (unless ignore_eos) from being sampled too early.
@@ -64,6 +66,7 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    typical_p: float = 1.0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -99,6 +102,8 @@ class SamplingParams:
             self.top_p = float(self.top_p)
         if _is_number(self.min_p):
             self.min_p = float(self.min_p)
+        if _is_number(self.typical_p):
+            self.typical_p = float(self.typical_p)
         if isinstance(self.logit_bias, dict):
             self.logit_bias = _normalize_logit_bias(self.logit_bias)
 
@@ -114,6 +119,8 @@ class SamplingParams:
             bad("top_p", "must be in (0, 1]")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             bad("min_p", "must be in [0, 1]")
+        if not _is_number(self.typical_p) or not 0.0 < self.typical_p <= 1.0:
+            bad("typical_p", "must be in (0, 1] (1 = off)")
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
             bad("repetition_penalty", "must be a finite number > 0 (1 = off)")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -5,7 +5,8 @@ Pipeline per row (all fp32, vectorised over rows):
   2. greedy rows: argmax of the penalised logits (ties -> lowest id).
   3. random rows: divide by temperature; top-k keeps tokens >= the k-th largest logit; top-p keeps
      tokens whose strictly-larger mass (under the top-k renormalised distribution) is < top_p;
-     min-p keeps tokens with p >= min_p * p_max. Every filter is threshold based, so tokens tied
+     min-p keeps tokens with p >= min_p * p_max; typical-p keeps the tokens whose surprisal is
+     closest to the entropy of what is left, up to typical_p mass. Every filter is threshold based, so tokens tied
      with the last kept token are kept too, whatever the sort order. Softmax gives the target p.
   4. sample argmax(p / E), E ~ Exp(1) (the exponential race, exact for categorical p).
      Seeded rows draw E from their own generator seeded by (seed, output position), so a seeded
@@ -90,7 +91,25 @@ def filter_logits(scaled: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         p_max = probs.amax(dim=-1, keepdim=True)
         keep_p = probs >= md.min_p.unsqueeze(1) * p_max
         keep = keep_p if keep is None else keep & keep_p
+    if md.any_typical_p:
+        masked = scaled if keep is None else scaled.masked_fill(~keep, neg_inf)
+        keep_t = _typical_keep(masked, md.typical_p)
+        keep = keep_t if keep is None else keep & keep_t
     return scaled.masked_fill(~keep, neg_inf)
+
+
+def _typical_keep(masked: torch.Tensor, typical_p: torch.Tensor) -> torch.Tensor:
+    """[N, V] bool: locally typical sampling's kept set (HF's TypicalLogitsWarper rule, threshold
+    based like the other filters: ties with the last kept token stay). Rows at 1.0 keep all."""
+    logp = masked.log_softmax(dim=-1)
+    p = logp.exp()
+    entropy = -(logp * p).nansum(dim=-1, keepdim=True)
+    shift = (-logp - entropy).abs()  # removed tokens: inf, ranked last
+    sorted_shift, order = shift.sort(dim=-1)
+    csum = p.gather(1, order).cumsum(dim=-1)
+    last = (csum < typical_p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_(max=shift.shape[1] - 1)
+    keep = shift <= sorted_shift.gather(1, last)
+    return keep | (typical_p >= 1.0).unsqueeze(1)
 
 
 def probs_from_penalised(pen: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
