@@ -1,11 +1,20 @@
-"""``mindspec`` command line: ``mindspec generate``, ``mindspec serve``, ``mindspec bench``."""
+"""``mindspec`` command line: ``mindspec generate``, ``mindspec serve``, ``mindspec bench``.
+
+A user error (a bad argument, config, checkpoint, plugin parameter, a backend that cannot run here,
+a port in use) prints one line on stderr and exits with code 2; ``--debug`` (or
+``MINDSPEC_DEBUG=1``) shows its traceback instead.
+"""
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import socket
 import sys
+from dataclasses import replace
 from typing import Optional, Sequence
 
+from mindspec.backend import BackendError
 from mindspec.config.plugin_params import PluginParamsError
 from mindspec.engine.errors import RequestRejected
 from mindspec.modeling.errors import CheckpointError
@@ -13,22 +22,44 @@ from mindspec.plugins.plugin import PluginError
 from mindspec.text_generator.sampling.params import SamplingParamsError
 from mindspec.text_generator.tokenizer import TokenizerError
 
-# Errors caused by the user's input: one line on stderr, exit code 2, never a traceback.
+DEBUG_ENV = "MINDSPEC_DEBUG"
+
+
+class CliError(Exception):
+    """A user error the command line itself detects (a port in use, --chat without a tokenizer)."""
+
+
+# Errors caused by the user's input: one line on stderr, exit code 2, a traceback only with --debug.
+# BackendError: an unknown backend, or cuda/npu asked for where they cannot run. ValueError covers
+# ConfigError, ModelConfigError and the value checks of LLM's keywords.
 USER_ERRORS = (
-    CheckpointError, PluginParamsError, PluginError, RequestRejected, SamplingParamsError, TokenizerError,
-    ValueError, FileNotFoundError,
+    CliError, BackendError, CheckpointError, PluginParamsError, PluginError, RequestRejected, SamplingParamsError,
+    TokenizerError, ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError,
 )
+
+
+def _add_debug_arg(p: argparse.ArgumentParser, default) -> None:
+    p.add_argument("--debug", action="store_true", default=default,
+                   help=f"show tracebacks of user errors (also ${DEBUG_ENV}=1)")
+
+
+def _add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None,
+                   help="cpu backend: intra-op threads per process (default: $MINDSPEC_CPU_THREADS, else the "
+                        "config's cpuThreads, else chosen from the free cores; see mindspec.backends.cpu.backend)")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="checkpoint directory (Hugging Face layout, safetensors); default: the shipped model")
     src.add_argument("--config", help="MindIE-style config.json (or .yaml)")
-    p.add_argument("--backend", default="cpu", help="cpu | cuda | npu | auto (with --model)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (with --model)")
+    # None: the model's own default (the shipped model's or the config's); a value given replaces it
+    p.add_argument("--backend", default=None, help="cpu | cuda | npu | auto (default: cpu, or the config's)")
+    p.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16 (default: the model's)")
     p.add_argument("--plugin-params", default=None, help='e.g. \'{"plugin_type": "mtp", "num_speculative_tokens": 2}\'')
-    p.add_argument("--cache-block-size", type=int, default=128)
+    p.add_argument("--cache-block-size", type=int, default=None)
     p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: from memory)")
+    _add_threads_arg(p)
 
 
 def _generate_parser(sub) -> None:
@@ -43,7 +74,15 @@ def _generate_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--stats", action="store_true", help="print speculative-decoding statistics to stderr")
+    _add_debug_arg(p, argparse.SUPPRESS)
     p.set_defaults(func=_cmd_generate)
+
+
+def _model_kwargs(args: argparse.Namespace) -> dict:
+    """The model options given on the command line; the others keep the model's defaults."""
+    given = dict(backend=args.backend, dtype=args.dtype, plugin_params=args.plugin_params,
+                 cache_block_size=args.cache_block_size, num_blocks=args.num_blocks, cpu_threads=args.threads)
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -54,15 +93,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
         max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
     )
-    if args.config:
-        llm = LLM(config=args.config)
-    elif args.model is None:
-        llm = LLM()  # the shipped default model with MTP on
-    else:
-        llm = LLM(
-            model=args.model, backend=args.backend, dtype=args.dtype, plugin_params=args.plugin_params,
-            cache_block_size=args.cache_block_size, num_blocks=args.num_blocks,
-        )
+    # neither --model nor --config: the shipped default model (MTP on), with the options given
+    llm = LLM(model=args.model, config=args.config, **_model_kwargs(args))
     prompts = args.prompt
     if args.chat:
         if llm.tokenizer is None:
@@ -86,13 +118,82 @@ def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve OpenAI, MindIE and TGI routes from a MindIE-style config.json")
     p.add_argument("--config", default=None, help="config.json / .yaml (default: $MIES_CONFIG_JSON_PATH, else the shipped model)")
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (also $MINDSPEC_API_KEY)")
+    p.add_argument("--port", type=int, default=None, help="the business port (replaces ServerConfig.port)")
+    p.add_argument("--management-port", type=int, default=None, help="health routes (replaces ServerConfig.managementPort)")
+    p.add_argument("--metrics-port", type=int, default=None, help="/metrics (replaces ServerConfig.metricsPort)")
+    _add_threads_arg(p)
+    _add_debug_arg(p, argparse.SUPPRESS)
     p.set_defaults(func=_cmd_serve)
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
-    from mindspec.service.server import run
+PORT_OPTIONS = ("port", "management_port", "metrics_port")  # the --options and ServerConfig's fields
 
-    return run(args.config, args.api_key)
+
+def _with_ports(config, args: argparse.Namespace):
+    """The config with the ports given on the command line."""
+    given = {}
+    for name in PORT_OPTIONS:
+        value = getattr(args, name)
+        if value is None:
+            continue
+        if not 1 <= value <= 65535:
+            raise CliError(f"--{name.replace('_', '-')}: must be in 1..65535, got {value}")
+        given[name] = value
+    return replace(config, server=replace(config.server, **given)) if given else config
+
+
+def _listening(server_cfg) -> dict[int, tuple[str, str]]:
+    """port -> (host, what it is) for each port serve binds (ports with one number share a server).
+    The business port and the PD routes listen on ipAddress, health and metrics on
+    managementIpAddress."""
+    management_host = getattr(server_cfg, "management_ip_address", server_cfg.ip_address)
+    out = {server_cfg.metrics_port: (management_host, "ServerConfig.metricsPort"),
+           server_cfg.management_port: (management_host, "ServerConfig.managementPort")}
+    if server_cfg.pd_role in ("prefill", "decode"):
+        out[server_cfg.inter_comm_port] = (server_cfg.ip_address, "ServerConfig.interCommPort")
+    out[server_cfg.port] = (server_cfg.ip_address, "ServerConfig.port")
+    return out
+
+
+def check_ports_free(server_cfg) -> None:
+    """Before the model loads: a port another process listens on is one CliError naming it.
+    SO_REUSEADDR as uvicorn binds, so a port in TIME_WAIT from a previous run is not refused."""
+    for port, (host, what) in sorted(_listening(server_cfg).items()):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                raise CliError(f"cannot listen on {host}:{port} ({what}): {exc.strerror or exc}") from exc
+
+
+def _apply_threads(config, threads: Optional[int]) -> None:
+    """--threads > $MINDSPEC_CPU_THREADS > the config's cpuThreads > the default policy, set before
+    the engine is built (a PD router runs no model)."""
+    if config.server.pd_role == "router":
+        return
+    from mindspec.engine.args import EngineArgs
+
+    engine_args = EngineArgs.from_mindie_config(config)
+    engine_args.cpu_threads = engine_args.resolve_cpu_threads(threads)
+    engine_args.apply_cpu_threads(config.model.parallel.is_distributed)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from mindspec.distributed import launch
+    from mindspec.service import server
+
+    config = _with_ports(server.resolve_config(args.config), args)
+    _apply_threads(config, args.threads)
+    torchrun = launch.torchrun_env()
+    if torchrun is not None and torchrun[0] != 0:  # a follower rank: no HTTP, so no ports
+        return server.run(args.config, args.api_key)
+    check_ports_free(config.server)  # before the model loads, not after
+    asyncio.run(server.serve(config, args.api_key or os.environ.get("MINDSPEC_API_KEY")))
+    return 0
 
 
 def _bench_parser(sub) -> None:
@@ -113,6 +214,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mindspec", description="DeepSeek inference with speculative decoding")
     parser.add_argument("--log-level", default="WARNING")
+    _add_debug_arg(parser, False)
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_parser(sub)
@@ -120,16 +222,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def one_line(exc: BaseException) -> str:
+    """The error as one line: its message's lines joined (a traceback is for --debug)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return " ".join(lines) or type(exc).__name__
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # its own parser, which also serves --backend cuda's arguments
         argv = ["bench", "--", *argv[1:]]
     args = build_parser().parse_args(argv)
+    debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except USER_ERRORS as exc:
-        print(f"mindspec: error: {exc}", file=sys.stderr)
+        if debug:
+            raise
+        print(f"mindspec: error: {one_line(exc)}", file=sys.stderr)
         return 2
 
 

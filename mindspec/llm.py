@@ -15,7 +15,11 @@ from mindspec.text_generator.sampling.params import SamplingParams
 
 class LLM:
     """Offline generation. With neither ``model`` nor ``config`` it runs the shipped default model
-    with MTP (num_speculative_tokens 3).
+    with MTP (num_speculative_tokens 3). Keywords left at None keep the model's own setting (the
+    shipped model's, the config's, or EngineArgs' defaults for ``model=``); a keyword given replaces
+    it, with the shipped model and a config too (``LLM(backend="npu")`` runs the shipped model on
+    npu or fails saying why). ``cpu_threads``: intra-op threads of the cpu backend (see
+    ``mindspec.backends.cpu.backend.set_cpu_threads`` for the default policy).
 
     >>> llm = LLM(model="path/to/deepseek", backend="cpu", dtype="float32")
     >>> llm.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=32))[0].text
@@ -26,10 +30,10 @@ class LLM:
         model: Optional[str] = None,
         *,
         config: Optional[Union[str, Path]] = None,
-        backend: str = "cpu",
-        dtype: str = "auto",
+        backend: Optional[str] = None,
+        dtype: Optional[str] = None,
         plugin_params: Union[str, dict, None] = None,
-        cache_block_size: int = 128,
+        cache_block_size: Optional[int] = None,
         num_blocks: Optional[int] = None,
         kv_cache_gb: Optional[float] = None,
         device: Optional[str] = None,
@@ -38,38 +42,39 @@ class LLM:
         moe_ep: int = 1,
         dist_timeout: float = 600.0,
         decode_graphs: Optional[bool] = None,
+        cpu_threads: Optional[int] = None,
         **scheduler_limits,
     ):
         if model is not None and config is not None:
             raise ValueError("pass model=DIR or config=PATH_TO_CONFIG_JSON, not both")
+        # None means "the model's own default" (EngineArgs' for model=, the shipped model's or the
+        # config's otherwise); a value given always replaces it, never silently ignored.
+        given = dict(backend=backend, dtype=dtype, plugin_params=plugin_params, cache_block_size=cache_block_size,
+                     num_blocks=num_blocks, kv_cache_gb=kv_cache_gb, device=device, decode_graphs=decode_graphs)
         # dp ranks (attention data parallel) with moe_ep-way expert parallel: dp - 1 more processes
         parallel, where = ParallelConfig(world_size=dp, dp=dp, moe_ep=moe_ep, timeout_s=dist_timeout), ""
         if model is None and config is None:  # the shipped default model, MTP on (K = 3)
             from mindspec.config.defaults import default_config
 
             args = EngineArgs.from_mindie_config(default_config(), progress=progress)
-            _override(args, plugin_params=plugin_params, num_blocks=num_blocks, kv_cache_gb=kv_cache_gb,
-                      device=device, decode_graphs=decode_graphs, **scheduler_limits)
+            _override(args, **given, **scheduler_limits)
         elif config is not None:
             from mindspec.config.mindie_config import load_config
 
             mindie = load_config(config)
             args = EngineArgs.from_mindie_config(mindie, progress=progress)
+            _override(args, **given, **scheduler_limits)
             parallel, where = mindie.model.parallel, MODEL_CONFIG_PATH
         else:
             args = EngineArgs(
                 model=str(model),
-                backend=backend,
-                dtype=dtype,
-                device=device,
-                plugin_params=plugin_params,
-                cache_block_size=cache_block_size,
-                num_blocks=num_blocks,
-                kv_cache_gb=kv_cache_gb,
                 scheduler=SchedulerConfig(**scheduler_limits),
                 progress=progress,
-                decode_graphs=decode_graphs,
+                **{k: v for k, v in given.items() if v is not None},
             )
+        # the keyword beats $MINDSPEC_CPU_THREADS, which beats the config's cpuThreads
+        args.cpu_threads = args.resolve_cpu_threads(cpu_threads)
+        args.apply_cpu_threads(parallel.is_distributed)
         self.engine = build_engine(args, parallel, where)
 
     def close(self) -> None:
@@ -108,3 +113,4 @@ def _override(args: EngineArgs, **given) -> None:
         if not hasattr(target, key):
             raise TypeError(f"LLM() got an unexpected keyword argument {key!r}")
         setattr(target, key, value)
+    args.validate()

@@ -1,12 +1,19 @@
 """`mindspec generate` as a user runs it: the installed console script, a real checkpoint dir."""
+import importlib.util
+import json
+import os
 import shutil
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.support.checkpoints import make_checkpoint, tiny_v3_config
 from tests.support.tokenizers import make_tokenizer
+
+SHIPPED_MODEL = Path(__file__).resolve().parents[1] / "mindspec" / "assets" / "default_model"
 
 
 @pytest.fixture(scope="module")
@@ -16,10 +23,12 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def _run(*args):
+def _run(*args, env=None):
     exe = shutil.which("mindspec")
     cmd = [exe] if exe else [sys.executable, "-m", "mindspec.cli"]
-    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=300)
+    # a developer's MINDSPEC_DEBUG must not turn the one-line errors checked here into tracebacks
+    full_env = {k: v for k, v in os.environ.items() if k != "MINDSPEC_DEBUG"} | (env or {})
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=300, env=full_env)
 
 
 def test_generate_prints_text(model_dir):
@@ -43,3 +52,84 @@ def test_bad_model_dir_is_one_line_error(tmp_path):
 def test_bad_sampling_value_is_named(model_dir):
     res = _run("generate", "--model", str(model_dir), "--prompt", "hi", "--temperature", "-1")
     assert res.returncode == 2 and "temperature" in res.stderr and "Traceback" not in res.stderr
+
+
+# ---- user errors: one line on stderr, exit code 2, a traceback only with --debug ---------------------
+
+
+def _one_line_error(res, *needles):
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2, res.stderr
+    assert len(lines) == 1 and lines[0].startswith("mindspec: error: "), res.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def test_backend_npu_applies_to_the_shipped_model():
+    # No --model: the shipped model, which must not silently stay on cpu.
+    if importlib.util.find_spec("torch_npu") is not None:
+        pytest.skip("torch_npu is installed; the error path needs a machine without it")
+    res = _run("generate", "--backend", "npu", "--prompt", "x", "--max-tokens", "2")
+    _one_line_error(res, "npu", "torch_npu")
+
+
+def test_backend_cuda_without_a_gpu_is_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible; the error path needs a machine without one")
+    res = _run("generate", "--model", str(SHIPPED_MODEL), "--backend", "cuda", "--prompt", "x")
+    _one_line_error(res, "cuda", "CUDA device")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--backend", "tpu"], "unknown backend 'tpu'"),
+    (["--dtype", "float64"], "dtype"),
+    (["--plugin-params", "{bad json"], "plugin_params"),
+    (["--plugin-params", '{"plugin_type": "mtp", "num_speculative_tokens": 9}'], "num_speculative_tokens"),
+    (["--num-blocks", "1"], "num_blocks"),
+    (["--cache-block-size", "0"], "cache_block_size"),
+    (["--threads", "0"], "cpu_threads"),
+])
+def test_bad_option_with_the_shipped_model_is_one_line(args, needle):
+    _one_line_error(_run("generate", *args, "--prompt", "x", "--max-tokens", "2"), needle)
+
+
+def test_bad_config_is_one_line(tmp_path):
+    cfg = tmp_path / "config.json"
+    model = {"modelWeightPath": str(SHIPPED_MODEL)}
+    cfg.write_text(json.dumps({"BackendConfig": {"ModelDeployConfig": {"ModelConfig": [model]},
+                                                 "ScheduleConfig": {"maxBatchSize": -3}}}))
+    _one_line_error(_run("generate", "--config", str(cfg), "--prompt", "x"), "maxBatchSize")
+    cfg.write_text("{not json")
+    _one_line_error(_run("generate", "--config", str(cfg), "--prompt", "x"))
+
+
+def test_bad_checkpoint_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    _one_line_error(_run("generate", "--model", str(tmp_path), "--prompt", "x"))
+
+
+def test_debug_shows_the_traceback():
+    for extra_args, env in ((["--debug"], {}), ([], {"MINDSPEC_DEBUG": "1"})):
+        res = _run("generate", *extra_args, "--backend", "tpu", "--prompt", "x", env=env)
+        assert res.returncode != 0 and "Traceback" in res.stderr and "unknown backend 'tpu'" in res.stderr
+
+
+def test_serve_on_a_port_in_use_is_one_line():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = _run("serve", "--port", str(port), "--management-port", str(port), "--metrics-port", str(port))
+    _one_line_error(res, f"127.0.0.1:{port}", "ServerConfig.port")
+
+
+def test_options_apply_to_the_shipped_model():
+    # --plugin-params '' turns MTP off on the shipped model: --stats then has no speculation line.
+    on = _run("generate", "--prompt", "def f(x):", "--max-tokens", "4", "--stats")
+    off = _run("generate", "--prompt", "def f(x):", "--max-tokens", "4", "--stats", "--plugin-params", "")
+    assert on.returncode == 0 and off.returncode == 0, on.stderr + off.stderr
+    assert "[spec]" in on.stderr and "[spec]" not in off.stderr
+    assert on.stdout == off.stdout  # lossless: greedy output is the same with and without MTP

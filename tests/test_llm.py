@@ -1,4 +1,6 @@
 """LLM.generate end to end: greedy output equals transformers' greedy generate, token for token."""
+import importlib.util
+
 import numpy as np
 import pytest
 import torch
@@ -95,3 +97,49 @@ def test_keywords_apply_to_the_shipped_default_model():
     assert engine.plugin_manager.plugins[0].k == 1
     with pytest.raises(TypeError, match="max_batch"):
         LLM(progress=False, max_batch=3)
+
+
+# ---- keywords given with the shipped model or a config apply; None keeps the model's default ---------
+
+
+def test_backend_keyword_is_not_ignored_for_the_shipped_model():
+    from mindspec.backend import BackendError
+
+    if importlib.util.find_spec("torch_npu") is not None:
+        pytest.skip("torch_npu is installed; the error path needs a machine without it")
+    with pytest.raises(BackendError, match="torch_npu"):
+        LLM(backend="npu", progress=False)
+
+
+def test_dtype_and_block_size_apply_to_the_shipped_model():
+    llm = LLM(dtype="bfloat16", cache_block_size=8, num_blocks=24, progress=False)
+    assert llm.engine.model_wrapper.dtype == torch.bfloat16
+    assert llm.engine.args.cache_block_size == 8 and llm.engine.block_manager.num_blocks == 24
+    default = LLM(num_blocks=24, progress=False)  # None keeps the shipped config's float32, 16
+    assert default.engine.model_wrapper.dtype == torch.float32 and default.engine.args.cache_block_size == 16
+
+
+def test_keywords_apply_with_a_config(tmp_path):
+    import json
+
+    from mindspec.config.defaults import DEFAULT_MODEL_DIR
+
+    model = {"modelWeightPath": str(DEFAULT_MODEL_DIR), "backendType": "cpu", "dtype": "float32",
+             "plugin_params": {"plugin_type": "mtp", "num_speculative_tokens": 2}}
+    (tmp_path / "config.json").write_text(json.dumps({"BackendConfig": {
+        "ModelDeployConfig": {"ModelConfig": [model]}, "ScheduleConfig": {"numBlocks": 40, "maxBatchSize": 4}}}))
+    llm = LLM(config=tmp_path / "config.json", num_blocks=30, max_batch_size=2, plugin_params="", progress=False)
+    assert llm.engine.block_manager.num_blocks == 30 and llm.engine.scheduler.config.max_batch_size == 2
+    assert llm.engine.plugin_manager.plugins == []
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"dtype": "float64"}, "dtype"), ({"num_blocks": 1}, "num_blocks"), ({"cache_block_size": 0}, "cache_block_size"),
+    ({"kv_cache_gb": -1.0}, "kv_cache_gb"), ({"cpu_threads": 0}, "cpu_threads"),
+])
+def test_bad_keyword_values_name_the_field_before_loading(kwargs, field, tmp_path):
+    # tmp_path has no checkpoint: the value is refused before anything tries to load one
+    with pytest.raises(ValueError, match=field):
+        LLM(model=str(tmp_path), progress=False, **kwargs)
+    with pytest.raises(ValueError, match=field):
+        LLM(progress=False, **kwargs)

@@ -111,6 +111,63 @@ def _swap_pairs(P: int, device: torch.device) -> torch.Tensor:
     return torch.arange(P, device=device).view(-1, 2).flip(-1).reshape(-1)
 
 
+# ---- threads --------------------------------------------------------------------------------------
+# Thread policy (measured: benchmarks/results/cpu_threads.json, mindspec.bench.threads). The kernels
+# are OpenMP parallel regions a few microseconds long, thousands per decode step. When another
+# process holds one of the cores, OpenMP's default wait policy has the idle team threads spin
+# between regions, and a thread that was descheduled holds every barrier up: a request took
+# ~10x longer with 2 threads than with 1. With OMP_WAIT_POLICY=PASSIVE (set by mindspec/__init__.py
+# unless the environment already sets it; OpenMP reads it once, when torch loads) waiting threads
+# sleep instead, and every core the process may run on is used: as fast as one thread with a busy
+# neighbour, faster than one on an idle machine. So the default is: one thread per core this
+# process may run on (its affinity mask), divided among the dp ranks sharing the host.
+THREADS_ENV = "MINDSPEC_CPU_THREADS"
+
+
+def check_cpu_threads(value, where: str) -> int:
+    """A thread count: an integer >= 1 (a bool is not one), else a ValueError naming ``where``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where}: must be an integer >= 1 (cpu threads), got {value!r}")
+    return value
+
+
+def cpu_threads_from_env() -> Optional[int]:
+    """$MINDSPEC_CPU_THREADS as a count, None when unset or empty."""
+    raw = os.environ.get(THREADS_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"${THREADS_ENV}: must be an integer >= 1 (cpu threads), got {raw!r}") from None
+    return check_cpu_threads(value, f"${THREADS_ENV}")
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: its affinity mask (a container's or taskset's cpuset), which
+    os.cpu_count() ignores."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - no sched_getaffinity (macOS, Windows)
+        return max(1, os.cpu_count() or 1)
+
+
+def default_cpu_threads(ranks_on_host: int = 1) -> int:
+    return max(1, usable_cores() // max(1, ranks_on_host))
+
+
+def set_cpu_threads(requested: Optional[int] = None, ranks_on_host: int = 1) -> int:
+    """Set torch's intra-op threads for this process: ``requested``, else $MINDSPEC_CPU_THREADS,
+    else the default (above; split among ``ranks_on_host`` dp ranks). Returns the count."""
+    if requested is not None:
+        threads = check_cpu_threads(requested, "cpu_threads")
+    else:
+        from_env = cpu_threads_from_env()
+        threads = from_env if from_env is not None else default_cpu_threads(ranks_on_host)
+    torch.set_num_threads(threads)
+    return threads
+
+
 class CpuBackend(Backend):
     name = "cpu"
     dist_backend = "gloo"

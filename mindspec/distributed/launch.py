@@ -109,9 +109,15 @@ def start_local(args: EngineArgs, parallel: ParallelConfig, prefix: str = ""):
 
 def share_host_cores(backend: str, world_size: int) -> None:
     """cpu backend: ranks on one host split its cores (oversubscribed, spinning OpenMP threads of
-    one rank starve the other and every collective waits for them)."""
-    if resolve_backend_name(backend) == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    one rank starve the other and every collective waits for them). A count set explicitly
+    ($MINDSPEC_CPU_THREADS; LLM(cpu_threads=), --threads and cpuThreads export it there under dp) is
+    each rank's own and is kept. Under torchrun only LOCAL_WORLD_SIZE ranks share this host."""
+    if resolve_backend_name(backend) != "cpu":
+        return
+    from mindspec.backends.cpu.backend import set_cpu_threads
+
+    local = os.environ.get("LOCAL_WORLD_SIZE") if torchrun_env() is not None else None
+    set_cpu_threads(None, ranks_on_host=int(local) if local and local.isdigit() else world_size)
 
 
 def _spawn(spec: RankSpec) -> subprocess.Popen:

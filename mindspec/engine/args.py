@@ -1,12 +1,19 @@
 """EngineArgs: everything needed to build an engine, from Python keywords or a MindIE config.json."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from .scheduler import SchedulerConfig
 
 GiB = 1 << 30
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _check_int(name: str, value, lo: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{name}: must be an integer >= {lo}, got {value!r}")
 
 
 @dataclass
@@ -25,6 +32,55 @@ class EngineArgs:
     # Decode steps as captured graphs (cuda/npu) or torch.compile (cpu); None: on where the backend
     # captures graphs, off on cpu (compiling takes minutes there).
     decode_graphs: Optional[bool] = None
+    # Intra-op threads of the cpu backend, per process (LLM(cpu_threads=), --threads, ModelConfig
+    # cpuThreads); None: $MINDSPEC_CPU_THREADS, else the default policy of
+    # mindspec.backends.cpu.backend.set_cpu_threads.
+    cpu_threads: Optional[int] = None
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> "EngineArgs":
+        """Raise one ValueError naming the first bad field; returns self. Run on construction and
+        after fields are replaced, before a checkpoint loads, so a bad value fails at once."""
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _check_int("cache_block_size", self.cache_block_size, 1)
+        if self.num_blocks is not None:
+            _check_int("num_blocks", self.num_blocks, 2)  # one block is the reserved dummy block
+        gb = self.kv_cache_gb
+        if gb is not None and (isinstance(gb, bool) or not isinstance(gb, (int, float)) or not gb > 0):
+            raise ValueError(f"kv_cache_gb: must be a number > 0 (GB), got {self.kv_cache_gb!r}")
+        if self.cpu_threads is not None:
+            from mindspec.backends.cpu.backend import check_cpu_threads
+
+            self.cpu_threads = check_cpu_threads(self.cpu_threads, "cpu_threads")
+        return self
+
+    def resolve_cpu_threads(self, explicit: Optional[int] = None) -> Optional[int]:
+        """An explicit value (LLM keyword, --threads) > $MINDSPEC_CPU_THREADS > this args' value
+        (the config's cpuThreads); None leaves the choice to the default policy."""
+        from mindspec.backends.cpu.backend import check_cpu_threads, cpu_threads_from_env
+
+        if explicit is not None:
+            return check_cpu_threads(explicit, "cpu_threads")
+        from_env = cpu_threads_from_env()
+        return from_env if from_env is not None else self.cpu_threads
+
+    def apply_cpu_threads(self, distributed: bool = False) -> Optional[int]:
+        """Set this process's cpu threads before the engine is built (cpu backend only; others
+        keep torch's setting). Under dp a count is exported to $MINDSPEC_CPU_THREADS, where the
+        spawned ranks and share_host_cores (which then sets each rank's count) read it. Returns
+        the count set, or None."""
+        from mindspec.backend import resolve_backend_name
+
+        if resolve_backend_name(self.backend) != "cpu":
+            return None
+        from mindspec.backends.cpu.backend import THREADS_ENV, set_cpu_threads
+
+        if distributed and self.cpu_threads is not None:
+            os.environ[THREADS_ENV] = str(self.cpu_threads)
+        return set_cpu_threads(self.cpu_threads)
 
     def resolved_dtype(self, backend_name: str) -> str:
         if self.dtype != "auto":
@@ -45,6 +101,7 @@ class EngineArgs:
             dtype=model.dtype,
             plugin_params=model.plugin_params,
             decode_graphs=model.decode_graphs,
+            cpu_threads=getattr(model, "cpu_threads", None),  # ModelConfig.cpuThreads
             cache_block_size=sched.cache_block_size,
             num_blocks=sched.num_blocks,
             kv_cache_gb=None if mem_gb is None or mem_gb < 0 else float(mem_gb),
@@ -63,4 +120,4 @@ class EngineArgs:
         )
         for key, value in overrides.items():
             setattr(args, key, value)
-        return args
+        return args.validate()
