@@ -4,6 +4,12 @@ The last block (``num_blocks - 1``) is reserved for dummy and padding inputs, as
 is never given to a sequence: padded rows of a batch write their KV there without touching a live
 sequence. Host-side only: the block manager never touches the cache tensors.
 
+Blocks are reference counted: a sequence may share the full prompt blocks of another sequence
+with the same prompt (``share``, n > 1 completions) instead of computing them again. A block goes
+back to the free list when its last owner frees it, so preempting, aborting or finishing either
+owner never takes blocks from the other. Only blocks that no owner writes again are shared (the
+scheduler picks them: positions before the last prompt tokens and drafts).
+
 Coverage rule used by every method: a block table "covers" ``n`` token positions when
 ``len(block_table) * block_size >= n``; positions are 0-based, so covering ``n`` means positions
 0..n-1 have slots.
@@ -34,7 +40,7 @@ class BlockManager:
         usable = num_blocks - 1 if reserve_dummy_block else num_blocks
         # Freed blocks go to the front and are reused first (their cache lines are likely warm).
         self._free: deque[int] = deque(range(usable))
-        self._used: set[int] = set()
+        self._refs: dict[int, int] = {}  # owners of every used block
 
     @classmethod
     def from_memory_budget(cls, mem_bytes: int, bytes_per_token: int, block_size: int, **kw) -> "BlockManager":
@@ -54,7 +60,7 @@ class BlockManager:
     @property
     def num_usable_blocks(self) -> int:
         """Blocks that sequences may own (all but the dummy block)."""
-        return len(self._free) + len(self._used)
+        return len(self._free) + len(self._refs)
 
     @property
     def num_free_blocks(self) -> int:
@@ -62,7 +68,11 @@ class BlockManager:
 
     @property
     def num_used_blocks(self) -> int:
-        return len(self._used)
+        return len(self._refs)
+
+    def ref_count(self, block: int) -> int:
+        """Sequences whose table lists ``block`` (0: free)."""
+        return self._refs.get(block, 0)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return Sequence.num_blocks_needed(num_tokens, self.block_size)
@@ -101,8 +111,23 @@ class BlockManager:
             )
         for _ in range(missing):
             block = self._free.popleft()
-            self._used.add(block)
+            self._refs[block] = 1
             seq.block_table.append(block)
+
+    def share(self, seq: Sequence, owner: Sequence, num_blocks: int) -> None:
+        """Start ``seq``'s empty table with the first ``num_blocks`` blocks of ``owner``'s (one
+        more owner each); their KV must be final (never written again by either sequence)."""
+        if seq.block_table:
+            raise EngineError(f"sequence {seq.seq_id} already holds blocks; only an empty table takes shared ones")
+        if not 0 <= num_blocks <= len(owner.block_table):
+            raise EngineError(
+                f"sequence {owner.seq_id} holds {len(owner.block_table)} blocks, cannot share {num_blocks}"
+            )
+        blocks = owner.block_table[:num_blocks]
+        self._check_owned(owner, blocks)
+        for block in blocks:
+            self._refs[block] += 1
+        seq.block_table = list(blocks)
 
     # ---- release -----------------------------------------------------------------------------
     def trim(self, seq: Sequence, num_tokens: int) -> None:
@@ -133,7 +158,7 @@ class BlockManager:
         # Checked before releasing anything, so a bad table never leaves the free list half-updated.
         if len(set(blocks)) != len(blocks):
             raise EngineError(f"sequence {seq.seq_id} lists a block twice: {blocks}")
-        bad = [b for b in blocks if b not in self._used]
+        bad = [b for b in blocks if b not in self._refs]
         if bad:
             raise EngineError(
                 f"sequence {seq.seq_id}: block(s) {bad} freed twice or never allocated"
@@ -141,7 +166,12 @@ class BlockManager:
             )
 
     def _release(self, block: int) -> None:
-        self._used.remove(block)
+        """One owner fewer; the last one returns the block to the free list."""
+        left = self._refs[block] - 1
+        if left:
+            self._refs[block] = left
+            return
+        del self._refs[block]
         self._free.appendleft(block)
 
     # ---- addressing ------------------------------------------------------------------------

@@ -124,7 +124,13 @@ class LLMEngine:
             if bad:
                 raise RequestRejected(f"logit_bias token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
 
-    def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None) -> RequestState:
+    def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
+                    share_prefix_with: Optional[str] = None) -> RequestState:
+        """Queue a request. ``share_prefix_with``: the id of a request added before this one with
+        the same prompt (n > 1 completions); this one then takes that request's prompt KV blocks
+        once its prefill has run and computes only the last prompt tokens. Where that cannot be
+        done (the other request is gone, has another prompt, was preempted first; dp > 1) the
+        prompt is prefilled in full: the tokens are the same either way."""
         params = params or SamplingParams()
         self.check_params(params)
         seq_id = next(self._ids)
@@ -132,8 +138,25 @@ class LLMEngine:
                        prompt_only=params.max_tokens == 0)  # SamplingParams allows 0 with prompt_logprobs only
         self.scheduler.add(seq)
         state = self._new_state(seq, prompt if isinstance(prompt, str) else None, request_id)
+        if share_prefix_with is not None:
+            self._link_prefix(state, share_prefix_with)
         self.requests[seq_id] = state
         return state
+
+    def _link_prefix(self, state: RequestState, parent_id: str) -> None:
+        """Point the new sequence at the live request ``parent_id`` whose prompt blocks it may
+        share (the scheduler decides when it admits it); nothing when sharing cannot be right."""
+        if self.plugin_manager.generator.dp_size > 1:
+            return  # a sequence's KV lives on one dp rank, which its sibling may not share
+        parent = next((s for s in self.requests.values() if s.request_id == parent_id and not s.seq.is_finished), None)
+        if parent is None or parent.seq.prompt_token_ids != state.seq.prompt_token_ids:
+            return
+        if state.seq.sampling_params.prompt_logprobs is not None and (
+            parent.seq.sampling_params.prompt_logprobs != state.seq.sampling_params.prompt_logprobs
+        ):
+            return  # the shared positions' prompt logprobs are copied from the parent: it must have the same ones
+        state.seq.share_parent = parent.seq
+        state.prefix_parent = parent
 
     def _new_state(self, seq: Sequence, prompt: Optional[str], request_id: Optional[str]) -> RequestState:
         params: SamplingParams = seq.sampling_params
@@ -245,6 +268,8 @@ class LLMEngine:
             for b, seq in enumerate(batch.seqs):
                 state = self.requests[seq.seq_id]
                 if seq.sampling_params.prompt_logprobs is not None and not state.prompt_logprobs_done:
+                    if seq.shared_prefix_tokens:  # the positions it did not compute: its parent's
+                        state.copy_prompt_logprobs(state.prefix_parent, seq.shared_prefix_tokens + 1)
                     state.set_prompt_logprobs(outputs.prompt_logprobs.get(seq.seq_id))
                     state.prompt_logprobs_done = True  # a recompute after a preemption changes nothing
                 if state.export_kv:

@@ -64,6 +64,8 @@ class RequestOutput:
     # prompt token, None for the first (no context); log_softmax of the raw logits.
     prompt_logprobs: Optional[list[Optional[float]]] = None
     prompt_top_logprobs: Optional[list[Optional[dict[int, float]]]] = None
+    # share_prefix_with: prompt tokens whose KV came from the other request instead of a prefill
+    num_shared_prompt_tokens: int = 0
 
 
 @dataclass

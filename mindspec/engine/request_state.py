@@ -26,6 +26,7 @@ class RequestState:
     prompt_logprobs: Optional[list[Optional[float]]] = None  # set once, after the prefill
     prompt_top_logprobs: Optional[list[Optional[dict[int, float]]]] = None
     prompt_logprobs_done: bool = False
+    prefix_parent: Optional["RequestState"] = field(default=None, repr=False)  # share_prefix_with's request
     pending_text: str = field(default="")  # text produced since the last output was built
     export_kv: bool = False  # PD prefill node: capture the prompt KV after prefill
     handoff: Optional[object] = None  # the PrefillHandoff once captured
@@ -56,6 +57,15 @@ class RequestState:
         end = scored.first + len(scored.chosen)
         self.prompt_logprobs[scored.first:end] = scored.chosen.tolist()
         self.prompt_top_logprobs[scored.first:end] = scored.top_dicts(self.seq.prompt_token_ids)
+
+    def copy_prompt_logprobs(self, parent: "RequestState", end: int) -> None:
+        """Entries 1 .. end - 1 from ``parent`` (same prompt, same prompt_logprobs), whose prefill
+        computed the positions this sequence shared instead of computing."""
+        n = self.seq.num_prompt_tokens
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs, self.prompt_top_logprobs = [None] * n, [None] * n
+        self.prompt_logprobs[1:end] = parent.prompt_logprobs[1:end]
+        self.prompt_top_logprobs[1:end] = [dict(d) for d in parent.prompt_top_logprobs[1:end]]
 
     def finish_text(self) -> None:
         if self.detokenizer is None or isinstance(self.stop_reason, str):  # a stop string ended it
@@ -89,6 +99,7 @@ class RequestState:
             num_preemptions=seq.num_preemptions,
             prompt_logprobs=self.prompt_logprobs,
             prompt_top_logprobs=self.prompt_top_logprobs,
+            num_shared_prompt_tokens=seq.shared_prefix_tokens,
         )
         self.pending_text = ""
         return out

@@ -220,39 +220,74 @@ class Scheduler:
         return self._schedule_decode()
 
     def _schedule_prefill(self) -> Optional[ScheduledBatch]:
-        seqs = self._admissible()
-        if not seqs or self._holds_prefill(len(seqs)):
+        admitted = self._admissible()
+        if not admitted or self._holds_prefill(len(admitted)):
             return None
-        for seq in seqs:
+        seqs = []
+        for seq, shared in admitted:
+            if shared:  # the parent's final prompt blocks: only the rest of the prompt is computed
+                self.block_manager.share(seq, seq.share_parent, shared)
+                seq.num_cached_tokens = seq.shared_prefix_tokens = shared * self.block_manager.block_size
+            seq.share_parent = None  # decided: shared now or never (a recompute runs in full)
             # Room for the first decode's drafts too, so a fresh sequence is not preempted at once.
             self.block_manager.allocate(seq, self.config.num_lookahead_tokens)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            seqs.append(seq)
         self.running.extend(seqs)
         self.decode_steps_since_prefill = 0
         return ScheduledBatch(seqs, is_prefill=True)
 
-    def _admissible(self) -> list[Sequence]:
-        """The head of the queue that can start now (FCFS: the head blocks the rest, so a long
-        prompt is never starved); nothing is allocated."""
+    def _admissible(self) -> list[tuple[Sequence, int]]:
+        """The head of the queue that can start now, each with the parent blocks it will share
+        (FCFS: the head blocks the rest, so a long prompt is never starved; a child whose parent's
+        prefill has not run yet waits, and its parent is ahead of it); nothing is allocated."""
         cfg, bm = self.config, self.block_manager
         free_seats = min(cfg.max_prefill_batch_size, cfg.max_batch_size - len(self.running))
         free_blocks = bm.num_free_blocks
-        seqs: list[Sequence] = []
+        admitted: list[tuple[Sequence, int]] = []
         tokens = 0
         for seq in self.waiting:
-            if len(seqs) >= free_seats:
+            if len(admitted) >= free_seats:
                 break
+            shared = self._shareable_blocks(seq)
+            if shared is None:
+                break
+            fed = seq.num_tokens - shared * bm.block_size
             # A prompt longer than maxPrefillTokens still runs, alone.
-            if seqs and tokens + seq.num_tokens > cfg.max_prefill_tokens:
+            if admitted and tokens + fed > cfg.max_prefill_tokens:
                 break
-            need = bm.blocks_missing(seq, seq.num_tokens + cfg.num_lookahead_tokens)
+            need = bm.blocks_missing(seq, seq.num_tokens + cfg.num_lookahead_tokens) - shared
             if need > free_blocks:
                 break
             free_blocks -= need
-            seqs.append(seq)
-            tokens += seq.num_tokens
-        return seqs
+            admitted.append((seq, shared))
+            tokens += fed
+        return admitted
+
+    def _shareable_blocks(self, seq: Sequence) -> Optional[int]:
+        """Blocks of ``seq.share_parent`` (same prompt) that ``seq`` can take instead of computing
+        them; None: wait, the parent's prefill has not run yet. 0 (and the link dropped) when the
+        parent is gone, or was preempted before sharing (its blocks were freed): a full prefill.
+
+        Shared are the whole blocks before position n - 1 - lookahead (n prompt tokens): the last
+        prompt token must be fed to get the first token's logits, and the MTP caches' entries of
+        the last positions pair prompt positions with generated tokens (entry i of MTP module s
+        holds token i + 1 + s, s < lookahead), which each sequence writes for itself. Every
+        earlier entry, main and MTP, is a function of the prompt alone and written once."""
+        parent = seq.share_parent
+        if parent is None:
+            return 0
+        if parent.status is SequenceStatus.WAITING and parent.num_preemptions == 0:
+            return None  # not prefilled yet (it is ahead in the queue)
+        bs = self.block_manager.block_size
+        blocks = max(0, seq.num_prompt_tokens - 1 - self.config.num_lookahead_tokens) // bs
+        if parent.status is SequenceStatus.RUNNING and parent.num_cached_tokens < blocks * bs:
+            return None  # its prefill step is still in flight (async scheduling)
+        if parent.status is not SequenceStatus.RUNNING or seq.num_output_tokens or blocks == 0:
+            seq.share_parent = None
+            return 0
+        return blocks
 
     def _holds_prefill(self, num_admissible: int) -> bool:
         """Hold a small prefill back while others decode (see SchedulerConfig.waiting_served_ratio);

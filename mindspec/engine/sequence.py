@@ -33,6 +33,11 @@ class Sequence:
     finish_reason: Optional[FinishReason] = None
     num_preemptions: int = 0
     extra: dict = field(default_factory=dict)  # plugin state keyed by plugin name
+    # n > 1 completions: a sequence with the same prompt whose prompt blocks this one takes at its
+    # prefill (BlockManager.share) instead of computing them; the scheduler drops the link once
+    # it has decided. shared_prefix_tokens: the prompt tokens it took that way.
+    share_parent: Optional["Sequence"] = field(default=None, repr=False)
+    shared_prefix_tokens: int = 0
     prompt_only: bool = False  # max_tokens 0 allowed: the prefill scores the prompt, nothing is generated
 
     @property

@@ -209,6 +209,9 @@ class DecodeGraphRunner:
             return False
         if (inputs.q_lens != inputs.q_lens[0]).any() or len(inputs.lm_head_indices) % num_seqs:
             return False
+        if sub_steps is None and int(inputs.q_lens[0]) != 1:
+            return False  # a plain step feeds one token; more is a prompt's tail after a shared prefix, run eagerly
+
         if sub_steps is not None:
             return all(self._fits(s, num_seqs) and len(s.lm_head_indices) == num_seqs for s in sub_steps)
         return True

@@ -36,6 +36,9 @@ class _Pending:
     # How the request enters the engine (None: engine.add_request). PD nodes pass their own (a
     # prefill hand-off, an adopted prefilled request), which may return a first output.
     add: Optional[Callable[[LLMEngine], Optional[RequestOutput]]] = None
+    # n > 1: the id of a request with the same prompt, added before this one, whose prompt KV
+    # blocks this one shares (LLMEngine.add_request)
+    share_prefix_with: Optional[str] = None
 
 
 class RequestError(Exception):
@@ -76,10 +79,14 @@ class AsyncEngine:
         return f"{prefix}-{next(self._ids)}"
 
     # ---- requests ----------------------------------------------------------------------------
-    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str, add=None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str, add=None,
+                       share_prefix_with: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         """Yields one RequestOutput per engine step that produced tokens; the last is finished.
-        If the consumer stops early (client gone) the request is aborted and its blocks freed."""
-        pending = _Pending(request_id, prompt, params, asyncio.get_running_loop(), asyncio.Queue(), add=add)
+        If the consumer stops early (client gone) the request is aborted and its blocks freed.
+        ``share_prefix_with``: see LLMEngine.add_request (the engine adds requests in the order
+        generate is first iterated, so a parent's generator must be started before its children's)."""
+        pending = _Pending(request_id, prompt, params, asyncio.get_running_loop(), asyncio.Queue(), add=add,
+                           share_prefix_with=share_prefix_with)
         self._commands.put(("add", pending))
         self._wake.set()
         finished = False
@@ -141,7 +148,7 @@ class AsyncEngine:
         try:
             first = None
             if pending.add is None:
-                self.engine.add_request(pending.prompt, pending.params, request_id=pending.request_id)
+                self._add_request(pending)
             else:
                 first = pending.add(self.engine)
         except Exception as exc:  # RequestRejected, bad token ids, tokenizer errors, a lost rank
@@ -150,6 +157,16 @@ class AsyncEngine:
         self._live[pending.request_id] = pending
         if first is not None:
             self._deliver(first)
+
+    def _add_request(self, pending: _Pending) -> None:
+        share = pending.share_prefix_with
+        # With dp > 1 a sequence's KV lives on one rank and is never shared (the engine would
+        # prefill in full anyway); the multi-process engine's add_request takes no such argument.
+        if share is None or self.engine.plugin_manager.generator.dp_size > 1:
+            self.engine.add_request(pending.prompt, pending.params, request_id=pending.request_id)
+        else:
+            self.engine.add_request(pending.prompt, pending.params, request_id=pending.request_id,
+                                    share_prefix_with=share)
 
     def _abort(self, request_id: str) -> None:
         if self._live.pop(request_id, None) is not None:

@@ -59,7 +59,7 @@ class MtpSeqState:
     hidden_end: int  # main hidden states are kept for the positions before this one (the last ``keep``)
     lag: np.ndarray  # [modules] int64: tokens without an entry in each MTP module's cache (1 after prefill)
     in_think: bool = False
-    hidden_from: int = 0  # first position with a real hidden state (> 0 after a PD hand-off)
+    hidden_from: int = 0  # first position with a real hidden state (> 0 after a PD hand-off or a shared prefix)
 
 
 class MtpPlugin(Plugin):
@@ -216,8 +216,12 @@ class MtpPlugin(Plugin):
             lag = self._fresh_lag()
             lag[prefilled:] = min(q, CATCH_UP)  # this prefill's entries, as far as its hidden states reach
             slots[b] = self.history.add(seq.seq_id, hidden)
+            # A prefill after a shared prompt prefix (n > 1) starts past position 0: the hidden
+            # states before it are another sequence's, and its MTP entries there are shared blocks
+            # it must not rewrite; as after a PD hand-off, rows before hidden_from go to the dummy block.
             self.states[seq.seq_id] = MtpSeqState(
                 slot=int(slots[b]), hidden_end=end, lag=lag, in_think=self._prompt_in_think(seq.token_ids),
+                hidden_from=seq.num_cached_tokens,
             )
         self.history.write(slots, ends - keeps, keeps, hidden, np.cumsum(q_lens) - keeps)  # each prompt's last rows
 

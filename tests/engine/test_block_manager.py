@@ -278,3 +278,42 @@ def test_memory_budget_boundaries():
     assert plain.num_blocks == plain.num_usable_blocks == 3 and plain.dummy_block_id is None
     big = BlockManager.from_memory_budget(mem_bytes=64 * 2**30, bytes_per_token=70272, block_size=128)
     assert big.num_blocks == 64 * 2**30 // (70272 * 128) and big.num_usable_blocks == big.num_blocks - 1
+
+
+def test_shared_blocks_are_freed_by_their_last_owner_whichever_goes_first():
+    for parent_first in (True, False):
+        bm = BlockManager(num_blocks=20, block_size=4)
+        parent, child, grandchild = _seq(14, 0), _seq(14, 1), _seq(14, 2)
+        bm.allocate(parent, 3)  # 17 positions: 5 blocks
+        bm.share(child, parent, 3)
+        bm.allocate(child, 3)
+        bm.share(grandchild, child, 2)
+        bm.allocate(grandchild)
+        shared = parent.block_table[:3]
+        assert child.block_table[:3] == shared and grandchild.block_table[:2] == shared[:2]
+        assert [bm.ref_count(b) for b in shared] == [3, 3, 2]
+        assert len(set(child.block_table[3:]) & set(parent.block_table)) == 0
+        # 5 + 2 + 2 distinct blocks instead of 5 + 5 + 4
+        assert bm.num_used_blocks == 9 and bm.num_free_blocks == 19 - 9
+        first, second = (parent, child) if parent_first else (child, parent)
+        bm.free(first)
+        assert [bm.ref_count(b) for b in shared] == [2, 2, 1]
+        assert bm.num_used_blocks == 7  # only first's own two tail blocks came back
+        bm.free(second)
+        assert bm.num_used_blocks == 4 and [bm.ref_count(b) for b in shared] == [1, 1, 0]
+        bm.free(grandchild)
+        assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_usable_blocks == 19
+        with pytest.raises(EngineError, match="freed twice"):
+            bm.free(Sequence(seq_id=5, prompt_token_ids=[1], max_tokens=1, block_table=[shared[0]]))
+
+
+def test_share_needs_an_empty_table_and_blocks_the_owner_has():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    parent, child = _seq(8, 0), _seq(8, 1)
+    bm.allocate(parent)
+    bm.allocate(child)
+    with pytest.raises(EngineError, match="empty table"):
+        bm.share(child, parent, 1)
+    with pytest.raises(EngineError, match="cannot share 3"):
+        bm.share(_seq(8, 2), parent, 3)
+    assert bm.num_used_blocks == 4 and all(bm.ref_count(b) == 1 for b in parent.block_table)
