@@ -253,6 +253,10 @@ class Scheduler:
             shared = self._shareable_blocks(seq)
             if shared is None:
                 break
+            # Tails after a shared prefix attend cached KV, which makes the whole forward a
+            # non-prefill one; fresh prompts keep the prefill kernels by going in another batch.
+            if admitted and bool(shared) != bool(admitted[0][1]):
+                break
             fed = seq.num_tokens - shared * bm.block_size
             # A prompt longer than maxPrefillTokens still runs, alone.
             if admitted and tokens + fed > cfg.max_prefill_tokens:

@@ -5,6 +5,7 @@ import pytest
 
 from mindspec import LLM, SamplingParams
 from mindspec.config.defaults import default_model_dir
+from mindspec.text_generator.step import StepBatch
 
 BLOCK = 4
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser()\n"
@@ -191,3 +192,20 @@ def test_children_get_the_parents_prompt_logprobs_for_the_shared_positions(llm):
     assert other[1].num_shared_prompt_tokens == 0
     assert other[1].prompt_logprobs[1:] == pytest.approx(alone.prompt_logprobs[1:], abs=1e-4)
     assert all_blocks_free(llm.engine)
+
+
+def test_children_and_fresh_prompts_are_prefilled_in_separate_batches(llm):
+    engine = llm.engine
+    other = "def add(a, b):\n    return a + b\n"
+    alone = [solo(llm, greedy(), p).token_ids for p in (PROMPT, other)]
+    parent = engine.add_request(PROMPT, greedy(), request_id="p")
+    engine.step()
+    child = engine.add_request(PROMPT, greedy(), request_id="c", share_prefix_with="p")
+    fresh = engine.add_request(other, greedy(), request_id="fresh")
+    batch = engine.scheduler.schedule()  # what the next step runs: the child alone
+    assert batch.is_prefill and batch.seqs == [child.seq] and child.seq.num_cached_tokens == expected_shared(llm)
+    outputs = engine.plugin_manager.generate_token(StepBatch(batch.seqs, True, BLOCK))
+    engine.finish_step(batch, outputs)
+    outs = engine.run([parent, child, fresh])
+    assert [o.token_ids for o in outs] == [alone[0], alone[0], alone[1]]
+    assert all_blocks_free(engine)
