@@ -67,9 +67,12 @@ class PdRouter:
     def new_request_id(self, prefix: str = "cmpl") -> str:
         return f"{prefix}-{next(self._ids)}"
 
-    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str,
+                       share_prefix_with: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         """The first token and prompt KV from the prefill node, then the decode node's stream.
-        Leaving early closes the decode stream, which aborts the request there."""
+        Leaving early closes the decode stream, which aborts the request there.
+        ``share_prefix_with`` is accepted and ignored: n > 1 siblings are independent requests here,
+        each prefilled on the prefill node (its KV would have to cross to the decode node anyway)."""
         handoff = await self._prefill(prompt, params, request_id)
         async for out in self._decode(handoff):
             yield out

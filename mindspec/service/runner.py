@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
@@ -24,8 +23,6 @@ class Timeouts:
 class RequestRunner:
     def __init__(self, engine: AsyncEngine, metrics: ServiceMetrics, timeouts: Timeouts):
         self.engine, self.metrics, self.timeouts = engine, metrics, timeouts
-        # A PD router has no shared prefixes: n > 1 siblings there are independent requests.
-        self.shares_prefixes = "share_prefix_with" in inspect.signature(engine.generate).parameters
 
     async def stream(self, prompt: Prompt, params: SamplingParams, request_id: str, add=None,
                      share_prefix_with: Optional[str] = None,
@@ -45,7 +42,7 @@ class RequestRunner:
         extra = {}
         if add is not None:
             extra["add"] = add
-        if share_prefix_with is not None and self.shares_prefixes:
+        if share_prefix_with is not None:
             extra["share_prefix_with"] = share_prefix_with
         gen = self.engine.generate(prompt, params, request_id, **extra)
         try:
