@@ -278,7 +278,8 @@ class Scheduler:
         prompt token must be fed to get the first token's logits, and the MTP caches' entries of
         the last positions pair prompt positions with generated tokens (entry i of MTP module s
         holds token i + 1 + s, s < lookahead), which each sequence writes for itself. Every
-        earlier entry, main and MTP, is a function of the prompt alone and written once."""
+        earlier entry, main and MTP, is a function of the prompt alone: the main model never
+        writes it again, and an MTP catch-up that does writes what was there (drafts only)."""
         parent = seq.share_parent
         if parent is None:
             return 0
