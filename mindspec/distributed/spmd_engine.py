@@ -66,7 +66,9 @@ class SpmdEngine(LLMEngine):
         return out
 
     # ---- leader: calls recorded for the followers --------------------------------------------
-    def add_request(self, prompt, params=None, request_id=None):
+    def add_request(self, prompt, params=None, request_id=None, share_prefix_with=None):
+        # share_prefix_with is ignored: under dp a sequence's KV lives on one rank, so siblings
+        # are prefilled in full (LLMEngine falls back the same way for dp > 1).
         if not self._replicating:
             return super().add_request(prompt, params, request_id)
         self._ensure_alive()

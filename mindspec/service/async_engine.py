@@ -159,14 +159,8 @@ class AsyncEngine:
             self._deliver(first)
 
     def _add_request(self, pending: _Pending) -> None:
-        share = pending.share_prefix_with
-        # With dp > 1 a sequence's KV lives on one rank and is never shared (the engine would
-        # prefill in full anyway); the multi-process engine's add_request takes no such argument.
-        if share is None or self.engine.plugin_manager.generator.dp_size > 1:
-            self.engine.add_request(pending.prompt, pending.params, request_id=pending.request_id)
-        else:
-            self.engine.add_request(pending.prompt, pending.params, request_id=pending.request_id,
-                                    share_prefix_with=share)
+        self.engine.add_request(pending.prompt, pending.params, request_id=pending.request_id,
+                                share_prefix_with=pending.share_prefix_with)
 
     def _abort(self, request_id: str) -> None:
         if self._live.pop(request_id, None) is not None:
