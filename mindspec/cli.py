@@ -45,8 +45,8 @@ def _add_debug_arg(p: argparse.ArgumentParser, default) -> None:
 
 def _add_threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
-                   help="cpu backend: intra-op threads per process (default: $MINDSPEC_CPU_THREADS, else the "
-                        "config's cpuThreads, else chosen from the free cores; see mindspec.backends.cpu.backend)")
+                   help="cpu backend: intra-op threads per process (beats $MINDSPEC_CPU_THREADS, which beats the "
+                        "config's cpuThreads; default: one per usable core, split among dp ranks)")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -176,8 +176,9 @@ def _apply_threads(config, threads: Optional[int]) -> None:
     from mindspec.engine.args import EngineArgs
 
     engine_args = EngineArgs.from_mindie_config(config)
-    engine_args.cpu_threads = engine_args.resolve_cpu_threads(threads)
-    engine_args.apply_cpu_threads(config.model.parallel.is_distributed)
+    engine_args.apply_cpu_threads(threads)
+    # the server's dp ranks (spawned, or torchrun's share_host_cores here) read the count from there
+    os.environ.update(engine_args.rank_thread_env(config.model.parallel.is_distributed))
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

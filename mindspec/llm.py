@@ -1,6 +1,8 @@
 """The Python API: ``LLM(model=DIR)`` or ``LLM(config=config.json)``, then ``generate``."""
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -73,9 +75,9 @@ class LLM:
                 **{k: v for k, v in given.items() if v is not None},
             )
         # the keyword beats $MINDSPEC_CPU_THREADS, which beats the config's cpuThreads
-        args.cpu_threads = args.resolve_cpu_threads(cpu_threads)
-        args.apply_cpu_threads(parallel.is_distributed)
-        self.engine = build_engine(args, parallel, where)
+        args.apply_cpu_threads(cpu_threads)
+        with _environ(args.rank_thread_env(parallel.is_distributed)):  # while dp ranks start
+            self.engine = build_engine(args, parallel, where)
 
     def close(self) -> None:
         """Stop the other ranks of a multi-process engine (dp > 1); nothing to do otherwise."""
@@ -114,3 +116,18 @@ def _override(args: EngineArgs, **given) -> None:
             raise TypeError(f"LLM() got an unexpected keyword argument {key!r}")
         setattr(target, key, value)
     args.validate()
+
+
+@contextmanager
+def _environ(values: dict[str, str]):
+    """``values`` in os.environ for the block only (spawned processes copy it when they start)."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -10,6 +10,7 @@ sum).
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -30,6 +31,8 @@ from mindspec.backend import (
 from . import linear as packed_linear
 from . import moe
 from .attention_plan import attention_plan, cache_rows
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -112,15 +115,19 @@ def _swap_pairs(P: int, device: torch.device) -> torch.Tensor:
 
 
 # ---- threads --------------------------------------------------------------------------------------
-# Thread policy (measured: benchmarks/results/cpu_threads.json, mindspec.bench.threads). The kernels
-# are OpenMP parallel regions a few microseconds long, thousands per decode step. When another
-# process holds one of the cores, OpenMP's default wait policy has the idle team threads spin
-# between regions, and a thread that was descheduled holds every barrier up: a request took
-# ~10x longer with 2 threads than with 1. With OMP_WAIT_POLICY=PASSIVE (set by mindspec/__init__.py
-# unless the environment already sets it; OpenMP reads it once, when torch loads) waiting threads
-# sleep instead, and every core the process may run on is used: as fast as one thread with a busy
-# neighbour, faster than one on an idle machine. So the default is: one thread per core this
-# process may run on (its affinity mask), divided among the dp ranks sharing the host.
+# Thread policy, from benchmarks/results/cpu_threads.json (python -m mindspec.bench.threads; shipped
+# model, MTP K=3, 64 new tokens, 2 cores; two runs of 2 rounds on a machine other jobs shared, 1-min
+# load 4-5, so only large differences count). OpenMP's default wait policy spins (libgomp: ~3 ms)
+# at every barrier; when another process holds a core, the spinning threads burn the core the
+# team's descheduled thread needs, at every one of the thousands of parallel regions a step runs. With 2 threads a
+# batch-1 request took 4.5-28 s (median) against 0.5-0.85 s with 1 thread, a batch of 16 9-48 s
+# against 1.5-2.5 s. With OMP_WAIT_POLICY=PASSIVE waiting threads sleep instead: 2 threads gave
+# 0.42-1.09 s and 1.95-3.1 s, 1 thread 0.39-1.08 s and 1.2-3.3 s, the same within this noise, busy
+# neighbour or not. So: mindspec/__init__.py sets OMP_WAIT_POLICY=PASSIVE unless the environment
+# sets it (OpenMP reads it once, when torch loads: mindspec must be imported first), and the thread
+# count is torch's own (OMP_NUM_THREADS, torch.set_num_threads, else one per usable core); dp ranks
+# on one host split the usable cores. An explicit count (LLM(cpu_threads=), --threads,
+# $MINDSPEC_CPU_THREADS, ModelConfig.cpuThreads) replaces it.
 THREADS_ENV = "MINDSPEC_CPU_THREADS"
 
 
@@ -153,19 +160,51 @@ def usable_cores() -> int:
 
 
 def default_cpu_threads(ranks_on_host: int = 1) -> int:
-    return max(1, usable_cores() // max(1, ranks_on_host))
+    """One process: torch's own count, kept (OMP_NUM_THREADS, a torch.set_num_threads call made
+    before, else one per usable core); dp ranks sharing a host: the usable cores split among them."""
+    if ranks_on_host <= 1:
+        return torch.get_num_threads()
+    return max(1, usable_cores() // ranks_on_host)
 
 
-def set_cpu_threads(requested: Optional[int] = None, ranks_on_host: int = 1) -> int:
+def set_cpu_threads(requested: Optional[int] = None, ranks_on_host: int = 1, source: str = "requested") -> int:
     """Set torch's intra-op threads for this process: ``requested``, else $MINDSPEC_CPU_THREADS,
-    else the default (above; split among ``ranks_on_host`` dp ranks). Returns the count."""
+    else the default (above; split among ``ranks_on_host`` dp ranks). Returns the count; ``source``
+    names where ``requested`` came from in the INFO log line."""
+    from_env = cpu_threads_from_env() if requested is None else None
     if requested is not None:
         threads = check_cpu_threads(requested, "cpu_threads")
+    elif from_env is not None:
+        threads, source = from_env, f"${THREADS_ENV}"
     else:
-        from_env = cpu_threads_from_env()
-        threads = from_env if from_env is not None else default_cpu_threads(ranks_on_host)
+        threads = default_cpu_threads(ranks_on_host)
+        source = (f"default: {usable_cores()} usable cores / {ranks_on_host} ranks" if ranks_on_host > 1
+                  else "default: torch's count")
+        if threads > 1:
+            _note_spinning_threads()
     torch.set_num_threads(threads)
+    logger.info("cpu threads: %d (%s; OMP_WAIT_POLICY=%s%s)", threads, source, os.environ.get("OMP_WAIT_POLICY"),
+                " set after torch loaded, not in effect" if _wait_policy_source() == "too late" else "")
     return threads
+
+
+_warned_spinning = False
+
+
+def _wait_policy_source() -> str:
+    import mindspec
+
+    return mindspec.WAIT_POLICY_SOURCE
+
+
+def _note_spinning_threads() -> None:
+    """Once per process: torch loaded before mindspec could make OpenMP's threads passive."""
+    global _warned_spinning
+    if _wait_policy_source() == "too late" and not _warned_spinning:
+        _warned_spinning = True
+        logger.warning("torch was imported before mindspec, so OpenMP keeps its spinning wait policy: with "
+                       "another process busy on these cores, set OMP_WAIT_POLICY=PASSIVE before starting Python "
+                       "(or import mindspec first), or %s=1", THREADS_ENV)
 
 
 class CpuBackend(Backend):

@@ -1,7 +1,6 @@
 """EngineArgs: everything needed to build an engine, from Python keywords or a MindIE config.json."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -57,30 +56,38 @@ class EngineArgs:
             self.cpu_threads = check_cpu_threads(self.cpu_threads, "cpu_threads")
         return self
 
-    def resolve_cpu_threads(self, explicit: Optional[int] = None) -> Optional[int]:
-        """An explicit value (LLM keyword, --threads) > $MINDSPEC_CPU_THREADS > this args' value
-        (the config's cpuThreads); None leaves the choice to the default policy."""
-        from mindspec.backends.cpu.backend import check_cpu_threads, cpu_threads_from_env
+    def apply_cpu_threads(self, explicit: Optional[int] = None) -> Optional[int]:
+        """Resolve and set this process's cpu threads before the engine is built: ``explicit``
+        (LLM keyword, --threads) > $MINDSPEC_CPU_THREADS > this args' cpu_threads (the config's
+        cpuThreads) > the default policy; a count chosen is stored in cpu_threads. Only the cpu
+        backend sets torch's threads (others keep torch's setting). Returns the count set, or None."""
+        from mindspec.backends.cpu.backend import THREADS_ENV, check_cpu_threads, cpu_threads_from_env, set_cpu_threads
 
-        if explicit is not None:
-            return check_cpu_threads(explicit, "cpu_threads")
         from_env = cpu_threads_from_env()
-        return from_env if from_env is not None else self.cpu_threads
+        if explicit is not None:
+            self.cpu_threads, source = check_cpu_threads(explicit, "cpu_threads"), "requested"
+        elif from_env is not None:
+            self.cpu_threads, source = from_env, f"${THREADS_ENV}"
+        else:
+            source = "config cpuThreads"
+        if not self._on_cpu():
+            return None
+        return set_cpu_threads(self.cpu_threads, source=source)
 
-    def apply_cpu_threads(self, distributed: bool = False) -> Optional[int]:
-        """Set this process's cpu threads before the engine is built (cpu backend only; others
-        keep torch's setting). Under dp a count is exported to $MINDSPEC_CPU_THREADS, where the
-        spawned ranks and share_host_cores (which then sets each rank's count) read it. Returns
-        the count set, or None."""
+    def rank_thread_env(self, distributed: bool) -> dict[str, str]:
+        """What dp ranks need in their environment to keep a chosen count: spawned ranks and
+        share_host_cores (which sets each rank's threads, every rank's own) read
+        $MINDSPEC_CPU_THREADS. Empty without dp, off cpu, or with no count chosen."""
+        from mindspec.backends.cpu.backend import THREADS_ENV
+
+        if not distributed or self.cpu_threads is None or not self._on_cpu():
+            return {}
+        return {THREADS_ENV: str(self.cpu_threads)}
+
+    def _on_cpu(self) -> bool:
         from mindspec.backend import resolve_backend_name
 
-        if resolve_backend_name(self.backend) != "cpu":
-            return None
-        from mindspec.backends.cpu.backend import THREADS_ENV, set_cpu_threads
-
-        if distributed and self.cpu_threads is not None:
-            os.environ[THREADS_ENV] = str(self.cpu_threads)
-        return set_cpu_threads(self.cpu_threads)
+        return resolve_backend_name(self.backend) == "cpu"
 
     def resolved_dtype(self, backend_name: str) -> str:
         if self.dtype != "auto":
