@@ -1,4 +1,4 @@
-"""``mindspec`` command line: ``mindspec generate``, ``mindspec serve``, ``mindspec bench``.
+"""``mindspec`` command line: ``mindspec generate``, ``serve``, ``configs``, ``bench``.
 
 A user error (a bad argument, config, checkpoint, plugin parameter, a backend that cannot run here,
 a port in use) prints one line on stderr and exits with code 2; ``--debug`` (or
@@ -197,6 +197,39 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _configs_parser(sub) -> None:
+    p = sub.add_parser("configs", help="list the shipped MindIE configs, print one, or copy one out to edit")
+    p.add_argument("name", nargs="?", help="a shipped config's name: print it (or copy it with --copy)")
+    p.add_argument("--copy", metavar="DIR", help="write NAME.json into DIR (it keeps working there: its model "
+                                                  "path is mindspec:default)")
+    _add_debug_arg(p, argparse.SUPPRESS)
+    p.set_defaults(func=_cmd_configs)
+
+
+def _cmd_configs(args: argparse.Namespace) -> int:
+    import shutil
+    from pathlib import Path
+
+    from mindspec.config.defaults import shipped_config_names, shipped_config_path
+
+    if args.name is None:
+        if args.copy:
+            raise CliError("--copy needs the name of a shipped config")
+        print("\n".join(shipped_config_names()))
+        return 0
+    source = shipped_config_path(args.name)
+    if not args.copy:
+        print(source.read_text(encoding="utf-8"), end="")
+        return 0
+    target = Path(args.copy) / source.name
+    if target.exists():
+        raise CliError(f"{target} already exists; not overwriting it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, target)
+    print(target)
+    return 0
+
+
 def _bench_parser(sub) -> None:
     # `mindspec bench` parses its own arguments (mindspec.bench.main); listed here for --help.
     p = sub.add_parser("bench", help="decoding speed side by side (JSON + PNG); --backend cuda for the GPU kernels",
@@ -219,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_parser(sub)
+    _configs_parser(sub)
     _bench_parser(sub)
     return parser
 

@@ -133,3 +133,17 @@ def test_options_apply_to_the_shipped_model():
     assert on.returncode == 0 and off.returncode == 0, on.stderr + off.stderr
     assert "[spec]" in on.stderr and "[spec]" not in off.stderr
     assert on.stdout == off.stdout  # lossless: greedy output is the same with and without MTP
+
+
+def test_configs_lists_prints_and_copies_the_shipped_configs(tmp_path):
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    listed = _run("configs")
+    assert listed.returncode == 0 and listed.stdout.split() == sorted(p.stem for p in configs.glob("*.json"))
+    shown = _run("configs", "config_cpu_no_mtp")
+    assert shown.returncode == 0 and shown.stdout == (configs / "config_cpu_no_mtp.json").read_text()
+    copied = _run("configs", "config", "--copy", str(tmp_path))
+    assert copied.returncode == 0 and (tmp_path / "config.json").read_bytes() == (configs / "config.json").read_bytes()
+    again = _run("configs", "config", "--copy", str(tmp_path))
+    assert again.returncode == 2 and again.stderr.count("\n") == 1 and "already exists" in again.stderr
+    unknown = _run("configs", "no_such_config")
+    assert unknown.returncode == 2 and "config_cpu_no_mtp" in unknown.stderr and unknown.stderr.count("\n") == 1
