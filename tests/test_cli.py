@@ -26,8 +26,11 @@ def model_dir(tmp_path_factory):
 def _run(*args, env=None):
     exe = shutil.which("mindspec")
     cmd = [exe] if exe else [sys.executable, "-m", "mindspec.cli"]
-    # a developer's MINDSPEC_DEBUG must not turn the one-line errors checked here into tracebacks
-    full_env = {k: v for k, v in os.environ.items() if k != "MINDSPEC_DEBUG"} | (env or {})
+    # A developer's MINDSPEC_DEBUG must not turn the one-line errors checked here into tracebacks,
+    # and TRITON_INTERPRET (set process-wide by tests/backends/cuda/conftest.py when those tests
+    # ran first) would let --backend cuda run on this CPU.
+    inherited = {k: v for k, v in os.environ.items() if k not in ("MINDSPEC_DEBUG", "TRITON_INTERPRET")}
+    full_env = inherited | (env or {})
     return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=300, env=full_env)
 
 
