@@ -36,7 +36,8 @@ def test_mtp_k3_is_lossless_and_accepts_well(prompts, mode):
     ps, llm = prompts
     expected = [o.token_ids for o in llm.generate(ps, GREEDY)]
     mtp = LLM(model=str(DEFAULT_MODEL_DIR), dtype="float32", num_blocks=256, cache_block_size=16, progress=False,
-              plugin_params={"plugin_type": "mtp", "num_speculative_tokens": 3, "mtp_mode": mode})
+              plugin_params={"plugin_type": "mtp", "num_speculative_tokens": 3, "mtp_mode": mode,
+                             "adaptive_speculation": False})
     outs = mtp.generate(ps, GREEDY)
     assert [o.token_ids for o in outs] == expected
     stats = mtp.engine.spec_stats

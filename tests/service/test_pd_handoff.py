@@ -22,7 +22,8 @@ def checkpoint(tmp_path_factory):
 
 
 def _llm(path, role):
-    pp = {"plugin_type": "mtp", "num_speculative_tokens": 2, "mtp_mode": "vanilla", "pd_role": role}
+    pp = {"plugin_type": "mtp", "num_speculative_tokens": 2, "mtp_mode": "vanilla", "pd_role": role,
+          "adaptive_speculation": False}  # every step drafts, whatever the step times
     return LLM(model=str(path), dtype="float32", cache_block_size=4, num_blocks=128, progress=False, plugin_params=pp)
 
 

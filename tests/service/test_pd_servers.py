@@ -14,7 +14,7 @@ from tests.distributed.serving import completion, free_port, served_model, start
 
 MTP = {"plugin_type": "mtp", "num_speculative_tokens": 2}
 PROMPTS = ["hello world", "the quick brown fox", "a", "numbers 1 2 3 4 5 6 7 8 9 and more words to read"]
-TOKEN_TIMEOUT = 6
+TOKEN_TIMEOUT = 15  # long enough for a loaded machine; the hung-node test waits this long
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ def _tokens(llm, prompts):
 @pytest.mark.parametrize("mode", ["vanilla", "eagle"])
 def test_mtp_greedy_equals_cpu(v3_checkpoint, device, mode):
     path, prompts = v3_checkpoint
-    params = {"plugin_type": "mtp", "num_speculative_tokens": 2, "mtp_mode": mode}
+    params = {"plugin_type": "mtp", "num_speculative_tokens": 2, "mtp_mode": mode, "adaptive_speculation": False}
     expected = _tokens(_llm(path, "cpu", plugin_params=params), prompts)
     llm = _llm(path, "cuda", device, plugin_params=params)
     out = llm.generate(prompts, GREEDY)
@@ -62,7 +62,7 @@ def test_padded_decode_buckets_equal_cpu(v3_checkpoint, device, mode):
     """Decode steps through the graph runner: batches of 3 padded to a bucket of 4 (a padding
     sequence on the dummy block, and the slack sequence of the draft steps)."""
     path, prompts = v3_checkpoint
-    params = {"plugin_type": "mtp", "num_speculative_tokens": 2, "mtp_mode": mode}
+    params = {"plugin_type": "mtp", "num_speculative_tokens": 2, "mtp_mode": mode, "adaptive_speculation": False}
     expected = _tokens(_llm(path, "cpu", plugin_params=params), prompts)
     llm = _llm(path, "cuda", device, plugin_params=params)
     wrapper = llm.engine.model_wrapper

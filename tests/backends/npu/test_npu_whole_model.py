@@ -17,7 +17,7 @@ from npu_cases import ascend_config
 from tests.support.checkpoints import make_checkpoint, make_self_predicting_checkpoint, tiny_v3_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-MTP_K3 = {"plugin_type": "mtp", "num_speculative_tokens": 3, "mtp_mode": "eagle"}
+MTP_K3 = {"plugin_type": "mtp", "num_speculative_tokens": 3, "mtp_mode": "eagle", "adaptive_speculation": False}
 FUSED_OPS = {"npu_fused_infer_attention_score_v2", "npu_kv_rmsnorm_rope_cache", "npu_interleave_rope", "npu_rms_norm",
              "npu_add_rms_norm", "npu_swiglu", "npu_moe_gating_top_k", "npu_moe_init_routing_v2",
              "npu_grouped_matmul", "npu_moe_token_unpermute"}

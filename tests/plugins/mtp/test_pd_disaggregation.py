@@ -18,7 +18,7 @@ def checkpoint(tmp_path_factory):
 
 
 def _llm(path, **mtp):
-    pp = {"plugin_type": "mtp", "num_speculative_tokens": 2, **mtp}
+    pp = {"plugin_type": "mtp", "num_speculative_tokens": 2, "adaptive_speculation": False, **mtp}
     return LLM(model=str(path), dtype="float32", cache_block_size=4, num_blocks=128, progress=False, plugin_params=pp)
 
 
