@@ -1,4 +1,4 @@
-"""The Python API: ``LLM(model=DIR)`` or ``LLM(config=config.json)``, then ``generate``."""
+"""The Python API: ``LLM(model=DIR)`` or ``LLM(config=config.json | shipped name)``, then ``generate``."""
 from __future__ import annotations
 
 import os
@@ -61,9 +61,10 @@ class LLM:
             args = EngineArgs.from_mindie_config(default_config(), progress=progress)
             _override(args, **given, **scheduler_limits)
         elif config is not None:
+            from mindspec.config.defaults import find_config
             from mindspec.config.mindie_config import load_config
 
-            mindie = load_config(config)
+            mindie = load_config(find_config(config))  # a path, or a shipped config's name
             args = EngineArgs.from_mindie_config(mindie, progress=progress)
             _override(args, **given, **scheduler_limits)
             parallel, where = mindie.model.parallel, MODEL_CONFIG_PATH

@@ -1,5 +1,6 @@
 """LLM.generate end to end: greedy output equals transformers' greedy generate, token for token."""
 import importlib.util
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -143,3 +144,11 @@ def test_bad_keyword_values_name_the_field_before_loading(kwargs, field, tmp_pat
         LLM(model=str(tmp_path), progress=False, **kwargs)
     with pytest.raises(ValueError, match=field):
         LLM(progress=False, **kwargs)
+
+
+def test_config_may_name_a_shipped_config():
+    from mindspec.config.defaults import DEFAULT_MODEL_DIR
+
+    llm = LLM(config="config_cpu_no_mtp", progress=False)  # configs/config_cpu_no_mtp.json, by name
+    assert llm.engine.plugin_manager.plugins == []
+    assert Path(llm.engine.args.model).resolve() == DEFAULT_MODEL_DIR.resolve()

@@ -115,19 +115,14 @@ def _swap_pairs(P: int, device: torch.device) -> torch.Tensor:
 
 
 # ---- threads --------------------------------------------------------------------------------------
-# Thread policy, from benchmarks/results/cpu_threads.json (python -m mindspec.bench.threads; shipped
-# model, MTP K=3, 64 new tokens, 2 cores; two runs of 2 rounds on a machine other jobs shared, 1-min
-# load 4-5, so only large differences count). OpenMP's default wait policy spins (libgomp: ~3 ms)
-# at every barrier; when another process holds a core, the spinning threads burn the core the
-# team's descheduled thread needs, at every one of the thousands of parallel regions a step runs. With 2 threads a
-# batch-1 request took 4.5-28 s (median) against 0.5-0.85 s with 1 thread, a batch of 16 9-48 s
-# against 1.5-2.5 s. With OMP_WAIT_POLICY=PASSIVE waiting threads sleep instead: 2 threads gave
-# 0.42-1.09 s and 1.95-3.1 s, 1 thread 0.39-1.08 s and 1.2-3.3 s, the same within this noise, busy
-# neighbour or not. So: mindspec/__init__.py sets OMP_WAIT_POLICY=PASSIVE unless the environment
-# sets it (OpenMP reads it once, when torch loads: mindspec must be imported first), and the thread
-# count is torch's own (OMP_NUM_THREADS, torch.set_num_threads, else one per usable core); dp ranks
-# on one host split the usable cores. An explicit count (LLM(cpu_threads=), --threads,
-# $MINDSPEC_CPU_THREADS, ModelConfig.cpuThreads) replaces it.
+# Thread policy (measurements: benchmarks/README.md, "CPU threads"). OpenMP's default wait policy
+# spins at every barrier; when another process holds one of the cores, the spinning threads burn the
+# core the descheduled thread needs, at each of the thousands of parallel regions a step runs, and
+# decoding slows down many times over. mindspec/__init__.py therefore sets OMP_WAIT_POLICY=PASSIVE
+# unless the environment sets it (OpenMP reads it once, when torch loads: mindspec must be imported
+# first). The thread count stays torch's own (OMP_NUM_THREADS, torch.set_num_threads, else one per
+# usable core); dp ranks on one host split the usable cores. An explicit count (LLM(cpu_threads=),
+# --threads, $MINDSPEC_CPU_THREADS, ModelConfig.cpuThreads) replaces it.
 THREADS_ENV = "MINDSPEC_CPU_THREADS"
 
 
