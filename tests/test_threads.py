@@ -44,11 +44,26 @@ def _config(tmp_path, threads):
 # ---- precedence: keyword / --threads > $MINDSPEC_CPU_THREADS > cpuThreads > default --------------------
 
 
-def test_default_keeps_torchs_count():
-    # one process: what torch has (OMP_NUM_THREADS, an earlier torch.set_num_threads, else the cores)
+def test_default_is_one_thread_for_a_small_model():
     torch.set_num_threads(CORES + 3)
-    _llm()
-    assert torch.get_num_threads() == CORES + 3
+    _llm()  # the shipped model: hidden size 192
+    assert torch.get_num_threads() == 1
+
+
+def test_default_keeps_torchs_count_for_a_larger_model(tmp_path):
+    # one process: what torch has (OMP_NUM_THREADS, an earlier torch.set_num_threads, else the cores)
+    from mindspec.engine.args import EngineArgs
+
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 4096}))
+    args = EngineArgs(model=str(tmp_path))
+    assert args.model_hidden_size() == 4096
+    torch.set_num_threads(CORES + 3)
+    assert args.apply_cpu_threads() == CORES + 3 == torch.get_num_threads()
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 1023}))
+    assert args.apply_cpu_threads() == 1
+    (tmp_path / "config.json").write_text("not json")  # unreadable: torch's count (the loader reports it)
+    torch.set_num_threads(CORES + 2)
+    assert args.model_hidden_size() is None and args.apply_cpu_threads() == CORES + 2
 
 
 def test_keyword_env_and_config_in_order(tmp_path, monkeypatch):
@@ -94,6 +109,9 @@ def test_bad_config_value_names_the_key(tmp_path):
 def test_share_host_cores_splits_unless_a_count_is_given(monkeypatch):
     share_host_cores("cpu", 2)
     assert torch.get_num_threads() == max(1, CORES // 2)
+    torch.set_num_threads(CORES + 1)
+    share_host_cores("cpu", 2, hidden_size=192)  # a small model: one thread per rank
+    assert torch.get_num_threads() == 1
     monkeypatch.setenv(THREADS_ENV, "3")  # an explicit count is each rank's own
     share_host_cores("cpu", 2)
     assert torch.get_num_threads() == 3
@@ -113,9 +131,10 @@ def test_torchrun_splits_by_the_ranks_on_this_host(monkeypatch):
 
 @pytest.mark.slow
 def test_dp_llm_keeps_the_split_and_the_keyword():
-    # rank 0 runs here; with dp=2 the default gives each rank half the cores, cpu_threads stays as given
+    # rank 0 runs here; with dp=2 the default for the (small) shipped model is one thread per rank,
+    # cpu_threads stays as given
     with LLM(dp=2, progress=False, num_blocks=16) as llm:
-        assert torch.get_num_threads() == max(1, CORES // 2)
+        assert torch.get_num_threads() == 1
         assert llm.generate("def f(x):")[0].finished
     with LLM(dp=2, cpu_threads=CORES + 1, progress=False, num_blocks=16):
         assert torch.get_num_threads() == CORES + 1
@@ -144,10 +163,10 @@ def _threads_line(stderr: str) -> str:
     return lines[0]
 
 
-def test_cli_default_is_one_thread_per_usable_core():
+def test_cli_default_for_the_shipped_model_is_one_thread():
     res = _run("--log-level", "INFO", "generate", "--prompt", "x", "--max-tokens", "2")
     assert res.returncode == 0, res.stderr
-    assert f"cpu threads: {CORES} (default" in _threads_line(res.stderr)
+    assert "cpu threads: 1 (default: a small model (hidden size 192)" in _threads_line(res.stderr)
 
 
 def test_cli_threads_and_env():

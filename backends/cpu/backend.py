@@ -120,9 +120,10 @@ def _swap_pairs(P: int, device: torch.device) -> torch.Tensor:
 # core the descheduled thread needs, at each of the thousands of parallel regions a step runs, and
 # decoding slows down many times over. mindspec/__init__.py therefore sets OMP_WAIT_POLICY=PASSIVE
 # unless the environment sets it (OpenMP reads it once, when torch loads: mindspec must be imported
-# first). The thread count stays torch's own (OMP_NUM_THREADS, torch.set_num_threads, else one per
-# usable core); dp ranks on one host split the usable cores. An explicit count (LLM(cpu_threads=),
-# --threads, $MINDSPEC_CPU_THREADS, ModelConfig.cpuThreads) replaces it.
+# first). Passive waiting costs a wake-up per parallel region, which only a small model notices:
+# a model below SMALL_MODEL_HIDDEN gets one thread; larger ones keep torch's count (OMP_NUM_THREADS,
+# torch.set_num_threads, else one per usable core), dp ranks on one host splitting the usable cores.
+# An explicit count (LLM(cpu_threads=), --threads, $MINDSPEC_CPU_THREADS, cpuThreads) replaces it.
 THREADS_ENV = "MINDSPEC_CPU_THREADS"
 
 
@@ -154,27 +155,40 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def default_cpu_threads(ranks_on_host: int = 1) -> int:
-    """One process: torch's own count, kept (OMP_NUM_THREADS, a torch.set_num_threads call made
-    before, else one per usable core); dp ranks sharing a host: the usable cores split among them."""
+# Below this hidden size a parallel region's work (an [h, h] GEMV: h*h multiply-adds, ~10 us at
+# h = 192) is no larger than waking a thread for it: one thread is as fast as two on an idle machine
+# and much faster beside a busy process (the shipped model, hidden 192; benchmarks/README.md).
+SMALL_MODEL_HIDDEN = 1024
+
+
+def default_cpu_threads(ranks_on_host: int = 1, hidden_size: Optional[int] = None) -> int:
+    """A small model (hidden_size < SMALL_MODEL_HIDDEN): 1. Otherwise, one process: torch's own
+    count, kept (OMP_NUM_THREADS, a torch.set_num_threads call made before, else one per usable
+    core); dp ranks sharing a host: the usable cores split among them."""
+    if hidden_size is not None and hidden_size < SMALL_MODEL_HIDDEN:
+        return 1
     if ranks_on_host <= 1:
         return torch.get_num_threads()
     return max(1, usable_cores() // ranks_on_host)
 
 
-def set_cpu_threads(requested: Optional[int] = None, ranks_on_host: int = 1, source: str = "requested") -> int:
+def set_cpu_threads(requested: Optional[int] = None, ranks_on_host: int = 1, source: str = "requested",
+                    hidden_size: Optional[int] = None) -> int:
     """Set torch's intra-op threads for this process: ``requested``, else $MINDSPEC_CPU_THREADS,
-    else the default (above; split among ``ranks_on_host`` dp ranks). Returns the count; ``source``
-    names where ``requested`` came from in the INFO log line."""
+    else the default (above: the model's ``hidden_size``, ``ranks_on_host`` dp ranks). Returns the
+    count; ``source`` names where ``requested`` came from in the INFO log line."""
     from_env = cpu_threads_from_env() if requested is None else None
     if requested is not None:
         threads = check_cpu_threads(requested, "cpu_threads")
     elif from_env is not None:
         threads, source = from_env, f"${THREADS_ENV}"
     else:
-        threads = default_cpu_threads(ranks_on_host)
-        source = (f"default: {usable_cores()} usable cores / {ranks_on_host} ranks" if ranks_on_host > 1
-                  else "default: torch's count")
+        threads = default_cpu_threads(ranks_on_host, hidden_size)
+        if hidden_size is not None and hidden_size < SMALL_MODEL_HIDDEN:
+            source = f"default: a small model (hidden size {hidden_size})"
+        else:
+            source = (f"default: {usable_cores()} usable cores / {ranks_on_host} ranks" if ranks_on_host > 1
+                      else "default: torch's count")
         if threads > 1:
             _note_spinning_threads()
     torch.set_num_threads(threads)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -60,15 +61,26 @@ def _configs(neighbours=("idle", "busy"), policies=("default", "passive"), threa
 
 
 def _name(cfg: dict) -> str:
-    return f"{cfg['neighbour']}, {cfg['threads']} thread(s), OMP_WAIT_POLICY={cfg['wait_policy']}"
+    policy = cfg["wait_policy"]
+    if policy.startswith("spin"):  # OpenMP's default policy with a bounded spin before sleeping
+        return f"{cfg['neighbour']}, {cfg['threads']} thread(s), GOMP_SPINCOUNT={policy[4:]}"
+    return f"{cfg['neighbour']}, {cfg['threads']} thread(s), OMP_WAIT_POLICY={policy}"
+
+
+def _policy_env(policy: str) -> dict:
+    if policy == "default":
+        return {}
+    if policy.startswith("spin"):
+        return {"GOMP_SPINCOUNT": policy[4:]}
+    return {"OMP_WAIT_POLICY": policy.upper()}
 
 
 def _run_one(cfg: dict, mtp: bool) -> dict:
     env = dict(os.environ)
     env.pop("OMP_NUM_THREADS", None)
     env.pop("OMP_WAIT_POLICY", None)
-    if cfg["wait_policy"] != "default":
-        env["OMP_WAIT_POLICY"] = cfg["wait_policy"].upper()
+    env.pop("GOMP_SPINCOUNT", None)
+    env.update(_policy_env(cfg["wait_policy"]))
     env["MINDSPEC_CPU_THREADS"] = str(cfg["threads"])
     neighbour = None
     if cfg["neighbour"] == "busy":
@@ -127,9 +139,9 @@ def _plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _choices(raw: str, allowed: tuple, option: str) -> tuple:
+def _choices(raw: str, allowed: tuple, option: str, pattern: str = "") -> tuple:
     picked = tuple(x.strip() for x in raw.split(",") if x.strip())
-    bad = [x for x in picked if x not in allowed]
+    bad = [x for x in picked if x not in allowed and not (pattern and re.fullmatch(pattern, x))]
     if bad or not picked:
         raise SystemExit(f"{option}: choose from {', '.join(allowed)}, got {raw!r}")
     return picked
@@ -141,7 +153,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--neighbours", default="idle,busy", help="comma-separated subset of idle,busy")
-    p.add_argument("--policies", default="default,passive", help="comma-separated subset of default,passive")
+    p.add_argument("--policies", default="default,passive",
+                   help="comma-separated: default, passive, spinN (GOMP_SPINCOUNT=N with the default policy)")
     p.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     p.add_argument("--note", default="", help="stored in the JSON (e.g. what else ran on the machine)")
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
@@ -150,7 +163,7 @@ def main(argv=None) -> int:
         print(json.dumps(_child(args.child, args.mtp)))
         return 0
     configs = _configs(_choices(args.neighbours, ("idle", "busy"), "--neighbours"),
-                       _choices(args.policies, ("default", "passive"), "--policies"),
+                       _choices(args.policies, ("default", "passive", "spinN"), "--policies", r"spin\d+"),
                        [int(t) for t in args.threads.split(",")])
     runs: dict[str, list[dict]] = {_name(c): [] for c in configs}
     for r in range(args.rounds):

@@ -93,7 +93,7 @@ def start_local(args: EngineArgs, parallel: ParallelConfig, prefix: str = ""):
     try:
         _wait_for_ranks(store, workers, parallel.timeout_s)
         ctx = join_groups(parallel, 0, 0, args.backend, store)
-        share_host_cores(args.backend, parallel.world_size)
+        share_host_cores(args.backend, parallel.world_size, args.model_hidden_size())
         engine = SpmdEngine(leader_args, ctx, workers)
         engine.on_close.append(lambda: torch.set_num_threads(threads))
         return engine
@@ -107,7 +107,7 @@ def start_local(args: EngineArgs, parallel: ParallelConfig, prefix: str = ""):
         raise
 
 
-def share_host_cores(backend: str, world_size: int) -> None:
+def share_host_cores(backend: str, world_size: int, hidden_size: Optional[int] = None) -> None:
     """cpu backend: ranks on one host split its cores (oversubscribed, spinning OpenMP threads of
     one rank starve the other and every collective waits for them). A count set explicitly
     ($MINDSPEC_CPU_THREADS; LLM(cpu_threads=), --threads and cpuThreads export it there under dp) is
@@ -117,7 +117,7 @@ def share_host_cores(backend: str, world_size: int) -> None:
     from mindspec.backends.cpu.backend import set_cpu_threads
 
     local = os.environ.get("LOCAL_WORLD_SIZE") if torchrun_env() is not None else None
-    set_cpu_threads(None, ranks_on_host=int(local) if local and local.isdigit() else world_size)
+    set_cpu_threads(None, ranks_on_host=int(local) if local and local.isdigit() else world_size, hidden_size=hidden_size)
 
 
 def _spawn(spec: RankSpec) -> subprocess.Popen:
@@ -194,7 +194,7 @@ def join_torchrun(args: EngineArgs, parallel: ParallelConfig, prefix: str = ""):
     parallel.check(prefix).check_model(args.model, prefix)
     local_args = rank_args(args, parallel, local_rank, prefix)
     ctx = join_groups(parallel, rank, local_rank, args.backend)
-    share_host_cores(args.backend, parallel.world_size)
+    share_host_cores(args.backend, parallel.world_size, args.model_hidden_size())
     return SpmdEngine(local_args, ctx)
 
 

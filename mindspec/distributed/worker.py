@@ -20,7 +20,7 @@ def main(spec_path: str) -> int:
         spec: RankSpec = pickle.load(f)
     os.unlink(spec_path)
     logging.basicConfig(level=logging.WARNING, format=f"rank {spec.rank} %(levelname)s %(name)s: %(message)s")
-    share_host_cores(spec.args.backend, spec.parallel.world_size)
+    share_host_cores(spec.args.backend, spec.parallel.world_size, spec.args.model_hidden_size())
     from .spmd_engine import SpmdEngine
 
     try:

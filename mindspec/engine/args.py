@@ -1,7 +1,9 @@
 """EngineArgs: everything needed to build an engine, from Python keywords or a MindIE config.json."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional, Union
 
 from .scheduler import SchedulerConfig
@@ -72,7 +74,16 @@ class EngineArgs:
             source = "config cpuThreads"
         if not self._on_cpu():
             return None
-        return set_cpu_threads(self.cpu_threads, source=source)
+        return set_cpu_threads(self.cpu_threads, source=source, hidden_size=self.model_hidden_size())
+
+    def model_hidden_size(self) -> Optional[int]:
+        """The checkpoint's hidden_size (config.json), for the cpu thread default; None if unreadable
+        (the loader reports a bad checkpoint with its own error)."""
+        try:
+            value = json.loads((Path(self.model) / "config.json").read_text(encoding="utf-8")).get("hidden_size")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     def rank_thread_env(self, distributed: bool) -> dict[str, str]:
         """What dp ranks need in their environment to keep a chosen count: spawned ranks and
