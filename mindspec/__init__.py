@@ -6,11 +6,11 @@ __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
-# OpenMP's threads sleep while they wait instead of spinning (libgomp spins ~3 ms per wait by
-# default): on a 2-core machine that other processes also used, spinning made a batch-1 request
-# 10-30x slower with 2 threads (benchmarks/results/cpu_threads.json; the policy is described in
-# mindspec.backends.cpu.backend). OpenMP reads this once, when torch loads it, so it applies only if
-# mindspec is imported before torch; a value already in the environment (ACTIVE, PASSIVE) is kept.
+# OpenMP's threads sleep while they wait instead of spinning: beside a process busy on one of the
+# cores, spinning threads made decoding many times slower (benchmarks/README.md, "CPU threads"; the
+# policy is described in mindspec.backends.cpu.backend). OpenMP reads this once, when torch loads
+# it, so it applies only if mindspec is imported before torch; a value already in the environment
+# (ACTIVE, PASSIVE) is kept.
 # "user": the environment had a value; "passive": set here; "too late": set here after torch (and
 # OpenMP) had loaded, so it reaches only child processes.
 if "OMP_WAIT_POLICY" in os.environ:
