@@ -26,7 +26,7 @@ from mindspec.engine.outputs import PrefillHandoff, RequestOutput
 
 from .errors import ApiError
 from .pd_wire import output_to_line, params_from_json
-from .routes_openai import primed
+from .fanout import primed
 from .state import ServiceState
 
 PREFILL_ROUTE = "/v1/pd/prefill"

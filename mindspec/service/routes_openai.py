@@ -15,7 +15,7 @@ from mindspec.text_generator.tokenizer import TokenizerError
 
 from .async_engine import Prompt
 from .errors import ApiError
-from .fanout import primed, primed_fan_in  # noqa: F401  (primed: PD nodes import it from here)
+from .fanout import primed_fan_in
 from .logprobs import CompletionLogprobs, chat_logprobs
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .state import ServiceState

@@ -49,26 +49,44 @@ def write_config(path, model_dir, ports, **overrides):
     return path
 
 
+def start_serve(config_path, probe, args=(), env=None) -> subprocess.Popen:
+    """``mindspec serve --config config_path [args]`` in a subprocess, returned once ``probe()``
+    (an HTTP request) answers 200; env: variables added to this process's environment."""
+    cmd = [sys.executable, "-m", "mindspec.cli", "serve", "--config", str(config_path), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stdout.read()}")
+        try:
+            if probe().status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+def stop_serve(proc: subprocess.Popen) -> str:
+    """SIGTERM, a clean exit within 30 s (asserted), and the server's output."""
+    proc.terminate()
+    try:
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.stdout.read()
+
+
 class Server:
     def __init__(self, config_path, ports, api_key=None):
         self.ports = ports
         self.base = f"http://127.0.0.1:{ports[0]}"
         self.mgmt = f"http://127.0.0.1:{ports[1]}"
         self.metrics_url = f"http://127.0.0.1:{ports[2]}/metrics"
-        cmd = [sys.executable, "-m", "mindspec.cli", "serve", "--config", str(config_path)]
-        if api_key:
-            cmd += ["--api-key", api_key]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
-            try:
-                if httpx.get(self.mgmt + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        raise RuntimeError("server did not start")
+        self.proc = start_serve(config_path, lambda: httpx.get(self.mgmt + "/health", timeout=1),
+                                ["--api-key", api_key] if api_key else ())
 
     def healthy(self) -> bool:
         return httpx.get(self.mgmt + "/health", timeout=5).status_code == 200

@@ -5,13 +5,9 @@ import datetime
 import ipaddress
 import json
 import logging
-import os
 import re
 import shutil
 import ssl
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -23,7 +19,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from mindspec.config.mindie_config import ConfigError, load_config
-from tests.service.conftest import free_port, write_config
+from tests.service.conftest import free_port, start_serve, stop_serve, write_config
 
 DOCUMENTED = Path(__file__).resolve().parents[1] / "config" / "data" / "mindie_documented_config.json"
 PASSWORD = "s3cret pass"
@@ -202,32 +198,6 @@ def test_one_address_uses_the_business_files_everywhere(pki, tmp_path):
 # ---- a real server over HTTPS -----------------------------------------------------------------
 
 
-def _start(config_path: Path, probe) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "mindspec.cli", "serve", "--config", str(config_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stdout.read()}")
-        try:
-            if probe().status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("server did not start")
-
-
-def _stop(proc: subprocess.Popen) -> str:
-    proc.terminate()
-    try:
-        assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return proc.stdout.read()
-
-
 def _trust(ca: str, cert=None) -> ssl.SSLContext:
     """A client TLS context trusting ``ca``, presenting ``cert`` = (certificate, key) if given."""
     context = ssl.create_default_context(cafile=ca)
@@ -247,7 +217,7 @@ def test_openai_client_over_https(pki, tiny_model, tmp_path):
         "ServerConfig.httpsEnabled": True, "ServerConfig.tlsCert": str(pki / "server.pem"),
         "ServerConfig.tlsPk": str(pki / "server.key.pem")})
     ca = _trust(str(pki / "server_ca.pem"))
-    proc = _start(cfg, lambda: httpx.get(f"https://127.0.0.1:{ports[1]}/health", verify=ca, timeout=2))
+    proc = start_serve(cfg, lambda: httpx.get(f"https://127.0.0.1:{ports[1]}/health", verify=ca, timeout=2))
     try:
         with httpx.Client(verify=ca) as http:
             client = openai.OpenAI(base_url=f"https://127.0.0.1:{ports[0]}/v1", api_key="none", http_client=http)
@@ -263,7 +233,7 @@ def test_openai_client_over_https(pki, tiny_model, tmp_path):
         with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
             httpx.get(f"https://127.0.0.1:{ports[0]}/v1/models", timeout=5)
     finally:
-        out = _stop(proc)
+        out = stop_serve(proc)
     assert f"listening on https://127.0.0.1:{ports[0]}" in out, out
 
 
@@ -281,7 +251,7 @@ def test_encrypted_key_client_certificates_and_management_files(pki, tiny_model,
         "ServerConfig.managementTlsPk": str(pki / "mgmt_server.key.pem")})
     client_cert = (str(pki / "client.pem"), str(pki / "client.key.pem"))
     server_ca, mgmt_ca = str(pki / "server_ca.pem"), str(pki / "management_ca.pem")
-    proc = _start(cfg, lambda: httpx.get(f"https://127.0.0.2:{ports[1]}/health", verify=_trust(mgmt_ca, client_cert),
+    proc = start_serve(cfg, lambda: httpx.get(f"https://127.0.0.2:{ports[1]}/health", verify=_trust(mgmt_ca, client_cert),
                                          timeout=2))
     try:
         with httpx.Client(verify=_trust(server_ca, client_cert)) as http:
@@ -297,4 +267,4 @@ def test_encrypted_key_client_certificates_and_management_files(pki, tiny_model,
         r = httpx.get(f"https://127.0.0.2:{ports[2]}/metrics", verify=_trust(mgmt_ca, client_cert), timeout=5)
         assert r.status_code == 200
     finally:
-        _stop(proc)
+        stop_serve(proc)

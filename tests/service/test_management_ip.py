@@ -1,18 +1,14 @@
 """managementIpAddress: the management (and a separate metrics) port listen there, the business
 port on ipAddress; $MIES_CONTAINER_IP / $MIES_CONTAINER_MANAGEMENT_IP override them as in MindIE.
 Linux routes all of 127.0.0.0/8 to the loopback device, so 127.0.0.2 is a second local address."""
-import os
 import re
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
 from mindspec.config.mindie_config import ConfigError, parse_config
 from mindspec.service.server import listen_host
-from tests.service.conftest import free_port, write_config
+from tests.service.conftest import free_port, start_serve, stop_serve, write_config
 
 ENVS = ("MIES_CONTAINER_IP", "MIES_CONTAINER_MANAGEMENT_IP")
 
@@ -66,33 +62,6 @@ def test_all_zero_allowed_when_opted_in():
     assert cfg.management_ip_address == "0.0.0.0"
 
 
-def _start(config_path, health_url, env=None):
-    proc = subprocess.Popen([sys.executable, "-m", "mindspec.cli", "serve", "--config", str(config_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **(env or {})})
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stdout.read()}")
-        try:
-            if httpx.get(health_url, timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("server did not start")
-
-
-def _stop(proc) -> str:
-    proc.terminate()
-    try:
-        assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return proc.stdout.read()
-
-
 def _refused(url: str) -> bool:
     try:
         httpx.get(url, timeout=2)
@@ -104,7 +73,7 @@ def _refused(url: str) -> bool:
 def test_management_port_answers_on_management_address_only(tiny_model, tmp_path):
     ports = (free_port(), free_port(), free_port())
     cfg = write_config(tmp_path / "c.json", tiny_model, ports, **{"ServerConfig.managementIpAddress": "127.0.0.2"})
-    proc = _start(cfg, f"http://127.0.0.2:{ports[1]}/health")
+    proc = start_serve(cfg, lambda: httpx.get(f"http://127.0.0.2:{ports[1]}/health", timeout=1))
     try:
         assert _refused(f"http://127.0.0.1:{ports[1]}/health")
         assert httpx.get(f"http://127.0.0.2:{ports[2]}/metrics", timeout=5).status_code == 200
@@ -114,7 +83,7 @@ def test_management_port_answers_on_management_address_only(tiny_model, tmp_path
         assert r.status_code == 200 and r.json()["data"][0]["id"] == "tiny"
         assert _refused(f"http://127.0.0.2:{ports[0]}/v1/models")
     finally:
-        out = _stop(proc)
+        out = stop_serve(proc)
     assert f"http://127.0.0.1:{ports[0]}, http://127.0.0.2:{ports[1]}, http://127.0.0.2:{ports[2]}" in out, out
 
 
@@ -122,10 +91,10 @@ def test_environment_overrides_the_config(tiny_model, tmp_path):
     ports = (free_port(), free_port(), free_port())
     cfg = write_config(tmp_path / "c.json", tiny_model, ports, **{"ServerConfig.managementIpAddress": "127.0.0.2"})
     env = {"MIES_CONTAINER_IP": "127.0.0.3", "MIES_CONTAINER_MANAGEMENT_IP": "127.0.0.4"}
-    proc = _start(cfg, f"http://127.0.0.4:{ports[1]}/health", env)
+    proc = start_serve(cfg, lambda: httpx.get(f"http://127.0.0.4:{ports[1]}/health", timeout=1), env=env)
     try:
         assert _refused(f"http://127.0.0.2:{ports[1]}/health")
         assert httpx.get(f"http://127.0.0.3:{ports[0]}/v1/models", timeout=5).status_code == 200
         assert _refused(f"http://127.0.0.1:{ports[0]}/v1/models")
     finally:
-        _stop(proc)
+        stop_serve(proc)
