@@ -27,11 +27,6 @@ def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def usage(out: RequestOutput) -> dict:
-    p, c = len(out.prompt_token_ids), len(out.token_ids)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-
 def summed_usage(outs: Sequence[RequestOutput], n: int) -> dict:
     """OpenAI counts each prompt once and every choice's completion: siblings share a prompt."""
     p = sum(len(out.prompt_token_ids) for out in outs[::n])
