@@ -194,6 +194,30 @@ class Backend(ABC):
         (what fn returned: static tensors that each replay rewrites)."""
         raise BackendError(f"backend {self.name!r} cannot capture graphs")
 
+    # ---- whole-step export (used by mindspec/modeling/exported_step.py) -----------------------
+    @property
+    def supports_step_export(self) -> bool:
+        """Whether decode steps can be exported whole and compiled ahead of time (the cpu
+        backend: AOTInductor). Default: no."""
+        return False
+
+    def step_tensors(self, meta: AttentionMetadata, name: str) -> list[tuple[torch.Tensor, dict[int, str]]]:
+        """The tensors this backend's ops read from a prepared ``meta``, each with its dynamic
+        dims (dim -> a size name, unique per ``name``): an exported step takes them as inputs."""
+        raise BackendError(f"backend {self.name!r} cannot export steps")
+
+    def bind_step_tensors(self, meta: AttentionMetadata, tensors: list[torch.Tensor]) -> AttentionMetadata:
+        """A copy of ``meta`` whose ops read ``tensors`` (``step_tensors``' order) instead."""
+        raise BackendError(f"backend {self.name!r} cannot export steps")
+
+    def cache_tensors(self, caches: list[LatentCache]) -> list[tuple[torch.Tensor, dict[int, str]]]:
+        """The storage of ``caches`` as tensors, with their dynamic dims (as ``step_tensors``)."""
+        raise BackendError(f"backend {self.name!r} cannot export steps")
+
+    def bind_cache_tensors(self, caches: list[LatentCache], tensors: list[torch.Tensor]) -> list[LatentCache]:
+        """Caches like ``caches`` over ``tensors`` (``cache_tensors``' order)."""
+        raise BackendError(f"backend {self.name!r} cannot export steps")
+
     # ---- cache -----------------------------------------------------------------------------
     def allocate_latent_cache(
         self, num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype

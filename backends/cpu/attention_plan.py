@@ -18,8 +18,8 @@ import torch
 
 from mindspec.backend import AttentionMetadata
 
-_PLAN_KEY = "cpu_attention_plan"
-_ROWS_KEY = "cpu_cache_rows"
+PLAN_KEY = "cpu_attention_plan"  # meta.scratch keys
+ROWS_KEY = "cpu_cache_rows"
 
 
 @dataclass
@@ -63,16 +63,16 @@ class AttentionPlan:
 
 def attention_plan(meta: AttentionMetadata, device: torch.device) -> AttentionPlan:
     """The plan for ``meta``, built on first use and memoised in ``meta.scratch``."""
-    plan = meta.scratch.get(_PLAN_KEY)
+    plan = meta.scratch.get(PLAN_KEY)
     if plan is None:
-        plan = meta.scratch[_PLAN_KEY] = _build(meta, device)
+        plan = meta.scratch[PLAN_KEY] = _build(meta, device)
     return plan
 
 
 def cache_rows(meta: AttentionMetadata, block_size: int, device: torch.device) -> torch.Tensor:
     """[B, S] int64 flat cache row (block * block_size + offset) of every key of every sequence;
     keys past a sequence's length read row 0 (masked by the plan's bias)."""
-    key = (_ROWS_KEY, block_size)
+    key = (ROWS_KEY, block_size)
     rows = meta.scratch.get(key)
     if rows is None:
         seq_lens = np.asarray(meta.seq_lens_host, dtype=np.int64)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -30,7 +30,7 @@ from mindspec.backend import (
 
 from . import linear as packed_linear
 from . import moe
-from .attention_plan import attention_plan, cache_rows
+from .attention_plan import PLAN_KEY, ROWS_KEY, AttentionPlan, attention_plan, cache_rows
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,13 @@ class CpuLatentCache(LatentCache):
 
     rows: Optional[torch.Tensor] = None  # [num_blocks * block_size + 1, R + P]
     rows_per_block: int = 0  # block_size, kept as an int so ops need not read the views
+
+
+def _cache_over(rows: torch.Tensor, block_size: int, kv_lora_rank: int) -> CpuLatentCache:
+    """The cache whose storage is ``rows`` [num_blocks * block_size + 1, R + P] (last: spill row)."""
+    latent = rows[:-1].view(-1, block_size, rows.shape[1])
+    return CpuLatentCache(c_kv=latent[..., :kv_lora_rank], k_pe=latent[..., kv_lora_rank:], latent=latent,
+                          rows=rows, rows_per_block=block_size)
 
 
 def _take_rows(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -245,9 +252,37 @@ class CpuBackend(Backend):
         self, num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype
     ) -> CpuLatentCache:
         rows = torch.zeros(num_blocks * block_size + 1, kv_lora_rank + rope_dim, dtype=dtype, device=self.device)
-        latent = rows[:-1].view(num_blocks, block_size, kv_lora_rank + rope_dim)
-        return CpuLatentCache(c_kv=latent[..., :kv_lora_rank], k_pe=latent[..., kv_lora_rank:], latent=latent,
-                              rows=rows, rows_per_block=block_size)
+        return _cache_over(rows, block_size, kv_lora_rank)
+
+    # ---- whole-step export -------------------------------------------------------------------
+    # A decode step's ops read, besides the model inputs, the slots, the attention plan's bias and
+    # the cache rows of every key (``prepare``): the context length S is their one dynamic size.
+    @property
+    def supports_step_export(self) -> bool:
+        return True
+
+    def step_tensors(self, meta: AttentionMetadata, name: str) -> list[tuple[torch.Tensor, dict[int, str]]]:
+        plan = attention_plan(meta, self.device)
+        s = f"{name}_context"
+        tensors = [(meta.slots, {}), (plan.bias, {3: s}), (cache_rows(meta, meta.block_size, self.device), {1: s})]
+        if plan.tok_seq is not None:  # sequences with different q_lens: the grid scatter's indices
+            tensors += [(plan.tok_seq, {}), (plan.tok_pos, {})]
+        return tensors
+
+    def bind_step_tensors(self, meta: AttentionMetadata, tensors: list[torch.Tensor]) -> AttentionMetadata:
+        slots, bias, rows, *grid = tensors
+        tok_seq, tok_pos = grid or (None, None)
+        bound = replace(meta, slots=slots, scratch={})
+        bound.scratch[PLAN_KEY] = AttentionPlan(num_seqs=meta.num_seqs, max_q=meta.max_q_len, max_s=0,
+                                                tok_seq=tok_seq, tok_pos=tok_pos, bias=bias)
+        bound.scratch[(ROWS_KEY, meta.block_size)] = rows
+        return bound
+
+    def cache_tensors(self, caches: list[LatentCache]) -> list[tuple[torch.Tensor, dict[int, str]]]:
+        return [(c.rows, {}) for c in caches]
+
+    def bind_cache_tensors(self, caches: list[LatentCache], tensors: list[torch.Tensor]) -> list[LatentCache]:
+        return [_cache_over(t, c.rows_per_block, c.c_kv.shape[-1]) for c, t in zip(caches, tensors)]
 
     def write_latent_cache(
         self, cache: LatentCache, c_kv: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor

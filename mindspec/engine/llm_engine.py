@@ -184,9 +184,8 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def warmup_decode(self, batch_sizes: Seq[int] = (1,)) -> None:
-        """Run a few decode steps at each batch size so that compiled decode blocks (one-row
-        blocks: a single sequence's plain step, MTP Eagle's one-row draft steps) are built before
-        the first request rather than during it. Speculation statistics and the adaptive
+        """Run a few decode steps at each batch size so that compiled decode steps (speculative
+        ones included) are built or loaded before the first request rather than during it. Speculation statistics and the adaptive
         controller's timings of these steps (compile time included) are discarded."""
         ids = [1, 2, 3]
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

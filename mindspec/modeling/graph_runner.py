@@ -97,6 +97,37 @@ def pad_inputs(inputs: ModelInputs, spec: PadSpec, lm_rows_per_seq: int) -> Mode
     )
 
 
+def pad_rows_per_seq(inputs: ModelInputs, rows: int) -> tuple[ModelInputs, np.ndarray]:
+    """Every sequence's rows padded to ``rows`` at its end -> (inputs, new row of each old row [T]).
+
+    The grid of the result is a reshape of the flat batch, and its shape no longer depends on how
+    rows are spread over sequences. Padding rows repeat their sequence's last token position
+    (always a valid rope row), write nothing (slot -1) and come after the real rows, so the causal
+    mask keeps every real row from seeing them; their outputs are dropped."""
+    q = inputs.q_lens.astype(np.int64)
+    if (q < 1).any() or (q > rows).any():
+        raise ValueError(f"q_lens {q.tolist()} do not fit {rows} rows per sequence")
+    num_seqs = len(q)
+    seq_idx = np.repeat(np.arange(num_seqs), q)
+    row_map = seq_idx * rows + np.arange(len(seq_idx)) - np.repeat(np.cumsum(q) - q, q)
+    last = inputs.positions[np.cumsum(q) - 1]
+
+    def spread(values: np.ndarray, fill: np.ndarray) -> np.ndarray:
+        out = np.repeat(fill, rows) if fill.ndim else np.full(num_seqs * rows, fill, dtype=values.dtype)
+        out[row_map] = values
+        return out
+
+    padded = inputs.with_(
+        input_ids=spread(inputs.input_ids, np.int64(0)),
+        positions=spread(inputs.positions, last),
+        slots=spread(inputs.slots, np.int64(-1)),
+        seq_lens=(inputs.seq_lens + (rows - q)).astype(np.int32),
+        q_lens=np.full(num_seqs, rows, dtype=np.int32),
+        lm_head_indices=row_map[inputs.lm_head_indices],
+    )
+    return padded, row_map
+
+
 # ------------------------------------------------------------------------------------------
 # Static buffers and captured steps
 # ------------------------------------------------------------------------------------------
@@ -175,13 +206,17 @@ class DecodeGraphRunner:
     Padding happens on the host, so a step's device work outside the graph is one copy in, the
     replay, and copies of the real rows out."""
 
-    def __init__(self, wrapper, buckets=DEFAULT_BUCKETS, max_blocks_per_seq: Optional[int] = None, capture: bool = True):
+    def __init__(self, wrapper, buckets=DEFAULT_BUCKETS, max_blocks_per_seq: Optional[int] = None, capture: bool = True,
+                 uniform_draft_rows: bool = False):
         cc = wrapper.cache_config
         if cc is None:
             raise ValueError("the graph runner needs the KV cache allocated first")
         self.wrapper = wrapper
         self.buckets = tuple(sorted(buckets))
         self.capture = capture
+        # Draft steps with every sequence padded to the same rows (pad_rows_per_seq) instead of
+        # one slack sequence: fewer distinct shapes, for steps compiled per shape (exported_step.py).
+        self.uniform_draft_rows = uniform_draft_rows
         self.dummy_block = cc.dummy_block_id
         self.block_size = cc.block_size
         max_pos = getattr(wrapper.config, "max_position_embeddings", cc.num_blocks * cc.block_size)
@@ -236,7 +271,7 @@ class DecodeGraphRunner:
         spec = self._spec(inputs)
         key = ("decode", spec.num_seqs, spec.q, lm_per_seq)
         entry = self._entry(key, [pad_inputs(inputs, spec, lm_per_seq)], [],
-                            lambda e: lambda: self.wrapper.forward(e.statics.inputs[0]))
+                            lambda e: lambda: self.wrapper.forward(e.statics.inputs[0], padded=True))
         out = self._replay(entry)
         return _sliced(out, len(inputs.lm_head_indices), inputs.num_tokens, None)
 
@@ -263,6 +298,12 @@ class DecodeGraphRunner:
         per_seq = -(-sub_q // q) * q  # rows per sequence in the draft steps, a multiple of q
         lm_per_seq = len(inputs.lm_head_indices) // num_seqs
         main_spec, sub_spec = self._spec(inputs), self._spec(inputs, per_seq)
+        row_map = None
+        if self.uniform_draft_rows:
+            uniform = [pad_rows_per_seq(s, per_seq) for s in sub_steps]
+            sub_steps, row_map = [u for u, _ in uniform], uniform[0][1]
+            lm_head_local_dp = row_map[lm_head_local_dp]
+            sub_spec = replace(sub_spec, q=per_seq, slack_seq=False)
         padded = [pad_inputs(inputs, main_spec, lm_per_seq)] + [pad_inputs(s, sub_spec, 1) for s in sub_steps]
         # The drafter's lm_head rows of the padding sequences are theirs in the padded draft steps.
         lm_local = np.concatenate([lm_head_local_dp, padded[1].lm_head_indices[num_seqs:]])
@@ -273,13 +314,17 @@ class DecodeGraphRunner:
             e.hidden = hidden_states.new_zeros((sub_spec.num_tokens, hidden_states.shape[1]))
             statics = e.statics
             return lambda: self.wrapper.forward_speculative(
-                statics.inputs[0], statics.inputs[1:], modules, e.hidden, statics.extras[0])
+                statics.inputs[0], statics.inputs[1:], modules, e.hidden, statics.extras[0], padded=True)
 
         entry = self._entry(key, padded, [lm_local], make_fn)
         rows = hidden_states.shape[0]
-        entry.hidden[:rows].copy_(hidden_states)
-        if rows < entry.hidden.shape[0]:
-            entry.hidden[rows:].zero_()  # padding rows: finite values, whatever a bucket ran before
+        if row_map is not None:
+            entry.hidden.zero_()  # padding rows: finite values, whatever a bucket ran before
+            entry.hidden.index_copy_(0, torch.from_numpy(row_map).to(entry.hidden.device), hidden_states)
+        else:
+            entry.hidden[:rows].copy_(hidden_states)
+            if rows < entry.hidden.shape[0]:
+                entry.hidden[rows:].zero_()
         out = self._replay(entry)
         return _sliced(out, len(inputs.lm_head_indices), inputs.num_tokens, num_seqs)
 

@@ -16,9 +16,9 @@ import torch
 
 from mindspec.backend import Backend, LatentCache, get_backend
 from mindspec.modeling.forward_metadata import DeviceInputs, ModelInputs, build_model_inputs, to_device
-from mindspec.modeling.compiled_decode import CompiledDecode
 from mindspec.modeling.draft_rows import lm_rows_only_steps, on_lm_rows
-from mindspec.modeling.graph_runner import maybe_graph_runner
+from mindspec.modeling.exported_step import ExportedSteps
+from mindspec.modeling.graph_runner import DecodeGraphRunner, maybe_graph_runner
 from mindspec.modeling.loader import read_hf_config
 from mindspec.modeling.registry import model_class, supported_model_types
 
@@ -64,11 +64,14 @@ class ModelWrapper:
         self.caches: list[LatentCache] = []
         self.cache_config: Optional[CacheConfig] = None
         # Decode steps as captured graphs (graph_runner.py, set up with the cache) where the backend
-        # captures them, else torch.compile of the decode step (compiled_decode.py) when asked for.
+        # captures them; where it exports whole steps instead (cpu), and when asked for, the graph
+        # runner pads decode batches to buckets and each padded step runs as one compiled package
+        # (exported_step.py).
         self.decode_graphs = decode_graphs
         self.graph_runner = None
         capture = getattr(self.backend, "supports_graph_capture", False)
-        self.compiled = CompiledDecode(self.model) if decode_graphs and not capture else None
+        export = decode_graphs and not capture and getattr(self.backend, "supports_step_export", False)
+        self.compiled = ExportedSteps(self.model, self.backend, self.model_dir, self.dtype) if export else None
 
     @property
     def config(self):
@@ -90,7 +93,9 @@ class ModelWrapper:
             raise ValueError(f"the KV cache needs at least 2 blocks (one is reserved), got {num_blocks}")
         self.caches = self.model.allocate_caches(num_blocks, block_size)
         self.cache_config = CacheConfig(num_blocks, block_size)
-        if self.decode_graphs is not False:
+        if self.compiled is not None:
+            self.graph_runner = DecodeGraphRunner(self, capture=False, uniform_draft_rows=True)  # packages replace graphs
+        elif self.decode_graphs is not False:
             self.graph_runner = maybe_graph_runner(self)  # None unless the backend captures graphs
         return self.cache_config
 
@@ -99,11 +104,12 @@ class ModelWrapper:
         for x in inputs:
             self.backend.prepare(x.meta)
 
-    def forward(self, inputs: DeviceInputs):
-        """One forward, eagerly (or torch.compile'd on cpu); replayed graphs take host inputs:
-        ``forward_host``."""
+    def forward(self, inputs: DeviceInputs, padded: bool = False):
+        """One forward, eagerly; replayed graphs take host inputs: ``forward_host``. ``padded``:
+        a decode step the graph runner padded to a bucket, which runs compiled where the backend
+        exports steps."""
         self._prepare(inputs)
-        forward = self.compiled.forward if self.compiled and not inputs.meta.is_prefill else self.model.forward
+        forward = self.compiled.forward if self.compiled and padded else self.model.forward
         return forward(inputs.input_ids, inputs.positions, self.caches, inputs.meta, inputs.lm_head_indices)
 
     def forward_host(self, inputs: ModelInputs, tree_mask: Optional[torch.Tensor] = None):
@@ -138,6 +144,7 @@ class ModelWrapper:
         hidden_states: torch.Tensor,
         lm_head_local_dp: torch.Tensor,
         lm_rows_only: Optional[list[bool]] = None,  # per step: it runs on the lm_head rows alone (draft_rows.py)
+        padded: bool = False,  # as in ``forward``
     ):
         from mindspec.models.deepseekv2.flash_causal_deepseekv2 import DraftStep
 
@@ -145,7 +152,7 @@ class ModelWrapper:
         first = sub_steps[0]
         narrow = lm_rows_only or [False] * len(sub_steps)
         steps = [DraftStep(m, d.positions, d.meta, n) for m, d, n in zip(mtp_modules, sub_steps, narrow)]
-        forward = self.compiled.forward_speculative if self.compiled else self.model.forward_speculative
+        forward = self.compiled.forward_speculative if self.compiled and padded else self.model.forward_speculative
         return forward(
             inputs.input_ids, inputs.positions, inputs.meta, inputs.lm_head_indices,
             first.input_ids, hidden_states, lm_head_local_dp, steps, self.caches,
@@ -176,14 +183,11 @@ class ModelWrapper:
         """One dummy prefill written into the reserved block, so first-request latency is not the
         place where lazy initialisation happens; nothing of a real sequence is touched. With a
         graph runner and ``max_seqs``, also capture the plain decode step of every batch-size
-        bucket up to ``max_seqs`` sequences; with compiled blocks, run one plain decode step of
-        one sequence, which compiles them."""
+        bucket up to ``max_seqs`` sequences (with exported steps: compile or load their packages)."""
         cc = self.cache_config
         n = max(1, min(num_tokens, cc.block_size))
         host = build_model_inputs([[0] * n], [0], [[cc.dummy_block_id]], cc.block_size)
         self.forward_host(host)
-        if self.compiled is not None and n > 1:  # compile the one-row decode blocks now, not on a request
-            self.forward_host(build_model_inputs([[0]], [n - 1], [[cc.dummy_block_id]], cc.block_size))
         if self.graph_runner is not None and max_seqs:
             self.graph_runner.capture_decode_buckets(max_seqs)
         self.backend.synchronize()

@@ -1,7 +1,7 @@
 """One DeepSeek decoder block: pre-norm MLA and pre-norm MLP/MoE with fused residual adds."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -34,24 +34,8 @@ class DecoderLayer:
             )
         else:
             self.mlp = DenseMlp(w.scope("mlp."), backend)
-        # A compiled forward_eager, installed by compiled_decode.py while it runs a decode step:
-        # every block shares it, since the compiled code takes the block as an argument.
-        self.compiled_forward: Optional[Callable] = None
 
     def forward(
-        self,
-        x: torch.Tensor,
-        residual: Optional[torch.Tensor],
-        positions: torch.Tensor,
-        cache: LatentCache,
-        meta: AttentionMetadata,
-        rows: Optional[torch.Tensor] = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward_eager, or its compiled version where one is installed."""
-        run = DecoderLayer.forward_eager if self.compiled_forward is None else self.compiled_forward
-        return run(self, x, residual, positions, cache, meta, rows)
-
-    def forward_eager(
         self,
         x: torch.Tensor,  # [T, hidden] block input, or the previous block's output before its residual add
         residual: Optional[torch.Tensor],  # [T, hidden] or None for the first block

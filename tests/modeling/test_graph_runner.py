@@ -11,7 +11,7 @@ from mindspec import LLM, SamplingParams
 from mindspec.backends.cpu import CpuBackend
 from mindspec.modeling.forward_metadata import build_model_inputs, input_arrays, to_device
 from mindspec.modeling.graph_runner import (
-    DecodeGraphRunner, EagerStep, PadSpec, StaticInputs, maybe_graph_runner, pad_inputs,
+    DecodeGraphRunner, EagerStep, PadSpec, StaticInputs, maybe_graph_runner, pad_inputs, pad_rows_per_seq,
 )
 from mindspec.modeling.model_wrapper import ModelWrapper
 from mindspec.plugins.mtp import decode_inputs as di
@@ -99,9 +99,10 @@ def _speculative_inputs(checkpoint_cfg, mode, tables):
     return tokens, main, subs, hidden
 
 
+@pytest.mark.parametrize("uniform", [False, True], ids=["slack-seq", "uniform-rows"])
 @pytest.mark.parametrize("mode", ["vanilla", "eagle"])
 @pytest.mark.parametrize("buckets", [(3,), (4,), (8,)])
-def test_speculative_step_padded_equals_unpadded(wrapper, checkpoint, mode, buckets):
+def test_speculative_step_padded_equals_unpadded(wrapper, checkpoint, mode, buckets, uniform):
     _, cfg = checkpoint
     tables = _tables(SEQ_LENS, K + 1)
     tokens, main, subs, hidden = _speculative_inputs(cfg, mode, tables)
@@ -116,7 +117,7 @@ def test_speculative_step_padded_equals_unpadded(wrapper, checkpoint, mode, buck
     expected = step()
     after_eager = _snapshot(wrapper)
     _restore(wrapper, before)
-    runner = DecodeGraphRunner(wrapper, buckets=buckets, capture=False)
+    runner = DecodeGraphRunner(wrapper, buckets=buckets, capture=False, uniform_draft_rows=uniform)
     wrapper.graph_runner = runner
     for _ in range(2):  # the second call reuses the bucket's static buffers
         got = step()
@@ -172,6 +173,20 @@ def test_padding_rows_live_in_the_dummy_block_only():
     # two lm_head rows per sequence (verification): the last two rows of each padding sequence
     two = pad_inputs(inputs.with_(lm_head_indices=np.array([1, 2, 4, 5])), PadSpec(3, 3, 9, 6, 63, BLOCK_SIZE), 2)
     assert two.lm_head_indices.tolist() == [1, 2, 4, 5, 7, 8]
+
+
+def test_rows_per_seq_padding_keeps_each_sequences_rows_first():
+    inputs = build_model_inputs([[1, 2], [3], [4, 5, 6]], [4, 10, 2], [[3, 7], [1, 2, 5], [6]], BLOCK_SIZE)
+    padded, row_map = pad_rows_per_seq(inputs, 3)
+    assert row_map.tolist() == [0, 1, 3, 6, 7, 8]
+    assert padded.q_lens.tolist() == [3, 3, 3] and padded.seq_lens.tolist() == [7, 13, 5]
+    assert padded.input_ids.tolist() == [1, 2, 0, 3, 0, 0, 4, 5, 6]
+    assert padded.positions.tolist() == [4, 5, 5, 10, 10, 10, 2, 3, 4]  # padding repeats the last position
+    assert (padded.slots[[2, 4, 5]] == -1).all() and (padded.slots[row_map] == inputs.slots).all()
+    assert padded.lm_head_indices.tolist() == [1, 3, 8]
+    assert (padded.block_tables == inputs.block_tables).all()
+    with pytest.raises(ValueError, match="do not fit"):
+        pad_rows_per_seq(inputs, 2)
 
 
 def test_pad_refuses_what_does_not_fit():

@@ -1,0 +1,228 @@
+"""Whole decode steps compiled ahead of time (AOTInductor), one per padded shape, cached on disk:
+for backends whose ops run eagerly on the host (cpu).
+
+At the shipped model's size a decode step is host dispatch: ~900 torch ops through Python for
+~1 ms of arithmetic. Here the whole step, every layer and (for a speculative step) every MTP draft
+stage plus the verification forward, is traced once with ``torch.export`` and compiled by
+AOTInductor into one C++ function: no Python, no Dynamo guards and no per-op dispatch at run time.
+
+Shapes. The graph runner (graph_runner.py) pads every decode batch to a batch-size bucket, so a
+step's token, sequence and lm_head row counts are fixed per bucket; the context length is the
+one size that changes from step to step, and the backend marks it dynamic (``step_tensors``).
+
+Cache. A package is keyed by the model (config.json and the weight files' names, sizes and
+modification times), dtype, backend, thread count (generated loops are parallelised for it),
+input shapes (the KV cache's included), torch version and the source of the model, backend and this module, and lives in ``step_cache_dir()``: a restart loads it in
+milliseconds instead of compiling again (tens of seconds per package on two cores). The weights
+are constants inside the package.
+
+Any failure (no C++ toolchain, an op export cannot trace) logs one warning per shape and that
+shape runs eagerly from then on: serving never depends on the compiler.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CACHE_ENV = "MINDSPEC_CACHE_DIR"
+FORMAT = 1  # bump when what a package computes changes without the inputs of its key changing
+
+
+def step_cache_dir() -> Path:
+    """$MINDSPEC_CACHE_DIR, else $XDG_CACHE_HOME/mindspec, else ~/.cache/mindspec; then /steps."""
+    root = os.environ.get(CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mindspec")
+    return Path(root) / "steps"
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """config.json's bytes and each weight file's name, size and modification time."""
+    h = hashlib.sha256()
+    model_dir = Path(model_dir)
+    config = model_dir / "config.json"
+    h.update(config.read_bytes() if config.is_file() else b"")
+    for f in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
+@dataclass
+class ExportStats:
+    compiled: int = 0  # packages compiled in this process
+    loaded: int = 0  # packages found in the cache directory
+    failed: int = 0  # shapes that run eagerly after a failed export or compile
+    calls: int = 0  # steps that ran compiled
+    compile_s: float = 0.0
+    load_s: float = 0.0
+    by_key: dict = field(default_factory=dict)  # package name -> "compiled" | "loaded" | "failed"
+
+
+class _Graph(torch.nn.Module):
+    """What export traces: ``run`` rebuilds the model's inputs from flat tensors and calls it."""
+
+    def __init__(self, run: Callable):
+        super().__init__()
+        self.run = run
+
+    def forward(self, *tensors):
+        return self.run(*tensors)
+
+
+class ExportedSteps:
+    """The model's decode entry points (``forward``, ``forward_speculative``) as compiled
+    packages, one per shape; the graph runner calls these with bucket-padded inputs only."""
+
+    def __init__(self, model, backend, model_dir: Path, dtype: torch.dtype):
+        self.model, self.backend = model, backend
+        self.stats = ExportStats()
+        self._runners: dict[tuple, object] = {}  # shape key -> loaded package, or None (eager)
+        self._identity = {
+            "format": FORMAT, "model": model_fingerprint(model_dir), "dtype": str(dtype),
+            "backend": backend.name, "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "code": _code_fingerprint(model, backend), "mtp_modules": model.num_mtp_modules,
+        }
+
+    # ---- entry points --------------------------------------------------------------------------
+    def forward(self, input_ids, positions, caches, meta, lm_head_indices):
+        from mindspec.models.deepseekv2.flash_causal_deepseekv2 import ModelOutput
+
+        b = self.backend
+        tensors, dims = _flatten([
+            (input_ids, {}), (positions, {}), (lm_head_indices, {}),
+            *b.step_tensors(meta, "m"), *b.cache_tensors(caches),
+        ])
+        key = ("decode", _signature(tensors, dims))
+        n_meta = len(tensors) - 3 - len(caches)
+
+        def run(ids, pos, lm, *rest):
+            m = b.bind_step_tensors(meta, list(rest[:n_meta]))
+            out = self.model.forward(ids, pos, b.bind_cache_tensors(caches, list(rest[n_meta:])), m, lm)
+            return out.logits, out.hidden_states
+
+        outputs = self._run(key, run, tensors, dims)
+        if outputs is None:
+            return self.model.forward(input_ids, positions, caches, meta, lm_head_indices)
+        return ModelOutput(logits=outputs[0], hidden_states=outputs[1])
+
+    def forward_speculative(self, input_ids, positions, meta, lm_head_indices, sub_input_ids, sub_hidden_states,
+                            lm_head_local_dp, steps, caches):
+        from mindspec.models.deepseekv2.flash_causal_deepseekv2 import DraftStep, ModelOutput
+
+        b = self.backend
+        main = b.step_tensors(meta, "m")
+        per_step = [[(s.positions, {}), *b.step_tensors(s.meta, f"d{i}")] for i, s in enumerate(steps)]
+        tensors, dims = _flatten([
+            (input_ids, {}), (positions, {}), (lm_head_indices, {}), (sub_input_ids, {}), (sub_hidden_states, {}),
+            (lm_head_local_dp, {}), *main, *[t for s in per_step for t in s], *b.cache_tensors(caches),
+        ])
+        sizes = [len(main)] + [len(s) for s in per_step]
+        key = ("speculative", _signature(tensors, dims), tuple(sizes),
+               tuple((s.module_idx, s.lm_rows_only) for s in steps))
+
+        def run(ids, pos, lm, sub_ids, sub_hidden, lm_local, *rest):
+            parts, at = [], 0
+            for n in sizes:
+                parts.append(list(rest[at : at + n]))
+                at += n
+            m = b.bind_step_tensors(meta, parts[0])
+            draft_steps = [
+                DraftStep(s.module_idx, p[0], b.bind_step_tensors(s.meta, p[1:]), s.lm_rows_only)
+                for s, p in zip(steps, parts[1:])
+            ]
+            cs = b.bind_cache_tensors(caches, list(rest[at:]))
+            out = self.model.forward_speculative(ids, pos, m, lm, sub_ids, sub_hidden, lm_local, draft_steps, cs)
+            return out.logits, out.hidden_states, out.draft_tokens
+
+        outputs = self._run(key, run, tensors, dims)
+        if outputs is None:
+            return self.model.forward_speculative(input_ids, positions, meta, lm_head_indices, sub_input_ids,
+                                                  sub_hidden_states, lm_head_local_dp, steps, caches)
+        return ModelOutput(logits=outputs[0], hidden_states=outputs[1], draft_tokens=outputs[2])
+
+    # ---- packages ------------------------------------------------------------------------------
+    def _run(self, key: tuple, run: Callable, tensors: list[torch.Tensor], dims: list[dict]):
+        """The package's outputs for ``tensors``, or None: run this step eagerly."""
+        if key not in self._runners:
+            self._runners[key] = self._package(key, run, tensors, dims)
+        runner = self._runners[key]
+        if runner is None:
+            return None
+        self.stats.calls += 1
+        return runner(*tensors)
+
+    def package_path(self, key: tuple) -> Path:
+        blob = json.dumps({**self._identity, "key": key}, sort_keys=True, default=str)
+        return step_cache_dir() / f"{key[0]}-{hashlib.sha256(blob.encode()).hexdigest()[:32]}.pt2"
+
+    def _package(self, key: tuple, run: Callable, tensors: list[torch.Tensor], dims: list[dict]):
+        path = self.package_path(key)
+        try:
+            if not path.is_file():
+                self._compile(path, run, tensors, dims)
+                self.stats.compiled += 1
+                self.stats.by_key[path.stem] = "compiled"
+            else:
+                self.stats.loaded += 1
+                self.stats.by_key[path.stem] = "loaded"
+            start = time.perf_counter()
+            runner = torch._inductor.aoti_load_package(str(path))
+            self.stats.load_s += time.perf_counter() - start
+            return runner
+        except Exception as exc:  # no toolchain, an untraceable op, a corrupt file: run this shape eagerly
+            log.warning("compiling the %s step %s failed (%s: %s); it runs eagerly", key[0], path.stem,
+                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            self.stats.failed += 1
+            self.stats.by_key[path.stem] = "failed"
+            return None
+
+    def _compile(self, path: Path, run: Callable, tensors: list[torch.Tensor], dims: list[dict]) -> None:
+        start = time.perf_counter()
+        named: dict[str, torch.export.Dim] = {}
+        spec = tuple({i: named.setdefault(n, torch.export.Dim(n, min=2, max=1 << 24)) for i, n in d.items()} or None
+                     for d in dims)
+        with torch.inference_mode(False), torch.no_grad():
+            program = torch.export.export(_Graph(run), tuple(tensors), dynamic_shapes=(spec,), strict=False)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")
+            torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
+        os.replace(tmp, path)  # another process compiling the same step writes the same file
+        self.stats.compile_s += time.perf_counter() - start
+        log.info("compiled the %s step %s in %.1f s -> %s", path.name.split("-")[0], path.name,
+                 time.perf_counter() - start, path)
+
+
+def _signature(tensors: list[torch.Tensor], dims: list[dict]) -> tuple:
+    """What a package is specialised on: each input's dtype and static sizes (-1: dynamic)."""
+    return tuple((str(t.dtype), tuple(-1 if i in d else n for i, n in enumerate(t.shape)))
+                 for t, d in zip(tensors, dims))
+
+
+def _flatten(pairs: list[tuple[torch.Tensor, dict]]) -> tuple[list[torch.Tensor], list[dict]]:
+    return [t for t, _ in pairs], [d for _, d in pairs]
+
+
+def _code_fingerprint(model, backend) -> str:
+    """The source of what a package computes: the model's and the backend's packages, the
+    backend interface and this module (a source checkout edited in place changes it)."""
+    import inspect
+
+    from mindspec import backend as interface
+
+    h = hashlib.sha256()
+    files = [Path(inspect.getfile(interface)), Path(__file__)]
+    for obj in (type(model), type(backend)):
+        files += sorted(Path(inspect.getfile(obj)).parent.glob("*.py"))
+    for f in files:
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()
