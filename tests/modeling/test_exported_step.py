@@ -1,0 +1,104 @@
+"""Whole decode steps compiled by AOTInductor (``decodeGraphs`` on the cpu backend): the same
+tokens as eager decoding (greedy and seeded sampling, MTP off, MTP Vanilla and Eagle, batches
+padded to buckets), packages loaded from the cache directory by a second engine instead of
+compiled again, and a failing compile that runs the step eagerly instead of failing."""
+import numpy as np
+import pytest
+import torch
+
+from mindspec import LLM, SamplingParams
+from mindspec.modeling import exported_step
+from tests.support.checkpoints import make_self_predicting_checkpoint, tiny_v3_config
+
+K = 2
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+VANILLA = {"plugin_type": "mtp", "num_speculative_tokens": K, "adaptive_speculation": False}
+EAGLE = {**VANILLA, "mtp_mode": "eagle"}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    cfg = tiny_v3_config(initializer_range=0.2, num_hidden_layers=2, num_nextn_predict_layers=K)
+    return make_self_predicting_checkpoint(tmp_path_factory.mktemp("exported"), cfg, seed=3, residual_scale=0.005)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """One package cache for the module: later tests load what earlier ones compiled."""
+    path = tmp_path_factory.mktemp("step-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(exported_step.CACHE_ENV, str(path))
+        yield path
+
+
+def _llm(path, plugin_params=None, **kw):
+    return LLM(model=str(path), dtype="float32", cache_block_size=4, num_blocks=128, progress=False,
+               plugin_params=plugin_params, max_batch_size=2, **kw)
+
+
+def _prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(2, 60, int(n)).tolist() for n in (5, 11, 3)]
+
+
+def _tokens(llm, params):
+    return [o.token_ids for o in llm.generate(_prompts(), params)]
+
+
+@pytest.mark.slow
+def test_compiled_steps_give_the_eager_tokens_and_a_restart_loads_them(checkpoint, cache_dir):
+    expected = _tokens(_llm(checkpoint, VANILLA, decode_graphs=False), GREEDY)
+    llm = _llm(checkpoint, VANILLA, decode_graphs=True)  # plain steps of buckets 1 and 2 compile at warm-up
+    stats = llm.engine.model_wrapper.compiled.stats
+    assert _tokens(llm, GREEDY) == expected  # three prompts, two at a time: buckets 1 and 2
+    assert stats.failed == 0 and stats.compiled >= 3 and stats.calls > 0
+    assert any(name.startswith("speculative-") for name in stats.by_key)
+    assert sorted(p.name for p in (cache_dir / "steps").glob("*.pt2")) == sorted(f"{n}.pt2" for n in stats.by_key)
+    assert not list((cache_dir / "steps").glob(".*"))  # no temporary file left behind
+
+    again = _llm(checkpoint, VANILLA, decode_graphs=True)
+    assert _tokens(again, GREEDY) == expected
+    restarted = again.engine.model_wrapper.compiled.stats
+    assert restarted.compiled == 0 and restarted.loaded == len(restarted.by_key) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plugin_params", [None, EAGLE], ids=["mtp-off", "eagle"])
+def test_seeded_sampling_is_reproducible_compiled(checkpoint, cache_dir, plugin_params):
+    sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=10, ignore_eos=True)
+    expected = _tokens(_llm(checkpoint, plugin_params, decode_graphs=False), sampled)
+    llm = _llm(checkpoint, plugin_params, decode_graphs=True)
+    assert _tokens(llm, sampled) == expected
+    stats = llm.engine.model_wrapper.compiled.stats
+    assert stats.failed == 0 and stats.calls > 0
+
+
+def test_a_failing_compile_runs_the_step_eagerly(checkpoint, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv(exported_step.CACHE_ENV, str(tmp_path))
+
+    def no_toolchain(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_toolchain)
+    expected = _tokens(_llm(checkpoint, EAGLE, decode_graphs=False), GREEDY)
+    llm = _llm(checkpoint, EAGLE, decode_graphs=True)
+    assert _tokens(llm, GREEDY) == expected
+    stats = llm.engine.model_wrapper.compiled.stats
+    assert stats.failed == len(stats.by_key) > 0 and stats.calls == 0
+    assert "runs eagerly" in caplog.text and "no C++ compiler" in caplog.text
+    assert not list((tmp_path / "steps").glob("*.pt2"))
+
+
+def test_the_cache_key_follows_the_model_and_the_environment(checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv(exported_step.CACHE_ENV, str(tmp_path))
+    wrapper = _llm(checkpoint, decode_graphs=False).engine.model_wrapper
+    steps = exported_step.ExportedSteps(wrapper.model, wrapper.backend, wrapper.model_dir, wrapper.dtype)
+    key = ("decode", (("torch.int64", (1,)),))
+    path = steps.package_path(key)
+    assert path.parent == tmp_path / "steps" and path.suffix == ".pt2"
+    assert steps.package_path(("decode", (("torch.int64", (2,)),))) != path
+    monkeypatch.setitem(steps._identity, "threads", steps._identity["threads"] + 1)
+    assert steps.package_path(key) != path  # generated loops are parallelised for a thread count
+    monkeypatch.delenv(exported_step.CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert exported_step.step_cache_dir() == tmp_path / "xdg" / "mindspec" / "steps"
