@@ -2,10 +2,12 @@
 
     mindspec bench --out benchmarks/results/bench_cpu        # cpu, default model, ~15-30 min
     mindspec bench --batches 1 --ks 3 --rounds 3             # a quick look
-    mindspec bench --compile ...                             # also the torch.compile'd decode step
+    mindspec bench --compile ...                             # also the compiled decode steps (cpu: AOTInductor)
+    mindspec bench --configs "mtp off,vanilla K=3" ...       # only these configurations
     mindspec bench --batching static ...                     # groups of b, each run to its slowest sequence
     mindspec bench --backend cuda ...                        # the cuda backend's kernel and e2e benchmarks
     mindspec bench --backend cuda --compare ...              # this comparison on a GPU (CUDA graphs on)
+    mindspec bench --compare llama.cpp --llama-cpp-src DIR   # also llama.cpp, same model and prompts, batch 1
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from mindspec.bench import profile, speed
+from mindspec.bench import llama_cpp, profile, speed
+from mindspec.bench.llama_cpp import LlamaCppError
 from mindspec.bench.corpus import heldout_prompts
 from mindspec.text_generator.sampling.params import SamplingParams
 
@@ -30,8 +33,12 @@ BACKENDS = ("cpu", "cuda")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="cpu", choices=BACKENDS,
                    help="cpu (this benchmark) | cuda (the cuda backend's benchmarks; with --compare, this one)")
-    p.add_argument("--compare", action="store_true",
-                   help="with --backend cuda: this comparison on the GPU instead of the cuda backend's benchmarks")
+    p.add_argument("--compare", nargs="?", const="gpu", default=None, choices=["gpu", "llama.cpp"],
+                   help="with --backend cuda: this comparison on the GPU instead of the cuda backend's benchmarks; "
+                        "'llama.cpp': also llama.cpp on the same model and prompts at batch 1 (llama-cpp-python)")
+    p.add_argument("--llama-cpp-src", default=None,
+                   help="llama.cpp source tree whose convert_hf_to_gguf.py converts the model (default: $LLAMA_CPP_SRC)")
+    p.add_argument("--gguf", default=None, help="an already converted GGUF file of the model, for --compare llama.cpp")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="mindspec's and transformers' dtype (the cpu tables use float32)")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
@@ -49,9 +56,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(vLLM's --random-range-ratio); 0: every output new_tokens long")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
-    # Off by default: it compiles only one-row blocks (batch-1 plain steps, eagle draft steps).
+    # Off by default: the first run compiles a package per batch-size bucket and step shape (about
+    # a minute each on two cores); later runs load them from the cache directory.
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
-                   help="also measure the torch.compile'd decode step (one-row blocks; compiling takes 10-60 s)")
+                   help="also measure compiled decode steps (decodeGraphs; the first run compiles for minutes)")
+    p.add_argument("--configs", default=None,
+                   help="comma-separated configuration names to run (default: all), e.g. 'mtp off,vanilla K=3'")
     p.add_argument("--async", dest="asynchronous", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure async scheduling (MTP off and K=3)")
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
@@ -74,6 +84,13 @@ def run(args: argparse.Namespace) -> int:
     ks = [int(k) for k in args.ks.split(",")]
     configs = speed.default_configs(ks, hf_config.get("num_nextn_predict_layers", 0), hf_config.get("bos_token_id", 0),
                                     hf_config.get("eos_token_id", 1), args.compile, args.asynchronous)
+    try:
+        if args.configs:
+            configs = speed.select_configs(configs, args.configs)
+        gguf = _gguf(args, model_dir) if args.compare == "llama.cpp" else None
+    except (ValueError, LlamaCppError) as exc:
+        print(f"mindspec bench: {exc}; nothing was measured", file=sys.stderr)
+        return 2
     # KV blocks for the most sequences ever running at once: max(batches) in both modes (continuous
     # batching queues the rest without blocks); +16 tokens per sequence cover BOS and the drafts.
     count = max(speed.prompt_count(b, MIN_PROMPTS, args.batching) for b in batches)
@@ -83,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = next(iter(llms.values())).tokenizer.hf_tokenizer
     prompts = heldout_prompts(tokenizer, count, args.prompt_tokens)
     hf = _hf_model(model_dir, args.backend, args.dtype) if args.hf else None
+    extra = {"llama.cpp": _llama_cpp(gguf, args.threads, prompts, output_lens)} if gguf else {}
     device = torch.cuda.get_device_name() if on_gpu else platform.processor() or platform.machine()
     report = {
         "model": model_dir, "backend": args.backend, "device": device,
@@ -104,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
     for batch in batches:
         t = time.time()
         report["results"][f"batch {batch}"] = speed.bench_batch(llms, hf, prompts, batch, MIN_PROMPTS, args.rounds,
-                                                                params, args.batching, warm_up, output_lens)
+                                                                params, args.batching, warm_up, output_lens,
+                                                                extra if batch == 1 else {})
         _write_json(report, out)  # a run cut short keeps the batch sizes it finished
         row = report["results"][f"batch {batch}"]
         print(f"batch {batch} ({args.batching}, {time.time() - t:.0f} s): " +
@@ -144,8 +163,25 @@ def _llm(model_dir: str, config: "speed.Config", num_blocks: int, max_batch: int
     return LLM(model=model_dir, backend=backend, dtype=dtype, cache_block_size=16, num_blocks=num_blocks, progress=False,
                cpu_threads=torch.get_num_threads(),
                plugin_params=config.plugin_params, decode_graphs=config.decode_graphs,
-               async_scheduling=config.async_scheduling, max_batch_size=max(256, max_batch),
+               async_scheduling=config.async_scheduling, max_batch_size=max_batch,
                max_prefill_batch_size=64)
+
+
+def _gguf(args: argparse.Namespace, model_dir: str) -> Path:
+    """The model as GGUF: --gguf, else converted next to --out (kept for later runs)."""
+    llama_cpp.require_llama_cpp()
+    if args.gguf:
+        if not Path(args.gguf).is_file():
+            raise LlamaCppError(f"--gguf {args.gguf}: no such file")
+        return Path(args.gguf)
+    return llama_cpp.convert(model_dir, Path(args.out).with_name(f"{Path(model_dir).name}-f32.gguf"),
+                             llama_cpp.converter_dir(args.llama_cpp_src))
+
+
+def _llama_cpp(gguf: Path, threads: int, prompts: list[list[int]], output_lens: list[int]):
+    """llama.cpp on ``gguf``: a function running one round over prompts, one at a time."""
+    runner = llama_cpp.LlamaCppRunner(gguf, threads, max(len(p) for p in prompts) + max(output_lens) + 8)
+    return lambda group, lengths, m: llama_cpp.run_llama_cpp(runner, group, lengths, m)
 
 
 def _hf_model(model_dir: str, backend: str = "cpu", dtype: str = "float32"):
@@ -167,9 +203,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     backend = argparse.ArgumentParser(add_help=False)
     backend.add_argument("--backend", default="cpu")
-    backend.add_argument("--compare", action="store_true")
+    backend.add_argument("--compare", nargs="?", const="gpu")
     chosen = backend.parse_known_args(argv)[0]
-    if chosen.backend == "cuda" and not chosen.compare:  # the cuda backend has its own benchmark
+    if chosen.backend == "cuda" and chosen.compare != "gpu":  # the cuda backend has its own benchmark
         from mindspec.backends.cuda.bench import main as cuda_main
 
         return cuda_main(argv)

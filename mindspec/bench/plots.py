@@ -40,7 +40,8 @@ def _where(report: dict) -> str:
 def _speedups(ax, batch: str, rows: dict, batching: str, where: str) -> None:
     names = list(rows)
     values = [rows[n]["speedup_vs_mtp_off"] for n in names]
-    colors = ["#c44e52" if n == "transformers generate" else "#55a868" if "compile" in n else "#4c72b0" for n in names]
+    colors = ["#c44e52" if n == "transformers generate" else "#dd8452" if n == "llama.cpp" else
+              "#55a868" if "compile" in n else "#4c72b0" for n in names]
     ax.bar(range(len(names)), values, color=colors)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks(range(len(names)), names, rotation=65, ha="right", fontsize=7)

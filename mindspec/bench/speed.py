@@ -96,6 +96,17 @@ def default_configs(ks: list[int], mtp_modules: int, bos: int, eos: int, compile
     return out
 
 
+def select_configs(configs: list[Config], names: str) -> list[Config]:
+    """The configurations named in ``names`` (comma-separated), in their usual order; an unknown
+    name is an error that lists the known ones."""
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    known = {c.name for c in configs}
+    unknown = [n for n in wanted if n not in known]
+    if unknown:
+        raise ValueError(f"unknown configuration(s) {', '.join(map(repr, unknown))}; choose from {', '.join(sorted(known))}")
+    return [c for c in configs if c.name in wanted]
+
+
 @dataclass
 class Measurement:
     tokens_per_s: list[float] = field(default_factory=list)
@@ -239,10 +250,13 @@ def summarise(results: dict[str, Measurement], baseline: str = "mtp off") -> dic
 
 def bench_batch(llms: dict[str, LLM], hf, prompts: list[list[int]], batch: int, min_prompts: int,
                 rounds: int, params: SamplingParams, batching: str = "static",
-                warm_up: frozenset = frozenset(), output_lens: Optional[list[int]] = None) -> dict:
+                warm_up: frozenset = frozenset(), output_lens: Optional[list[int]] = None,
+                others: Optional[dict] = None) -> dict:
     """``warm_up``: configurations that run once untimed first (a compiled decode step compiles
     its graphs for this batch's shapes then, not inside a timed round). ``output_lens``: each
-    prompt's max_tokens (default: ``params.max_tokens`` for all)."""
+    prompt's max_tokens (default: ``params.max_tokens`` for all). ``others``: more engines by
+    name, each a function (prompts, output lengths, Measurement) running one round (llama.cpp)."""
+    others = others or {}
     count = prompt_count(batch, min_prompts, batching)
     if len(prompts) < count or (output_lens is not None and len(output_lens) < count):
         raise ValueError(f"batch {batch} ({batching}) needs {count} prompts and output lengths")
@@ -256,6 +270,7 @@ def bench_batch(llms: dict[str, LLM], hf, prompts: list[list[int]], batch: int, 
     results = {name: Measurement() for name in llms}
     if hf is not None:
         results["transformers generate"] = Measurement()
+    results.update({name: Measurement() for name in others})
 
     def run(llm: LLM, m: Measurement) -> None:
         if batching == "continuous":
@@ -278,4 +293,6 @@ def bench_batch(llms: dict[str, LLM], hf, prompts: list[list[int]], batch: int, 
             run(llm, results[name])
         if hf is not None:
             run_hf(hf, groups, group_lens, results["transformers generate"])
+        for name, other in others.items():
+            other(prompts, lens, results[name])
     return summarise(results)

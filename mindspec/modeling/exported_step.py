@@ -32,6 +32,8 @@ from typing import Callable, Optional
 
 import torch
 
+from mindspec.modeling.step_accounting import outside_accounting
+
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "MINDSPEC_CACHE_DIR"
@@ -159,7 +161,8 @@ class ExportedSteps:
         if runner is None:
             return None
         self.stats.calls += 1
-        return runner(*tensors)
+        with outside_accounting():
+            return runner(*tensors)
 
     def package_path(self, key: tuple) -> Path:
         blob = json.dumps({**self._identity, "key": key}, sort_keys=True, default=str)
@@ -213,14 +216,14 @@ def _flatten(pairs: list[tuple[torch.Tensor, dict]]) -> tuple[list[torch.Tensor]
 
 
 def _code_fingerprint(model, backend) -> str:
-    """The source of what a package computes: the model's and the backend's packages, the
-    backend interface and this module (a source checkout edited in place changes it)."""
+    """The source of what a package computes: the model's and the backend's packages and the
+    backend interface (a source checkout edited in place changes it; FORMAT covers this module)."""
     import inspect
 
     from mindspec import backend as interface
 
     h = hashlib.sha256()
-    files = [Path(inspect.getfile(interface)), Path(__file__)]
+    files = [Path(inspect.getfile(interface))]
     for obj in (type(model), type(backend)):
         files += sorted(Path(inspect.getfile(obj)).parent.glob("*.py"))
     for f in files:

@@ -35,6 +35,7 @@ from mindspec.modeling.forward_metadata import (
     NUM_INPUT_ARRAYS, ModelInputs, build_model_inputs, device_inputs, input_arrays, token_positions,
 )
 from mindspec.modeling.packed_transfer import PackedLayout, pinned_staging
+from mindspec.modeling.step_accounting import outside_accounting
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +274,7 @@ class DecodeGraphRunner:
         entry = self._entry(key, [pad_inputs(inputs, spec, lm_per_seq)], [],
                             lambda e: lambda: self.wrapper.forward(e.statics.inputs[0], padded=True))
         out = self._replay(entry)
-        return _sliced(out, len(inputs.lm_head_indices), inputs.num_tokens, None)
+        return _sliced(out, len(inputs.lm_head_indices), inputs.num_tokens, None, self._static(entry))
 
     def capture_decode_buckets(self, max_seqs: int) -> None:
         """Capture the plain decode step of every bucket up to the one holding ``max_seqs`` now,
@@ -318,15 +319,14 @@ class DecodeGraphRunner:
 
         entry = self._entry(key, padded, [lm_local], make_fn)
         rows = hidden_states.shape[0]
-        if row_map is not None:
-            entry.hidden.zero_()  # padding rows: finite values, whatever a bucket ran before
+        if row_map is not None:  # padding rows keep finite values: zeros, then earlier steps' hidden states
             entry.hidden.index_copy_(0, torch.from_numpy(row_map).to(entry.hidden.device), hidden_states)
         else:
             entry.hidden[:rows].copy_(hidden_states)
             if rows < entry.hidden.shape[0]:
                 entry.hidden[rows:].zero_()
         out = self._replay(entry)
-        return _sliced(out, len(inputs.lm_head_indices), inputs.num_tokens, num_seqs)
+        return _sliced(out, len(inputs.lm_head_indices), inputs.num_tokens, num_seqs, self._static(entry))
 
     # ---- capture and replay ----------------------------------------------------------------------
     def _make_step(self, key: tuple, entry: _Entry, fn: Callable[[], object]):
@@ -338,11 +338,21 @@ class DecodeGraphRunner:
             return EagerStep(run)
         return _LazyCapture(self, key, run)
 
+    @staticmethod
+    def _static(entry: _Entry) -> bool:
+        """Whether the entry's outputs live in buffers the next replay overwrites (a captured
+        graph's), rather than tensors made fresh by each call."""
+        return not isinstance(entry.step, EagerStep)
+
     def _replay(self, entry: _Entry):
         step = entry.step
         if isinstance(step, _LazyCapture):
             step = entry.step = step.capture()
-        step.replay()
+        if isinstance(step, EagerStep):
+            step.replay()
+        else:
+            with outside_accounting():  # a captured graph: its ops are not launched one by one
+                step.replay()
         self.stats.replays += 1
         return step.outputs
 
@@ -366,13 +376,16 @@ class _LazyCapture:
         return graph
 
 
-def _sliced(out, num_logits: int, num_rows: int, num_seqs: Optional[int]):
-    """The real rows of a padded step's output, copied out of the static buffers."""
+def _sliced(out, num_logits: int, num_rows: int, num_seqs: Optional[int], static: bool):
+    """The real rows of a padded step's output; copied out of a captured graph's static buffers."""
+    def rows(t: torch.Tensor, n: int) -> torch.Tensor:
+        return t[:n].clone() if static else t[:n]
+
     return replace(
         out,
-        logits=out.logits[:num_logits].clone(),
-        hidden_states=out.hidden_states[:num_rows].clone(),
-        draft_tokens=None if num_seqs is None or out.draft_tokens is None else out.draft_tokens[:num_seqs].clone(),
+        logits=rows(out.logits, num_logits),
+        hidden_states=rows(out.hidden_states, num_rows),
+        draft_tokens=None if num_seqs is None or out.draft_tokens is None else rows(out.draft_tokens, num_seqs),
     )
 
 

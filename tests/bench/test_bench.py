@@ -218,3 +218,55 @@ def test_default_configs_leave_graphs_to_the_backend():
     configs = speed.default_configs([1, 3], 3, 0, 1, compiled=True)
     assert {c.decode_graphs for c in configs if "compile" not in c.name} == {None}
     assert all(c.decode_graphs for c in configs if "compile" in c.name)
+
+
+def test_configs_are_chosen_by_name():
+    configs = speed.default_configs([1, 3], 3, 0, 1, compiled=True)
+    chosen = speed.select_configs(configs, "vanilla K=3 +compile, mtp off")
+    assert [c.name for c in chosen] == ["mtp off", "vanilla K=3 +compile"]  # the usual order
+    with pytest.raises(ValueError, match="unknown configuration.*'K=9'.*choose from"):
+        speed.select_configs(configs, "mtp off,K=9")
+
+
+def test_unknown_configs_and_a_missing_llama_cpp_are_one_clear_error(tmp_path, capsys, monkeypatch):
+    out = str(tmp_path / "r")
+    assert main(["--configs", "nope", "--out", out]) == 2
+    assert "unknown configuration(s) 'nope'" in capsys.readouterr().err
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "llama_cpp" else True)
+    assert main(["--compare", "llama.cpp", "--out", out]) == 2
+    assert "needs llama-cpp-python" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_llama_cpp_needs_a_converter_or_a_gguf_file(tmp_path, monkeypatch):
+    from mindspec.bench import llama_cpp
+
+    monkeypatch.delenv(llama_cpp.SRC_ENV, raising=False)
+    with pytest.raises(llama_cpp.LlamaCppError, match="convert_hf_to_gguf.py"):
+        llama_cpp.converter_dir(None)
+    with pytest.raises(llama_cpp.LlamaCppError, match="convert_hf_to_gguf.py"):
+        llama_cpp.converter_dir(str(tmp_path))  # a folder without the converter
+    (tmp_path / "convert_hf_to_gguf.py").write_text("")
+    monkeypatch.setenv(llama_cpp.SRC_ENV, str(tmp_path))
+    assert llama_cpp.converter_dir(None) == tmp_path
+
+
+def test_another_engine_runs_in_every_round_and_is_compared_token_for_token():
+    """``others`` (llama.cpp in ``--compare llama.cpp``) run one round each, interleaved with the
+    configurations, over the same prompts and output lengths."""
+    from mindspec.text_generator.sampling.params import SamplingParams
+
+    llms = {"mtp off": _CountingLLM()}
+    calls = []
+
+    def other(prompts, lengths, m):
+        calls.append((prompts, lengths))
+        m.tokens_per_s.append(10.0)
+        m.latency_per_token_ms.append(1.0)
+        m.token_ids = [[0]] * len(prompts)
+
+    rows = speed.bench_batch(llms, None, [[i] for i in range(4)], 1, 4, 3, SamplingParams(max_tokens=2),
+                             "static", others={"llama.cpp": other})
+    assert len(calls) == 3 and calls[0] == ([[0], [1], [2], [3]], [2, 2, 2, 2])
+    assert rows["llama.cpp"]["tokens_per_s_rounds"] == [10.0] * 3
+    assert "identical_to_mtp_off" in rows["llama.cpp"]

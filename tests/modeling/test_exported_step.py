@@ -102,3 +102,17 @@ def test_the_cache_key_follows_the_model_and_the_environment(checkpoint, tmp_pat
     monkeypatch.delenv(exported_step.CACHE_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert exported_step.step_cache_dir() == tmp_path / "xdg" / "mindspec" / "steps"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plugin_params", [None, VANILLA], ids=["mtp-off", "vanilla"])
+def test_a_compiled_step_launches_few_ops_outside_its_package(checkpoint, cache_dir, plugin_params):
+    """The issue's budget: at most 8 ops outside the graph per step, speculative ones included
+    (on the cpu backend there is no device to synchronise with or copy to)."""
+    from mindspec.modeling.step_accounting import account_decode_steps
+
+    eager = account_decode_steps(_llm(checkpoint, plugin_params, decode_graphs=False), _prompts()[1], steps=4)
+    compiled = account_decode_steps(_llm(checkpoint, plugin_params, decode_graphs=True), _prompts()[1], steps=4)
+    assert eager["ops_outside_graphs"] > 50  # every layer's ops, one by one
+    assert compiled["ops_outside_graphs"] <= 8
+    assert compiled["host_syncs"] == eager["host_syncs"] == 0 and compiled["h2d_copies"] == 0

@@ -1,0 +1,113 @@
+"""llama.cpp side by side (``mindspec bench --compare llama.cpp``): the same checkpoint converted
+to GGUF by llama.cpp's own ``convert_hf_to_gguf.py``, the same prompts, greedy, one sequence at a
+time, timed in the same rounds as mindspec's configurations, through ``llama-cpp-python``.
+
+The converter comes from a llama.cpp source tree (``--llama-cpp-src`` or ``$LLAMA_CPP_SRC``; the
+``llama-cpp-python`` sdist carries one as ``vendor/llama.cpp``); ``--gguf`` takes a converted file
+instead. llama.cpp recognises a tokenizer's pre-tokenizer by hashing what it makes of a fixed
+text; a checkpoint it has never seen (the shipped model's byte-level BPE) is mapped to ``gpt-2``,
+whose split is the same. The MTP modules are not converted (llama.cpp does not run them).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+SRC_ENV = "LLAMA_CPP_SRC"
+
+# Runs convert_hf_to_gguf.main() with an unknown pre-tokenizer mapped to gpt-2.
+_CONVERT = """
+import sys
+src = sys.argv[1]
+sys.path[:0] = [src + "/gguf-py", src]
+import convert_hf_to_gguf as c
+try:
+    from conversion.base import TextModel  # newer trees split the converter into a package
+except ImportError:
+    TextModel = c.TextModel
+base = TextModel.get_vocab_base_pre
+def pre(self, tokenizer):
+    try:
+        return base(self, tokenizer)
+    except NotImplementedError:
+        return "gpt-2"
+TextModel.get_vocab_base_pre = pre
+sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[2:]
+c.main()
+"""
+
+
+class LlamaCppError(RuntimeError):
+    """llama.cpp cannot be compared here (not installed, no converter, a failed conversion)."""
+
+
+def require_llama_cpp() -> None:
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise LlamaCppError("--compare llama.cpp needs llama-cpp-python (pip install llama-cpp-python)")
+
+
+def converter_dir(src: Optional[str]) -> Path:
+    path = Path(src or os.environ.get(SRC_ENV, ""))
+    if not str(src or os.environ.get(SRC_ENV, "")) or not (path / "convert_hf_to_gguf.py").is_file():
+        raise LlamaCppError(f"converting to GGUF needs a llama.cpp source tree with convert_hf_to_gguf.py "
+                            f"(--llama-cpp-src DIR or ${SRC_ENV}; the llama-cpp-python sdist has one in "
+                            f"vendor/llama.cpp), or pass --gguf FILE")
+    return path
+
+
+def convert(model_dir: str, out: Path, src: Path, outtype: str = "f32") -> Path:
+    """The checkpoint as a GGUF file at ``out`` (kept: a second run reuses it)."""
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-c", _CONVERT, str(src), str(model_dir), "--outfile", str(out), "--outtype", outtype]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0 or not out.is_file():
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise LlamaCppError(f"convert_hf_to_gguf.py failed on {model_dir}: {' | '.join(tail)}")
+    return out
+
+
+@dataclass
+class LlamaCppRunner:
+    """One llama.cpp context; ``generate`` decodes greedily, ``new_tokens`` per prompt, EOS ignored."""
+
+    gguf: Path
+    threads: int
+    n_ctx: int
+
+    def __post_init__(self):
+        require_llama_cpp()
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=str(self.gguf), n_ctx=self.n_ctx, n_threads=self.threads,
+                         n_threads_batch=self.threads, n_batch=512, verbose=False)
+
+    def generate(self, prompt: list[int], new_tokens: int) -> list[int]:
+        out: list[int] = []
+        for token in self.llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
+                                       reset=True):
+            out.append(int(token))
+            if len(out) == new_tokens:
+                break
+        return out
+
+
+def run_llama_cpp(runner: LlamaCppRunner, prompts: list[list[int]], lengths: list[int], m) -> None:
+    """One round over ``prompts`` one at a time (batch 1), into the Measurement ``m``."""
+    tokens, latencies, outs = 0, [], []
+    start = time.perf_counter()
+    for prompt, n in zip(prompts, lengths):
+        t = time.perf_counter()
+        outs.append(runner.generate(prompt, n))
+        latencies.append((time.perf_counter() - t) / n)
+        tokens += n
+    m.tokens_per_s.append(tokens / (time.perf_counter() - start))
+    m.latency_per_token_ms.append(1e3 * sum(latencies) / len(latencies))
+    m.token_ids = outs

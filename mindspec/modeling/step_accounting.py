@@ -1,0 +1,98 @@
+"""Per-step accounting of a decode step's host work: device ops launched outside compiled graphs
+or packages, host synchronisations, host-to-device copies.
+
+A TorchDispatchMode sees every op torch dispatches while it is active. Compiled steps hide what
+runs inside them (``outside_accounting``: the graph runner's replay and an exported package's
+call), so what is counted is exactly what the engine still launches op by op. View ops (they
+launch no kernel) are not counted. A host synchronisation is a read of a tensor's value on the
+host (``item``, ``tolist``, ``bool``: ``aten._local_scalar_dense``) or a copy from a device to the
+host; on the cpu backend everything is on the host, so only the value reads count.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode
+
+_LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
+_COPIES = {torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default}
+
+
+@dataclass
+class StepCounts:
+    ops_outside_graphs: float = 0.0
+    host_syncs: float = 0.0
+    h2d_copies: float = 0.0
+    steps: int = 0
+
+    def per_step(self) -> dict:
+        n = max(self.steps, 1)
+        return {k: (v / n if k != "steps" else v) for k, v in asdict(self).items()}
+
+
+class StepAccounting(TorchDispatchMode):
+    """Counts ops, host synchronisations and host-to-device copies while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = StepCounts()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is _LOCAL_SCALAR:  # a read, not a launch
+            self.counts.host_syncs += 1
+            return out
+        if func in _COPIES:
+            src, dst = _copy_devices(func, args, kwargs, out)
+            if src is not None and src.type == "cpu" and dst.type != "cpu":
+                self.counts.h2d_copies += 1
+            elif src is not None and src.type != "cpu" and dst.type == "cpu":
+                self.counts.host_syncs += 1
+        if not func.is_view:
+            self.counts.ops_outside_graphs += 1
+        return out
+
+
+def _copy_devices(func, args, kwargs, out):
+    """(source device, destination device) of a copy op, or (None, None)."""
+    if func is torch.ops.aten.copy_.default:
+        dst, src = args[0], args[1]
+        return src.device, dst.device
+    src = args[0]
+    return (src.device, out.device) if isinstance(out, torch.Tensor) else (None, None)
+
+
+@contextmanager
+def outside_accounting() -> Iterator[None]:
+    """Runs a compiled graph or package unseen by an active StepAccounting (its ops are not
+    launched one by one by the host); a no-op otherwise."""
+    if not isinstance(_get_current_dispatch_mode(), StepAccounting):
+        yield
+        return
+    with _disable_current_modes():
+        yield
+
+
+def account_decode_steps(llm, prompt: list[int], steps: int = 8, num_seqs: int = 1) -> dict:
+    """Counts per decode step of ``num_seqs`` copies of ``prompt``: prefill first (not counted),
+    then ``steps`` engine steps, each a decode step (speculative where the engine speculates)."""
+    from mindspec.text_generator.sampling.params import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=steps * 8 + 16, ignore_eos=True)
+    for _ in range(num_seqs):
+        engine.add_request(list(prompt), params)
+    engine.step()  # prefill
+    engine.step()  # the first decode step sets up per-sequence state: counted from the next one
+    mode = StepAccounting()
+    with mode:
+        for _ in range(steps):
+            engine.step()
+    mode.counts.steps = steps
+    while engine.has_unfinished():
+        engine.step()
+    return mode.counts.per_step()
