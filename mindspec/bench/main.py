@@ -23,6 +23,7 @@ import torch
 
 from mindspec.bench import llama_cpp, profile, speed
 from mindspec.bench.llama_cpp import LlamaCppError
+from mindspec.modeling.step_accounting import account_decode_steps
 from mindspec.bench.corpus import heldout_prompts
 from mindspec.text_generator.sampling.params import SamplingParams
 
@@ -128,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
         row = report["results"][f"batch {batch}"]
         print(f"batch {batch} ({args.batching}, {time.time() - t:.0f} s): " +
               ", ".join(f"{n} {r['tokens_per_s_median']:.0f} tok/s" for n, r in row.items()), flush=True)
+    # Per decode step at batch 1: ops launched outside compiled steps, host syncs, H2D copies.
+    report["step_accounting"] = {name: account_decode_steps(llm, prompts[0], steps=8) for name, llm in llms.items()}
     if args.profile and not on_gpu:  # its per-layer host timers would time kernel launches on a GPU
         report["profile"] = _profile(llms, prompts, params)
     _write_json(report, out)

@@ -15,6 +15,7 @@ import torch
 
 from mindspec.config.plugin_params import parse_plugin_params
 from mindspec.modeling.model_wrapper import ModelWrapper
+from mindspec.modeling.step_accounting import account_decode_steps
 from mindspec.plugins.plugin import load_plugin, plugin_class
 from mindspec.text_generator.detokenizer import IncrementalDetokenizer
 from mindspec.text_generator.generator import Generator
@@ -66,6 +67,8 @@ class LLMEngine:
         self.spec_stats = SpecDecodeStats.for_drafts(max(1, self.plugin_manager.num_lookahead_tokens))
         self._ids = itertools.count()
         self.async_stepper = self._async_stepper() if args.scheduler.async_scheduling else None
+        # Host work per batch-1 decode step, measured after warm-up (step_accounting.py): /metrics.
+        self.step_accounting: Optional[dict] = None
         if args.warmup:
             self.model_wrapper.warmup(max_seqs=args.scheduler.max_batch_size)
             if self.model_wrapper.compiled is not None:
@@ -191,6 +194,7 @@ class LLMEngine:
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         for n in batch_sizes:
             self.generate([ids] * n, params)
+        self.step_accounting = account_decode_steps(self, ids, steps=4)
         self.spec_stats = SpecDecodeStats.for_drafts(len(self.spec_stats.accepted_per_position))
         for plugin in self.plugin_manager.plugins:
             if hasattr(plugin, "adaptive"):

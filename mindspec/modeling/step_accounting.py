@@ -78,11 +78,12 @@ def outside_accounting() -> Iterator[None]:
 
 
 def account_decode_steps(llm, prompt: list[int], steps: int = 8, num_seqs: int = 1) -> dict:
-    """Counts per decode step of ``num_seqs`` copies of ``prompt``: prefill first (not counted),
-    then ``steps`` engine steps, each a decode step (speculative where the engine speculates)."""
+    """Counts per decode step of ``num_seqs`` copies of ``prompt`` on an LLM or its engine:
+    prefill first (not counted), then ``steps`` engine steps, each a decode step (speculative
+    where the engine speculates)."""
     from mindspec.text_generator.sampling.params import SamplingParams
 
-    engine = llm.engine
+    engine = getattr(llm, "engine", llm)
     params = SamplingParams(temperature=0, max_tokens=steps * 8 + 16, ignore_eos=True)
     for _ in range(num_seqs):
         engine.add_request(list(prompt), params)

@@ -26,6 +26,13 @@ class ServiceMetrics:
         self.accepted_pos = Counter("mindspec_spec_accepted_tokens_per_position", "Draft tokens accepted by position",
                                     ["position"], registry=r)
         self.mean_accepted = Gauge("mindspec_spec_mean_accepted_length", "Tokens per decode step (accepted + 1)", registry=r)
+        self.compiled_steps = Gauge("mindspec_compiled_decode_steps", "Decode steps run as compiled packages (cpu)",
+                                    registry=r)
+        self.packages = Gauge("mindspec_compiled_step_packages", "Compiled step packages by how they were obtained",
+                              ["state"], registry=r)
+        self.step_host_work = Gauge("mindspec_decode_step_host_work",
+                                    "Per batch-1 decode step, measured after warm-up: ops launched outside compiled "
+                                    "steps or graphs, host synchronisations, host-to-device copies", ["kind"], registry=r)
         self._lock = threading.Lock()
         self._seen = (0, 0, ())
 
@@ -47,6 +54,15 @@ class ServiceMetrics:
             self._seen = (s.num_draft_tokens, s.num_accepted_tokens, tuple(s.accepted_per_position))
         if s.num_steps:
             self.mean_accepted.set(s.mean_accepted_length)
+        compiled = engine.model_wrapper.compiled
+        if compiled is not None:
+            st = compiled.stats
+            self.compiled_steps.set(st.calls)
+            for state, n in (("compiled", st.compiled), ("loaded", st.loaded), ("failed", st.failed)):
+                self.packages.labels(state=state).set(n)
+        for kind, value in (engine.step_accounting or {}).items():
+            if kind != "steps":
+                self.step_host_work.labels(kind=kind).set(value)
 
     def request_finished(self, status: str, prompt_tokens: int = 0, output_tokens: int = 0,
                          ttft: float | None = None, total: float | None = None) -> None:

@@ -111,8 +111,19 @@ def test_a_compiled_step_launches_few_ops_outside_its_package(checkpoint, cache_
     (on the cpu backend there is no device to synchronise with or copy to)."""
     from mindspec.modeling.step_accounting import account_decode_steps
 
+    from mindspec.service.metrics import ServiceMetrics
+
     eager = account_decode_steps(_llm(checkpoint, plugin_params, decode_graphs=False), _prompts()[1], steps=4)
-    compiled = account_decode_steps(_llm(checkpoint, plugin_params, decode_graphs=True), _prompts()[1], steps=4)
+    llm = _llm(checkpoint, plugin_params, decode_graphs=True)
+    compiled = account_decode_steps(llm, _prompts()[1], steps=4)
     assert eager["ops_outside_graphs"] > 50  # every layer's ops, one by one
     assert compiled["ops_outside_graphs"] <= 8
     assert compiled["host_syncs"] == eager["host_syncs"] == 0 and compiled["h2d_copies"] == 0
+    # /metrics: the same figures, measured after warm-up, and the packages
+    metrics = ServiceMetrics()
+    metrics.observe_engine(llm.engine)
+    text = metrics.render().decode()
+    at_warmup = llm.engine.step_accounting["ops_outside_graphs"]
+    assert at_warmup <= 8 and f'mindspec_decode_step_host_work{{kind="ops_outside_graphs"}} {at_warmup}' in text
+    assert 'mindspec_compiled_step_packages{state="failed"} 0.0' in text
+    assert f"mindspec_compiled_decode_steps {float(llm.engine.model_wrapper.compiled.stats.calls)}" in text
