@@ -49,6 +49,12 @@ def _add_threads_arg(p: argparse.ArgumentParser) -> None:
                         "config's cpuThreads; default: one per usable core, split among dp ranks)")
 
 
+def _add_compile_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile", dest="decode_graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode steps as compiled packages on cpu (the first run compiles, for about a minute per "
+                        "shape; later runs load them), as graphs on cuda/npu (replaces ModelConfig.decodeGraphs)")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="checkpoint directory (Hugging Face layout, safetensors); default: the shipped model")
@@ -60,6 +66,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-block-size", type=int, default=None)
     p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: from memory)")
     _add_threads_arg(p)
+    _add_compile_arg(p)
 
 
 def _generate_parser(sub) -> None:
@@ -81,7 +88,8 @@ def _generate_parser(sub) -> None:
 def _model_kwargs(args: argparse.Namespace) -> dict:
     """The model options given on the command line; the others keep the model's defaults."""
     given = dict(backend=args.backend, dtype=args.dtype, plugin_params=args.plugin_params,
-                 cache_block_size=args.cache_block_size, num_blocks=args.num_blocks, cpu_threads=args.threads)
+                 cache_block_size=args.cache_block_size, num_blocks=args.num_blocks, cpu_threads=args.threads,
+                 decode_graphs=args.decode_graphs)
     return {k: v for k, v in given.items() if v is not None}
 
 
@@ -94,7 +102,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
     )
     # neither --model nor --config: the shipped default model (MTP on), with the options given
-    llm = LLM(model=args.model, config=args.config, **_model_kwargs(args))
+    # The prompts are all the batch there will be: no more sequences (and, with --compile, no more
+    # batch-size buckets compiled) than that.
+    llm = LLM(model=args.model, config=args.config, max_batch_size=len(args.prompt), **_model_kwargs(args))
     prompts = args.prompt
     if args.chat:
         if llm.tokenizer is None:
@@ -122,6 +132,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--management-port", type=int, default=None, help="health routes (replaces ServerConfig.managementPort)")
     p.add_argument("--metrics-port", type=int, default=None, help="/metrics (replaces ServerConfig.metricsPort)")
     _add_threads_arg(p)
+    _add_compile_arg(p)
     _add_debug_arg(p, argparse.SUPPRESS)
     p.set_defaults(func=_cmd_serve)
 
@@ -188,6 +199,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from mindspec.service import server
 
     config = _with_ports(server.resolve_config(args.config), args)
+    if args.decode_graphs is not None:
+        config = replace(config, model=replace(config.model, decode_graphs=args.decode_graphs))
     _apply_threads(config, args.threads)
     torchrun = launch.torchrun_env()
     if torchrun is not None and torchrun[0] != 0:  # a follower rank: no HTTP, so no ports

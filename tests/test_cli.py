@@ -150,3 +150,15 @@ def test_configs_lists_prints_and_copies_the_shipped_configs(tmp_path):
     assert again.returncode == 2 and again.stderr.count("\n") == 1 and "already exists" in again.stderr
     unknown = _run("configs", "no_such_config")
     assert unknown.returncode == 2 and "config_cpu_no_mtp" in unknown.stderr and unknown.stderr.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_compile_gives_the_eager_text_and_caches_its_packages(model_dir, tmp_path):
+    args = ("generate", "--model", str(model_dir), "--prompt", "def add(a, b):", "--max-tokens", "12", "--ignore-eos",
+            "--dtype", "float32", "--num-blocks", "64")
+    env = {"MINDSPEC_CACHE_DIR": str(tmp_path)}
+    eager = _run(*args, env=env)
+    compiled = _run(*args, "--compile", env=env)
+    assert eager.returncode == 0 and compiled.returncode == 0, eager.stderr + compiled.stderr
+    assert compiled.stdout == eager.stdout
+    assert [p.name.split("-")[0] for p in (tmp_path / "steps").glob("*.pt2")] == ["decode"]  # one prompt: bucket 1
