@@ -24,6 +24,17 @@ def test_llama_cpp_decodes_the_shipped_models_greedy_tokens(tmp_path):
     prompts = [llm.tokenizer.encode(t) for t in ("def fibonacci(n):\n", "import os\nimport sys\n\nclass ")]
     expected = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))]
     m = Measurement()
-    llama_cpp.run_llama_cpp(llama_cpp.LlamaCppRunner(gguf, 1, 256), prompts, [24, 24], m)
+    runner = llama_cpp.LlamaCppRunner(gguf, 1, 256)
+    try:
+        llama_cpp.run_llama_cpp(runner, prompts, [24, 24], m)
+    finally:
+        runner.close()
     assert m.token_ids == [list(e) for e in expected]
     assert m.tokens_per_s[0] > 0 and len(m.latency_per_token_ms) == 1
+
+
+def test_a_gguf_llama_cpp_cannot_load_is_one_clear_error(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file")
+    with pytest.raises(llama_cpp.LlamaCppError, match="llama.cpp could not load"):
+        llama_cpp.LlamaCppRunner(bad, 1, 64)
