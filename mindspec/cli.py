@@ -153,6 +153,13 @@ def _with_ports(config, args: argparse.Namespace):
     return replace(config, server=replace(config.server, **given)) if given else config
 
 
+def with_decode_graphs(config, on: bool):
+    """The config with ModelConfig.decodeGraphs set on every model (--compile / --no-compile)."""
+    deploy = config.backend.model_deploy
+    models = [replace(m, decode_graphs=on) for m in deploy.models]
+    return replace(config, backend=replace(config.backend, model_deploy=replace(deploy, models=models)))
+
+
 def _listening(server_cfg) -> dict[int, tuple[str, str]]:
     """port -> (host, what it is) for each port serve binds (ports with one number share a server).
     The business port and the PD routes listen on ipAddress, health and metrics on
@@ -200,7 +207,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     config = _with_ports(server.resolve_config(args.config), args)
     if args.decode_graphs is not None:
-        config = replace(config, model=replace(config.model, decode_graphs=args.decode_graphs))
+        config = with_decode_graphs(config, args.decode_graphs)
     _apply_threads(config, args.threads)
     torchrun = launch.torchrun_env()
     if torchrun is not None and torchrun[0] != 0:  # a follower rank: no HTTP, so no ports

@@ -162,3 +162,15 @@ def test_compile_gives_the_eager_text_and_caches_its_packages(model_dir, tmp_pat
     assert eager.returncode == 0 and compiled.returncode == 0, eager.stderr + compiled.stderr
     assert compiled.stdout == eager.stdout
     assert [p.name.split("-")[0] for p in (tmp_path / "steps").glob("*.pt2")] == ["decode"]  # one prompt: bucket 1
+
+
+def test_serve_compile_sets_decode_graphs_on_the_config():
+    from mindspec.cli import build_parser, with_decode_graphs
+    from mindspec.service.server import resolve_config
+
+    config = resolve_config(None)
+    assert config.model.decode_graphs is None
+    assert with_decode_graphs(config, True).model.decode_graphs is True
+    assert with_decode_graphs(config, False).model.decode_graphs is False
+    assert build_parser().parse_args(["serve", "--compile"]).decode_graphs is True
+    assert build_parser().parse_args(["serve"]).decode_graphs is None

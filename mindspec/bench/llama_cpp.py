@@ -11,14 +11,12 @@ whose split is the same. The MTP modules are not converted (llama.cpp does not r
 from __future__ import annotations
 
 import importlib.util
-import multiprocessing
+import json
 import os
 import subprocess
 import sys
-import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 SRC_ENV = "LLAMA_CPP_SRC"
 
@@ -75,8 +73,36 @@ def convert(model_dir: str, out: Path, src: Path, outtype: str = "f32") -> Path:
     return out
 
 
+# The worker: loads the GGUF file, then per input line {"prompts", "lengths"} answers one line
+# {"outs", "seconds"}; it imports nothing of mindspec (whose import sets OpenMP's wait policy).
+_WORKER = """
+import json, sys, time
+gguf, threads, n_ctx = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+try:
+    from llama_cpp import Llama
+    llm = Llama(model_path=gguf, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
+except Exception as exc:
+    print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
+    sys.exit(0)
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    job = json.loads(line)
+    outs, seconds = [], []
+    for prompt, n in zip(job["prompts"], job["lengths"]):
+        start, out = time.perf_counter(), []
+        for token in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            out.append(int(token))
+            if len(out) == n:
+                break
+        seconds.append(time.perf_counter() - start)
+        outs.append(out)
+    print(json.dumps({"outs": outs, "seconds": seconds}), flush=True)
+"""
+
+
 class LlamaCppRunner:
-    """llama.cpp in a worker process, decoding greedily ``new_tokens`` per prompt, EOS ignored.
+    """llama.cpp in a worker process, decoding greedily ``lengths[i]`` tokens per prompt, EOS
+    ignored.
 
     A separate process, because mindspec makes OpenMP's threads wait passively in its own process
     (mindspec/__init__.py), which costs llama.cpp's thread pool a wake-up at every barrier: at 2
@@ -85,66 +111,44 @@ class LlamaCppRunner:
 
     def __init__(self, gguf: Path, threads: int, n_ctx: int):
         require_llama_cpp()
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        with _environ_without_mindspec_wait_policy():
-            self._proc = ctx.Process(target=_worker, args=(child, str(gguf), threads, n_ctx), daemon=True)
-            self._proc.start()
-        ready = self._conn.recv()
-        if ready != "ready":
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _WORKER, str(gguf), str(threads), str(n_ctx)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_environ_for_worker(),
+        )
+        ready = self._reply()
+        if "ready" not in ready:
             self.close()
-            raise LlamaCppError(f"llama.cpp could not load {gguf}: {ready}")
+            raise LlamaCppError(f"llama.cpp could not load {gguf}: {ready.get('error', ready)}")
 
     def generate(self, prompts: list[list[int]], lengths: list[int]) -> tuple[list[list[int]], list[float]]:
         """(tokens of each prompt, seconds each took, timed in the worker)."""
-        self._conn.send((prompts, lengths))
-        return self._conn.recv()
+        self._proc.stdin.write(json.dumps({"prompts": prompts, "lengths": lengths}) + "\n")
+        self._proc.stdin.flush()
+        reply = self._reply()
+        return reply["outs"], reply["seconds"]
+
+    def _reply(self) -> dict:
+        line = self._proc.stdout.readline()
+        if not line:
+            raise LlamaCppError(f"the llama.cpp worker exited (code {self._proc.poll()})")
+        return json.loads(line)
 
     def close(self) -> None:
-        if self._proc.is_alive():
-            self._conn.send(None)
-            self._proc.join(timeout=10)
-        if self._proc.is_alive():
-            self._proc.kill()
+        if self._proc.poll() is None:
+            self._proc.stdin.close()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
 
 
-@contextmanager
-def _environ_without_mindspec_wait_policy() -> Iterator[None]:
+def _environ_for_worker() -> dict:
     import mindspec
 
-    saved = os.environ.get("OMP_WAIT_POLICY")
+    env = dict(os.environ)
     if mindspec.WAIT_POLICY_SOURCE != "user":
-        os.environ.pop("OMP_WAIT_POLICY", None)
-    try:
-        yield
-    finally:
-        if saved is not None:
-            os.environ["OMP_WAIT_POLICY"] = saved
-
-
-def _worker(conn, gguf: str, threads: int, n_ctx: int) -> None:
-    try:
-        from llama_cpp import Llama
-
-        llm = Llama(model_path=gguf, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
-                    verbose=False)
-    except Exception as exc:  # reported to the parent as one line
-        conn.send(f"{type(exc).__name__}: {exc}")
-        return
-    conn.send("ready")
-    while (job := conn.recv()) is not None:
-        outs, seconds = [], []
-        for prompt, n in zip(*job):
-            start = time.perf_counter()
-            out: list[int] = []
-            for token in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
-                                      reset=True):
-                out.append(int(token))
-                if len(out) == n:
-                    break
-            seconds.append(time.perf_counter() - start)
-            outs.append(out)
-        conn.send((outs, seconds))
+        env.pop("OMP_WAIT_POLICY", None)
+    return env
 
 
 def run_llama_cpp(runner: LlamaCppRunner, prompts: list[list[int]], lengths: list[int], m) -> None:
