@@ -53,7 +53,7 @@ WAVES = 4
 class Config:
     name: str
     plugin_params: Optional[dict] = None
-    # True: torch.compile of the decode step on cpu; None: the backend's default (CUDA graphs on a
+    # True: compiled decode steps on cpu (AOTInductor packages); None: the backend's default (CUDA graphs on a
     # GPU, eager on cpu). False would turn a GPU's graphs off.
     decode_graphs: Optional[bool] = None
     async_scheduling: bool = False  # host post-processing overlaps the next step

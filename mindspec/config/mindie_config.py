@@ -2,7 +2,7 @@
 
 Keys keep MindIE's camelCase spelling; defaults are MindIE's. mindspec adds to ``ModelConfig``:
 ``backendType`` also accepts cpu / cuda / auto (atb and torch mean npu), ``dtype``,
-``decodeGraphs`` (decode steps as captured graphs on cuda/npu, torch.compile on cpu; absent: on
+``decodeGraphs`` (decode steps as captured graphs on cuda/npu, compiled AOTInductor packages on cpu; absent: on
 where graphs exist, off on cpu), ``cpuThreads`` (cpu backend threads per process), and to
 ``ScheduleConfig``: ``numBlocks`` (a fixed KV block count instead of a memory budget),
 ``asyncScheduling`` (MindIE's MINDIE_ASYNC_SCHEDULING_ENABLE as a config key), ``waitingServedRatio``
@@ -90,7 +90,7 @@ class ModelConfig:
     plugin_params: Union[str, dict, None] = None  # validated, kept as given
     dp: int = 1
     tp: int = 1
-    # mindspec: decode steps as captured graphs (cuda/npu) or torch.compile (cpu); None = backend default
+    # mindspec: decode steps as captured graphs (cuda/npu) or compiled AOTInductor packages (cpu); None = backend default
     decode_graphs: Optional[bool] = None
     # mindspec (cpuThreads): intra-op threads per process on the cpu backend; None = default policy
     cpu_threads: Optional[int] = None

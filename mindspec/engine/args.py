@@ -30,7 +30,7 @@ class EngineArgs:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     progress: bool = True
     warmup: bool = True
-    # Decode steps as captured graphs (cuda/npu) or torch.compile (cpu); None: on where the backend
+    # Decode steps as captured graphs (cuda/npu) or compiled AOTInductor packages (cpu); None: on where the backend
     # captures graphs, off on cpu (compiling takes minutes there).
     decode_graphs: Optional[bool] = None
     # Intra-op threads of the cpu backend, per process (LLM(cpu_threads=), --threads, ModelConfig
