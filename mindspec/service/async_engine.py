@@ -109,6 +109,8 @@ class AsyncEngine:
 
     # ---- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
+        if self.metrics is not None:  # gauges of the idle engine (KV blocks, warm-up's step accounting) from the start
+            self.metrics.observe_engine(self.engine)
         while not self._stop.is_set():
             if self._drain_commands() and self.metrics is not None:
                 self.metrics.observe_engine(self.engine)  # aborts free blocks without a step
