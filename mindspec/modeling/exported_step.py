@@ -171,23 +171,35 @@ class ExportedSteps:
     def _package(self, key: tuple, run: Callable, tensors: list[torch.Tensor], dims: list[dict]):
         path = self.package_path(key)
         try:
-            if not path.is_file():
-                self._compile(path, run, tensors, dims)
-                self.stats.compiled += 1
-                self.stats.by_key[path.stem] = "compiled"
-            else:
-                self.stats.loaded += 1
-                self.stats.by_key[path.stem] = "loaded"
-            start = time.perf_counter()
+            if path.is_file():
+                runner = self._load(path)
+                if runner is not None:
+                    self.stats.loaded += 1
+                    self.stats.by_key[path.stem] = "loaded"
+                    return runner
+                path.unlink(missing_ok=True)  # unreadable (a torch or toolchain change, a cut write): compile again
+            self._compile(path, run, tensors, dims)
             runner = torch._inductor.aoti_load_package(str(path))
-            self.stats.load_s += time.perf_counter() - start
+            self.stats.compiled += 1
+            self.stats.by_key[path.stem] = "compiled"
             return runner
-        except Exception as exc:  # no toolchain, an untraceable op, a corrupt file: run this shape eagerly
+        except Exception as exc:  # no toolchain, an untraceable op: run this shape eagerly
             log.warning("compiling the %s step %s failed (%s: %s); it runs eagerly", key[0], path.stem,
                         type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             self.stats.failed += 1
             self.stats.by_key[path.stem] = "failed"
             return None
+
+    def _load(self, path: Path):
+        start = time.perf_counter()
+        try:
+            runner = torch._inductor.aoti_load_package(str(path))
+        except Exception as exc:
+            log.warning("the compiled step %s cannot be loaded (%s: %s); compiling it again", path,
+                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            return None
+        self.stats.load_s += time.perf_counter() - start
+        return runner
 
     def _compile(self, path: Path, run: Callable, tensors: list[torch.Tensor], dims: list[dict]) -> None:
         start = time.perf_counter()

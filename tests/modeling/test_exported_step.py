@@ -61,6 +61,14 @@ def test_compiled_steps_give_the_eager_tokens_and_a_restart_loads_them(checkpoin
     restarted = again.engine.model_wrapper.compiled.stats
     assert restarted.compiled == 0 and restarted.loaded == len(restarted.by_key) > 0
 
+    # an unreadable package (a cut write, a changed toolchain) is compiled again, not run eagerly for good
+    broken = sorted((cache_dir / "steps").glob("decode-*.pt2"))[0]
+    broken.write_bytes(b"not a package")
+    third = _llm(checkpoint, VANILLA, decode_graphs=True)
+    assert _tokens(third, GREEDY) == expected
+    recovered = third.engine.model_wrapper.compiled.stats
+    assert recovered.compiled == 1 and recovered.failed == 0 and broken.stat().st_size > 1000
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("plugin_params", [None, EAGLE], ids=["mtp-off", "eagle"])
