@@ -6,15 +6,17 @@ At the shipped model's size a decode step is host dispatch: ~900 torch ops throu
 stage plus the verification forward, is traced once with ``torch.export`` and compiled by
 AOTInductor into one C++ function: no Python, no Dynamo guards and no per-op dispatch at run time.
 
-Shapes. The graph runner (graph_runner.py) pads every decode batch to a batch-size bucket, so a
-step's token, sequence and lm_head row counts are fixed per bucket; the context length is the
-one size that changes from step to step, and the backend marks it dynamic (``step_tensors``).
+Shapes. The graph runner (graph_runner.py) pads every decode batch to a batch-size bucket and
+every MTP draft step's sequences to the same rows, so a step's token, sequence and lm_head row
+counts are fixed per bucket; the context length is the one size that changes from step to step,
+and the backend marks it dynamic (``step_tensors``).
 
 Cache. A package is keyed by the model (config.json and the weight files' names, sizes and
 modification times), dtype, backend, thread count (generated loops are parallelised for it),
-input shapes (the KV cache's included), torch version and the source of the model, backend and this module, and lives in ``step_cache_dir()``: a restart loads it in
-milliseconds instead of compiling again (tens of seconds per package on two cores). The weights
-are constants inside the package.
+input shapes (the KV cache's included), torch version and the source of the model, the backend
+and the backend interface; it lives in ``step_cache_dir()``: a restart loads it in milliseconds
+instead of compiling again (tens of seconds per package on two cores). An unreadable package is
+compiled again. The weights are constants inside the package.
 
 Any failure (no C++ toolchain, an op export cannot trace) logs one warning per shape and that
 shape runs eagerly from then on: serving never depends on the compiler.
@@ -28,7 +30,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
