@@ -161,12 +161,14 @@ def _llm(model_dir: str, config: "speed.Config", num_blocks: int, max_batch: int
          dtype: str = "float32"):
     from mindspec.llm import LLM
 
-    # The running limit must not cut a static group; continuous runs lower it per run. The threads
-    # are --threads (set in run), not the engine's default for the model.
+    # The running limit must not cut a static group; continuous runs lower it per run. Compiled
+    # configurations compile a package per batch-size bucket up to it: no more than measured. The
+    # threads are --threads (set in run), not the engine's default for the model.
+    limit = max_batch if config.decode_graphs else max(256, max_batch)
     return LLM(model=model_dir, backend=backend, dtype=dtype, cache_block_size=16, num_blocks=num_blocks, progress=False,
                cpu_threads=torch.get_num_threads(),
                plugin_params=config.plugin_params, decode_graphs=config.decode_graphs,
-               async_scheduling=config.async_scheduling, max_batch_size=max_batch,
+               async_scheduling=config.async_scheduling, max_batch_size=limit,
                max_prefill_batch_size=64)
 
 
