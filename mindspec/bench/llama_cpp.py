@@ -52,8 +52,9 @@ def require_llama_cpp() -> None:
 
 
 def converter_dir(src: Optional[str]) -> Path:
-    path = Path(src or os.environ.get(SRC_ENV, ""))
-    if not str(src or os.environ.get(SRC_ENV, "")) or not (path / "convert_hf_to_gguf.py").is_file():
+    given = src or os.environ.get(SRC_ENV, "")
+    path = Path(given)
+    if not given or not (path / "convert_hf_to_gguf.py").is_file():
         raise LlamaCppError(f"converting to GGUF needs a llama.cpp source tree with convert_hf_to_gguf.py "
                             f"(--llama-cpp-src DIR or ${SRC_ENV}; the llama-cpp-python sdist has one in "
                             f"vendor/llama.cpp), or pass --gguf FILE")

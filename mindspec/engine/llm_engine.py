@@ -188,8 +188,10 @@ class LLMEngine:
 
     def warmup_decode(self, batch_sizes: Seq[int] = (1,)) -> None:
         """Run a few decode steps at each batch size so that compiled decode steps (speculative
-        ones included) are built or loaded before the first request rather than during it. Speculation statistics and the adaptive
-        controller's timings of these steps (compile time included) are discarded."""
+        ones included) are built or loaded before the first request rather than during it, then
+        measure a batch-1 step's host work (``step_accounting``, for /metrics). Speculation
+        statistics and the adaptive controller's timings of these steps (compile time included)
+        are discarded."""
         ids = [1, 2, 3]
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         for n in batch_sizes:
