@@ -4,8 +4,12 @@
 #
 #   OUT=benchmarks/out/gpu bash scripts/gpu_check.sh [tests|bench|all] [extra bench args...]
 #   bash scripts/gpu_check.sh compare [extra bench args...]   # the MTP/transformers comparison
+#   bash scripts/gpu_check.sh shapes [extra bench args...]    # published model shapes, simulated acceptance
 #   bash scripts/gpu_check.sh py SCRIPT [ARGS...]
 #
+# `all` runs every GPU measurement: tests, the kernel benchmarks, the comparison on the shipped
+# model (batch 1 and 16, MTP off against K=3, sync and async) and DeepSeek-V2-Lite with random
+# weights (27 layers, bf16, 33 GB per configuration: an H200 or an 80 GB card), within 25 minutes.
 # Timings on one H100 (2026-11-24): tests ~95 s; `bench` ~4 min; `compare` with
 # --batches 1,16,32 --ks 1,3 --rounds 3 --no-async ~6-8 min (one device call allows 10).
 #
@@ -46,6 +50,17 @@ fi
 if [[ $WHAT == compare ]]; then
   timeout "${BENCH_TIMEOUT:-540}" $PY -m mindspec.cli bench --backend cuda --compare --out "$OUT/compare" "$@" 2>&1 \
     | grep -v "^model\.\|^Key \|UNEXPECTED\|^Notes\|^- \|Loading weights\|LOAD REPORT" | tee "$OUT/compare.log" | tail -40
+fi
+if [[ $WHAT == all ]]; then  # the shipped model: MTP off against K=3 at batch 1 and 16, sync and async
+  timeout "${BENCH_TIMEOUT:-300}" $PY -m mindspec.cli bench --backend cuda --compare --out "$OUT/compare" \
+    --batches 1,16 --ks 3 --rounds 3 --no-hf --configs "mtp off,vanilla K=3,eagle K=3,mtp off +async,vanilla K=3 +async" \
+    2>&1 | tee "$OUT/compare.log" | tail -20
+fi
+if [[ $WHAT == shapes || $WHAT == all ]]; then  # realistic sizes: random weights, simulated acceptance
+  EXTRA=(); [[ $WHAT == shapes ]] && EXTRA=("$@")
+  timeout "${BENCH_TIMEOUT:-420}" $PY -m mindspec.cli bench --backend cuda --compare --model-shape "${SHAPE:-deepseek-v2-lite}" \
+    --dtype bfloat16 --batches 1,16 --rounds 3 --no-async --configs "mtp off,eagle K=3" \
+    --out "$OUT/shape_${SHAPE:-deepseek-v2-lite}" "${EXTRA[@]}" 2>&1 | tee "$OUT/shapes.log" | tail -20
 fi
 if [[ $WHAT == py ]]; then  # any script against this checkout: gpu_check.sh py SCRIPT ARGS...
   $PY "$@" 2>&1 | tee "$OUT/py.log" | tail -120

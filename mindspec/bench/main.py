@@ -8,6 +8,7 @@
     mindspec bench --backend cuda ...                        # the cuda backend's kernel and e2e benchmarks
     mindspec bench --backend cuda --compare ...              # this comparison on a GPU (CUDA graphs on)
     mindspec bench --compare llama.cpp --llama-cpp-src DIR   # also llama.cpp, same model and prompts, batch 1
+    mindspec bench --model-shape deepseek-v2-lite ...        # random weights of that shape, simulated acceptance
 """
 from __future__ import annotations
 
@@ -21,13 +22,15 @@ from typing import Optional, Sequence
 
 import torch
 
-from mindspec.bench import llama_cpp, profile, speed
+from mindspec.bench import llama_cpp, model_shapes, profile, speed
 from mindspec.bench.llama_cpp import LlamaCppError
 from mindspec.modeling.step_accounting import account_decode_steps
 from mindspec.bench.corpus import heldout_prompts
 from mindspec.text_generator.sampling.params import SamplingParams
 
 MIN_PROMPTS = 8  # per configuration and batch size, so that batch 1 is not one prompt's luck
+# The shipped model's acceptance per draft position, vanilla K=3, on held-out prompts (benchmarks/README.md).
+SHIPPED_ACCEPTANCE = (0.88, 0.77, 0.71)
 BACKENDS = ("cpu", "cuda")
 
 
@@ -43,13 +46,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="mindspec's and transformers' dtype (the cpu tables use float32)")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
+    p.add_argument("--model-shape", default=None, choices=sorted(model_shapes.SHAPES),
+                   help="instead of --model: random weights of this published shape (one MTP module, eagle drafts), "
+                        "speculation with --simulated-acceptance")
+    p.add_argument("--shape-layers", type=int, default=None,
+                   help="with --model-shape: keep only this many decoder layers (a layer slice that fits the machine)")
+    p.add_argument("--simulated-acceptance", default=",".join(map(str, SHIPPED_ACCEPTANCE)),
+                   help="with --model-shape: the share of steps accepting draft 1, 2, ... (default: the shipped "
+                        "model's measured vanilla K=3 rates)")
     p.add_argument("--out", default="benchmarks/results/bench_cpu", help="output path without suffix (.json, .png)")
     p.add_argument("--batches", default="1,4,16,32")
     # Continuous by default: what a server sees (vLLM's throughput benchmark does the same).
     p.add_argument("--batching", choices=speed.BATCHING, default="continuous",
                    help="static: groups of b prompts, each run to its slowest sequence; continuous: "
                         f"{speed.WAVES} x b prompts in one run, at most b at once (see mindspec.bench.speed)")
-    p.add_argument("--ks", default="1,2,3,4", help="speculative token counts to compare")
+    p.add_argument("--ks", default=None,
+                   help="speculative token counts to compare (default 1,2,3,4; with --model-shape, 1 up to the "
+                        "number of --simulated-acceptance rates)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--output-len-range", type=float, default=0.0,
@@ -78,14 +91,17 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    model_dir = args.model or str(_default_model())
-    hf_config = json.loads((Path(model_dir) / "config.json").read_text())
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     batches = [int(b) for b in args.batches.split(",")]
-    ks = [int(k) for k in args.ks.split(",")]
-    configs = speed.default_configs(ks, hf_config.get("num_nextn_predict_layers", 0), hf_config.get("bos_token_id", 0),
-                                    hf_config.get("eos_token_id", 1), args.compile, args.asynchronous)
     try:
+        model_dir, shape = _model(args)
+        ks = _ks(args, shape)
+        hf_config = json.loads((Path(model_dir) / "config.json").read_text())
+        configs = speed.default_configs(ks, hf_config.get("num_nextn_predict_layers", 0),
+                                        hf_config.get("bos_token_id", 0), hf_config.get("eos_token_id", 1),
+                                        args.compile, args.asynchronous)
+        if shape:
+            configs = speed.simulated(configs, shape["simulated_acceptance"])
         if args.configs:
             configs = speed.select_configs(configs, args.configs)
         gguf = _gguf(args, model_dir) if args.compare == "llama.cpp" else None
@@ -100,11 +116,11 @@ def run(args: argparse.Namespace) -> int:
     llms = {c.name: _llm(model_dir, c, num_blocks, max(batches), args.backend, args.dtype) for c in configs}
     tokenizer = next(iter(llms.values())).tokenizer.hf_tokenizer
     prompts = heldout_prompts(tokenizer, count, args.prompt_tokens)
-    hf = _hf_model(model_dir, args.backend, args.dtype) if args.hf else None
+    hf = _hf_model(model_dir, args.backend, args.dtype) if args.hf and not shape else None
     extra = {"llama.cpp": _llama_cpp(gguf, args.threads, prompts, output_lens)} if gguf else {}
     device = torch.cuda.get_device_name() if on_gpu else platform.processor() or platform.machine()
     report = {
-        "model": model_dir, "backend": args.backend, "device": device,
+        "model": model_dir, "model_shape": shape, "backend": args.backend, "device": device,
         "batching": args.batching, "threads": args.threads, "rounds": args.rounds, "new_tokens": args.new_tokens,
         "output_len_range": args.output_len_range,
         "prompt_tokens": args.prompt_tokens, "dtype": args.dtype, "greedy": True,
@@ -139,6 +155,29 @@ def run(args: argparse.Namespace) -> int:
     plot_report(report, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     return 0
+
+
+def _model(args: argparse.Namespace) -> tuple[str, Optional[dict]]:
+    """The checkpoint to measure, and with --model-shape what it is: a random-weights checkpoint
+    written next to --out (it is a few kB: the weights are drawn at load time)."""
+    if not args.model_shape:
+        return args.model or str(_default_model()), None
+    if args.model or args.compare == "llama.cpp":
+        raise ValueError("--model-shape replaces --model and has no llama.cpp comparison (random weights)")
+    rates = [float(r) for r in args.simulated_acceptance.split(",")]
+    out = Path(args.out)
+    layers = f"-{args.shape_layers}l" if args.shape_layers else ""
+    model_dir = model_shapes.write_shape_checkpoint(args.model_shape, out.with_name(f"{args.model_shape}{layers}-random"),
+                                                    _default_model(), args.shape_layers)
+    shape = {"name": args.model_shape, "num_hidden_layers": json.loads((model_dir / "config.json").read_text())[
+        "num_hidden_layers"], "parameters": model_shapes.parameter_count(model_dir), "simulated_acceptance": rates}
+    return str(model_dir), shape
+
+
+def _ks(args: argparse.Namespace, shape: Optional[dict]) -> list[int]:
+    if args.ks is not None:
+        return [int(k) for k in args.ks.split(",")]
+    return list(range(1, 1 + min(4, len(shape["simulated_acceptance"])))) if shape else [1, 2, 3, 4]
 
 
 def _write_json(report: dict, out: Path) -> None:

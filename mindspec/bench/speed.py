@@ -96,6 +96,23 @@ def default_configs(ks: list[int], mtp_modules: int, bos: int, eos: int, compile
     return out
 
 
+def simulated(configs: list[Config], rates: list[float]) -> list[Config]:
+    """The configurations for a random-weights model: speculation accepts drafts at ``rates``
+    (the MTP plugin's simulated_acceptance); relaxed acceptance, which needs real targets, is dropped."""
+    out = []
+    for c in configs:
+        if not c.speculative:
+            out.append(c)
+            continue
+        k = c.plugin_params["num_speculative_tokens"]
+        if c.plugin_params.get("decoding_policy") == "relaxed":
+            continue
+        if k > len(rates):
+            raise ValueError(f"{c.name} needs {k} simulated acceptance rates, {len(rates)} given")
+        out.append(replace(c, plugin_params={**c.plugin_params, "simulated_acceptance": rates[:k]}, lossless=False))
+    return out
+
+
 def select_configs(configs: list[Config], names: str) -> list[Config]:
     """The configurations named in ``names`` (comma-separated), in their usual order; an unknown
     name is an error that lists the known ones."""
@@ -183,8 +200,9 @@ def _record(m: Measurement, outs: list, seconds: float, latency_s: float) -> Non
 
 
 def spec_summary(stats, total_tokens: int, num_seqs: int) -> dict:
-    """Mean tokens per speculative step (accepted drafts + 1), acceptance per draft position, and
-    the share of a sequence's decode steps that speculated."""
+    """Mean tokens per speculative step (accepted drafts + 1), over all steps and per request
+    (worst, median), acceptance per draft position, and the share of a sequence's decode steps
+    that speculated."""
     stats = [s for s in stats if s is not None and s.num_steps]
     if not stats:
         return {}
@@ -194,8 +212,12 @@ def spec_summary(stats, total_tokens: int, num_seqs: int) -> dict:
     spec_tokens = sum(s.num_accepted_tokens for s in stats) + steps
     decode_tokens = total_tokens - num_seqs  # the first token of each sequence comes from prefill
     plain_steps = max(0, decode_tokens - spec_tokens)
+    per_request = [(s.num_accepted_tokens + s.num_steps) / s.num_steps for s in stats]
     return {
         "mean_accepted_length": round(spec_tokens / steps, 4),
+        # Speculation must pay per request: the worst request's tokens per step, not only the mean.
+        "accepted_length_per_request": {"worst": round(min(per_request), 4),
+                                        "median": round(statistics.median(per_request), 4)},
         "acceptance_per_position": (accepted / drafted).round(4).tolist(),
         "mean_drafts_per_step": round(sum(s.num_draft_tokens for s in stats) / steps, 4),
         "speculative_step_share": round(steps / (steps + plain_steps), 4),

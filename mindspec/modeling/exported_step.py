@@ -34,6 +34,7 @@ from typing import Callable
 
 import torch
 
+from mindspec.modeling.random_checkpoint import MANIFEST
 from mindspec.modeling.step_accounting import outside_accounting
 
 log = logging.getLogger(__name__)
@@ -50,11 +51,13 @@ def step_cache_dir() -> Path:
 
 
 def model_fingerprint(model_dir: Path) -> str:
-    """config.json's bytes and each weight file's name, size and modification time."""
+    """config.json's and a random-weights manifest's bytes, and each weight file's name, size
+    and modification time."""
     h = hashlib.sha256()
     model_dir = Path(model_dir)
-    config = model_dir / "config.json"
-    h.update(config.read_bytes() if config.is_file() else b"")
+    for name in ("config.json", MANIFEST):
+        f = model_dir / name
+        h.update(f.read_bytes() if f.is_file() else b"")
     for f in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())

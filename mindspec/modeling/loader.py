@@ -1,4 +1,5 @@
-"""Safetensors checkpoint loading in Hugging Face layout (single file or sharded with an index).
+"""Safetensors checkpoint loading in Hugging Face layout (single file or sharded with an index),
+or a random-weights manifest in their place (random_checkpoint.py).
 
 Tensors stream one at a time into the requested dtype. Every problem is a CheckpointError that
 names the tensor and the file: a checkpoint that does not fit the model never half-loads.
@@ -16,6 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
+from .random_checkpoint import MANIFEST, RandomWeights
 from .errors import (
     CheckpointError,
     MissingTensorError,
@@ -81,6 +83,8 @@ def find_checkpoint_files(model_dir: str | Path) -> tuple[list[Path], dict[str, 
                 raise NotACheckpointError(f"{INDEX_FILE} lists shard {f.name!r}, which is missing from {str(path)!r}")
         return files, mapped
     files = sorted(path.glob("*.safetensors"))
+    if not files and (path / MANIFEST).is_file():
+        return [path / MANIFEST], {}
     if not files:
         legacy = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
         hint = f" (found {', '.join(legacy[:3])}: only safetensors checkpoints are supported)" if legacy else ""
@@ -106,7 +110,7 @@ def load_checkpoint(
     source: dict[str, Path] = {}
     with ExitStack() as stack:
         # Opening reads headers only (the data is memory-mapped), so counting keys up front is cheap.
-        handles = [(f, stack.enter_context(_open(f))) for f in files]
+        handles = [(f, stack.enter_context(_open(f, device))) for f in files]
         total = sum(len(h.keys()) for _, h in handles)
         bar = stack.enter_context(
             tqdm(total=total, desc=f"Loading {Path(model_dir).name}", unit="tensor", disable=not progress)
@@ -126,7 +130,9 @@ def load_checkpoint(
     return loaded
 
 
-def _open(file: Path):
+def _open(file: Path, device: str = "cpu"):
+    if file.name == MANIFEST:
+        return RandomWeights(file, device)
     try:
         return safe_open(str(file), framework="pt", device="cpu")
     except (SafetensorError, OSError) as exc:

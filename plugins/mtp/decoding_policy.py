@@ -13,6 +13,9 @@ accepted + 1 tokens and each sequence keeps its own count.
 - relaxed (TensorRT-LLM, thinking span only): d(j+1) is accepted when it is among the target's
   top-N tokens with probability >= p(top-1) - delta; delta = 0 is strict (ties aside).
 - typical (Medusa): accept when p(d) > min(epsilon, alpha * exp(-entropy(p))).
+- simulated (benchmarks only): draft j is accepted in a given share of steps, whatever the
+  target; step cost does not depend on the weights' values, so a random-weight model of a real
+  shape then runs as fast as a trained one accepting at those rates.
 """
 from __future__ import annotations
 
@@ -82,3 +85,10 @@ def update_think_state(in_think: np.ndarray, tokens: list[list[int]], start_id: 
                 out[b] = t == start_id
                 break
     return out
+
+
+def simulated_accept(rates: np.ndarray, rng: np.random.Generator, num_seqs: int) -> np.ndarray:
+    """rates [K] non-increasing P(draft j accepted) -> accepted drafts [B]. One uniform draw u
+    per sequence accepts every draft j with u < rates[j - 1]: a prefix, with P(count >= j) = rates[j - 1]."""
+    u = rng.random(num_seqs)
+    return (u[:, None] < np.asarray(rates)[None, :]).sum(axis=1).astype(np.int64)

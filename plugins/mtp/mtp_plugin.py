@@ -87,6 +87,7 @@ class MtpPlugin(Plugin):
         self.states: dict[int, MtpSeqState] = {}
         self.history = HiddenHistory(self.keep_hidden)
         self.adaptive = AdaptiveSpeculation(range(self.k + 1), self.params.adaptive_speculation)
+        self.simulation_rng = np.random.default_rng(0)  # simulated_acceptance's draws: the same every run
 
     # ---- hooks ---------------------------------------------------------------------------------
     def model_inputs_update(self, batch: StepBatch, inputs: StepInputs) -> StepInputs:
@@ -277,6 +278,9 @@ class MtpPlugin(Plugin):
 
     def _accept(self, batch, inputs, outputs, drafts, targets) -> np.ndarray:
         p = self.params
+        if p.simulated_acceptance is not None:
+            return policy.simulated_accept(np.array(p.simulated_acceptance[: drafts.shape[1]]), self.simulation_rng,
+                                           len(drafts))
         if p.decoding_policy == "strict":
             return policy.strict_accept(drafts, targets)
         md = inputs.extra["sampling_metadata"]

@@ -4,7 +4,7 @@ Every bad value is one PluginParamsError naming the key.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from mindspec.config.plugin_params import PluginParamsError
@@ -16,7 +16,7 @@ PD_ROLES = ("standard", "prefill", "decode")
 KNOWN_KEYS = {
     "num_speculative_tokens", "mtp_mode", "decoding_policy", "relaxed_topk", "relaxed_delta",
     "think_start_token_id", "think_end_token_id", "posterior_threshold", "posterior_alpha", "pd_role",
-    "adaptive_speculation",
+    "adaptive_speculation", "simulated_acceptance",
 }
 
 
@@ -34,6 +34,9 @@ class MtpParams:
     pd_role: str = "standard"
     # Per step, speculate or not by measured throughput at the batch size (adaptive.py).
     adaptive_speculation: bool = True
+    # Benchmarking only (SGLang's SGLANG_SIMULATE_ACC_LEN): draft j is accepted with probability
+    # simulated_acceptance[j - 1], whatever the target says; output is no longer the model's.
+    simulated_acceptance: Optional[tuple[float, ...]] = None
 
     def resolved_mode(self, modules_in_checkpoint: int) -> str:
         k = self.num_speculative_tokens
@@ -88,6 +91,20 @@ def _bool(options: dict, key: str, default: bool) -> bool:
     return value
 
 
+def _rates(options: dict, key: str, k: int) -> Optional[tuple[float, ...]]:
+    """K non-increasing rates in [0, 1]: the share of steps whose draft j is accepted."""
+    if key not in options or options[key] is None:
+        return None
+    value = options[key]
+    ok = isinstance(value, (list, tuple)) and len(value) == k and all(
+        not isinstance(v, bool) and isinstance(v, (int, float)) and 0 <= v <= 1 for v in value)
+    if not ok or any(b > a for a, b in zip(value, value[1:])):
+        raise PluginParamsError(
+            f"plugin_params.{key} must be a list of num_speculative_tokens={k} non-increasing rates in [0, 1] "
+            f"(the share of steps accepting draft 1, 2, ...), got {value!r}")
+    return tuple(float(v) for v in value)
+
+
 def parse_mtp_params(options: dict) -> MtpParams:
     unknown = sorted(set(options) - KNOWN_KEYS)
     if unknown:
@@ -105,6 +122,7 @@ def parse_mtp_params(options: dict) -> MtpParams:
         pd_role=_choice(options, "pd_role", PD_ROLES, "standard"),
         adaptive_speculation=_bool(options, "adaptive_speculation", True),
     )
+    params = replace(params, simulated_acceptance=_rates(options, "simulated_acceptance", params.num_speculative_tokens))
     if params.decoding_policy == "relaxed" and (params.think_start_token_id is None or params.think_end_token_id is None):
         raise PluginParamsError(
             "plugin_params.think_start_token_id and think_end_token_id are required with decoding_policy 'relaxed'"

@@ -19,6 +19,7 @@ def test_spec_summary_counts_each_position_over_the_steps_that_drafted_it():
     summary = speed.spec_summary([a, b, None], total_tokens=12, num_seqs=2)
     assert summary == {
         "mean_accepted_length": 2.0,  # (4 accepted + 4 bonus) / 4 steps
+        "accepted_length_per_request": {"worst": 1.5, "median": 2.0},  # b: (1 + 2) / 2, a: (3 + 2) / 2
         "acceptance_per_position": [0.75, 0.3333, 0.0],  # 3 of 4, 1 of 3, 0 of 3
         "mean_drafts_per_step": 2.5,
         "speculative_step_share": 0.6667,  # 4 of 6 steps
@@ -272,3 +273,41 @@ def test_another_engine_runs_in_every_round_and_is_compared_token_for_token():
     assert len(calls) == 3 and calls[0] == ([[0], [1], [2], [3]], [2, 2, 2, 2])
     assert rows["llama.cpp"]["tokens_per_s_rounds"] == [10.0] * 3
     assert "identical_to_mtp_off" in rows["llama.cpp"]
+
+
+@pytest.mark.slow
+def test_model_shape_runs_random_weights_with_simulated_acceptance(tmp_path, monkeypatch):
+    from mindspec.bench import model_shapes
+
+    tiny = json.loads((_shipped() / "config.json").read_text())
+    tiny = {k: v for k, v in tiny.items() if k not in ("architectures", "bos_token_id", "eos_token_id")}
+    monkeypatch.setitem(model_shapes.SHAPES, "tiny", {**tiny, "num_hidden_layers": 3})
+    out = tmp_path / "shape"
+    rc = main(["--model-shape", "tiny", "--shape-layers", "2", "--simulated-acceptance", "1,1,0", "--batches", "1",
+               "--ks", "3", "--rounds", "1", "--new-tokens", "9", "--configs", "mtp off,eagle K=3", "--no-async",
+               "--no-profile", "--out", str(out)])
+    assert rc == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    shape = report["model_shape"]
+    assert shape["name"] == "tiny" and shape["num_hidden_layers"] == 2 and shape["simulated_acceptance"] == [1, 1, 0]
+    assert (tmp_path / "tiny-2l-random" / "random_weights.json").is_file() and report["model"].endswith("tiny-2l-random")
+    assert "transformers generate" not in report["results"]["batch 1"]  # random weights: no reference to compare
+    eagle = report["results"]["batch 1"]["eagle K=3"]
+    assert not report["configs"]["eagle K=3"]["lossless_policy"]
+    assert report["configs"]["eagle K=3"]["plugin_params"]["simulated_acceptance"] == [1, 1, 0]
+    # Drafts 1 and 2 always accepted, draft 3 never, whatever the random model proposes.
+    assert eagle["acceptance_per_position"] == [1.0, 1.0, 0.0] and eagle["mean_accepted_length"] == 3.0
+
+
+def test_model_shape_errors_are_one_clear_message(tmp_path, capsys):
+    out = str(tmp_path / "r")
+    assert main(["--model-shape", "deepseek-v2-lite", "--shape-layers", "99", "--out", out]) == 2
+    assert "1..27" in capsys.readouterr().err
+    assert main(["--model-shape", "deepseek-v2-lite", "--ks", "3", "--simulated-acceptance", "0.9", "--out", out]) == 2
+    assert "needs 3 simulated acceptance rates" in capsys.readouterr().err
+
+
+def _shipped():
+    from mindspec.config.defaults import default_model_dir
+
+    return default_model_dir()

@@ -72,3 +72,13 @@ def test_think_span_follows_the_last_marker():
     assert state.tolist() == [True, False, False]
     state = policy.update_think_state(np.array([True]), [[100, 3, 101, 4, 100]], 100, 101)
     assert state.tolist() == [True]
+
+
+def test_simulated_acceptance_accepts_each_position_at_its_rate():
+    rates = np.array([0.88, 0.77, 0.71])
+    counts = policy.simulated_accept(rates, np.random.default_rng(7), 200_000)
+    assert counts.min() >= 0 and counts.max() <= 3
+    share = np.array([(counts >= j).mean() for j in (1, 2, 3)])
+    np.testing.assert_allclose(share, rates, atol=0.005)  # draft j accepted in rates[j-1] of the steps
+    assert policy.simulated_accept(np.array([1.0, 1.0]), np.random.default_rng(0), 5).tolist() == [2] * 5
+    assert policy.simulated_accept(np.array([0.0]), np.random.default_rng(0), 5).tolist() == [0] * 5

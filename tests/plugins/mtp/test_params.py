@@ -37,6 +37,11 @@ BAD = [
     ({"plugin_type": "mtp", "num_speculative_tokens": 1, "pd_role": "master"}, "pd_role must be one of"),
     ({"plugin_type": "mtp", "num_speculative_tokens": 1, "num_speculative_token": 2}, "num_speculative_token is not an MTP option"),
     ({"plugin_type": "mtp", "num_speculative_tokens": 1, "think_start_token_id": -3}, "think_start_token_id"),
+    ({"plugin_type": "mtp", "num_speculative_tokens": 2, "simulated_acceptance": [0.9]}, "simulated_acceptance must be a list of"),
+    ({"plugin_type": "mtp", "num_speculative_tokens": 2, "simulated_acceptance": [0.5, 0.7]}, "non-increasing"),
+    ({"plugin_type": "mtp", "num_speculative_tokens": 1, "simulated_acceptance": [1.5]}, "simulated_acceptance"),
+    ({"plugin_type": "mtp", "num_speculative_tokens": 1, "simulated_acceptance": "0.9"}, "simulated_acceptance"),
+    ({"plugin_type": "mtp", "num_speculative_tokens": 1, "simulated_acceptance": [True]}, "simulated_acceptance"),
 ]
 
 
@@ -71,3 +76,9 @@ def test_mode_resolution_against_checkpoint_modules():
 def test_no_plugin_params_means_no_plugin():
     assert not parse_plugin_params(None).enabled and not parse_plugin_params("").enabled
     assert parse_plugin_params('{"plugin_type": "mtp,prefix_cache"}').plugin_types == ("mtp", "prefix_cache")
+
+
+def test_simulated_acceptance_is_kept_as_rates():
+    params = _mtp({"plugin_type": "mtp", "num_speculative_tokens": 3, "simulated_acceptance": [0.9, 0.8, 0.8]})
+    assert params.simulated_acceptance == (0.9, 0.8, 0.8)
+    assert _mtp({"plugin_type": "mtp", "num_speculative_tokens": 3}).simulated_acceptance is None
