@@ -147,8 +147,11 @@ def run(args: argparse.Namespace) -> int:
               ", ".join(f"{n} {r['tokens_per_s_median']:.0f} tok/s" for n, r in row.items()), flush=True)
     # Per decode step at batch 1: ops launched outside compiled steps, host syncs, H2D copies.
     report["step_accounting"] = {name: account_decode_steps(llm, prompts[0], steps=8) for name, llm in llms.items()}
-    if args.profile and not on_gpu:  # its per-layer host timers would time kernel launches on a GPU
+    if args.profile:
         report["profile"] = _profile(llms, prompts, params)
+        if on_gpu:
+            report["profile_note"] = ("stage times on the host: the forward is launched asynchronously (a graph "
+                                      "replay), and its device time lands in the first stage that waits for it")
     _write_json(report, out)
     from mindspec.bench.plots import plot_report
 
