@@ -71,4 +71,5 @@ def test_padded_decode_buckets_equal_cpu(v3_checkpoint, device, mode):
     assert _tokens(llm, prompts) == expected
     assert runner.stats.replays >= NEW_TOKENS // 3
     if runner.capture:  # on a GPU every bucket must really be captured, not fall back to eager
-        assert runner.stats.eager_fallbacks == 0 and runner.stats.captures >= 2, runner.stats
+        # (every step here speculates with the same rows: one speculative graph serves them all)
+        assert runner.stats.eager_fallbacks == 0 and runner.stats.captures == runner.num_graphs >= 1, runner.stats
