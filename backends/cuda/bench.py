@@ -18,7 +18,8 @@ import torch
 
 from mindspec.backends.cuda.availability import interpreting
 
-SECTIONS = ("kernels", "decode", "throughput")
+SECTIONS = ("kernels", "decode", "throughput", "step_kernels")
+DEFAULT_SECTIONS = ("kernels", "decode", "throughput")  # step_kernels: asked for by name
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,7 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="benchmarks/out/cuda_bench", help="writes OUT.json and OUT.png")
     p.add_argument("--model", default=None, help="checkpoint for the end-to-end parts (default: the shipped model)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {', '.join(SECTIONS)}")
+    p.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
+                   help=f"comma-separated subset of {', '.join(SECTIONS)} (step_kernels: a decode step's device "
+                        "time kernel by kernel, plain and speculative, batch 1)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and rounds (a smoke run)")
     p.add_argument("--heads", type=int, default=128, help="attention heads per GPU (DeepSeek-V3: 128; 16 under TP 8)")
     p.add_argument("--moe-experts", type=int, default=64, help="routed experts held on the GPU for the MoE kernel")
@@ -112,6 +115,11 @@ def run(args: argparse.Namespace, sections: list[str], argv: list[str]) -> dict:
             model_dir, args.dtype, batches, 32 if args.quick else args.new_tokens, args.prompt_tokens,
             args.num_speculative_tokens, args.mtp_mode, rounds,
         )
+    if "step_kernels" in sections:
+        report["step_kernels"] = [
+            bench_e2e.step_kernels(model_dir, args.dtype, 1, args.context, k, mode)
+            for k, mode in ((0, args.mtp_mode), (args.num_speculative_tokens, args.mtp_mode))
+        ]
     return report
 
 
@@ -129,7 +137,7 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    count = 2 * ("kernels" in report) + ("decode_latency" in report) + ("throughput" in report)
+    count = 2 * ("kernels" in report) + ("decode_latency" in report) + ("throughput" in report) + ("step_kernels" in report)
     fig, axes = plt.subplots(1, max(1, count), figsize=(6.5 * max(1, count), 4.8))
     axes = list(axes) if hasattr(axes, "__len__") else [axes]
     title = f"{report['device']['name']}, {report['dtype']}"
@@ -167,6 +175,17 @@ def plot(report: dict, path: Path) -> None:
         ax.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
         ax.set_ylabel("generated tokens/s (median)")
         ax.set_title("greedy generation, MTP on/off")
+        i += 1
+    if "step_kernels" in report:
+        rows = report["step_kernels"]
+        ax = axes[i]
+        labels = [f"K={r['num_speculative_tokens']}" for r in rows]
+        ax.bar([v - 0.2 for v in range(len(rows))], [r["device_ms_per_step"] for r in rows], 0.4, label="kernel time (eager)")
+        ax.bar([v + 0.2 for v in range(len(rows))], [r["graph_ms"] for r in rows], 0.4, label="graph replay")
+        ax.set_xticks(range(len(rows)), labels)
+        ax.set_ylabel("ms per decode step, batch 1")
+        ax.set_title("decode step: device time")
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -149,3 +149,54 @@ def throughput(model_dir: str, dtype: str, batches: list[int], new_tokens: int, 
                 **({"mean_accepted_length": accepted.get(graphs)} if mtp == "mtp on" else {}),
             })
     return results
+
+
+def kernel_table(events, steps: int, top: int = 15) -> dict:
+    """Device activity of ``steps`` decode steps (profiler events) -> per step: device ms,
+    kernels launched, and the ``top`` kernels by time (name, launches, ms)."""
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us() / 1e3)
+    total = sum(sum(v) for v in by_name.values())
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {
+        "device_ms_per_step": round(total / steps, 4),
+        "kernels_per_step": round(sum(len(v) for v in by_name.values()) / steps, 1),
+        "top": [{"name": n[:120], "launches_per_step": round(len(v) / steps, 2), "ms_per_step": round(sum(v) / steps, 4),
+                 "share": round(sum(v) / total, 4)} for n, v in ranked],
+    }
+
+
+@torch.inference_mode()
+def step_kernels(model_dir: str, dtype: str, batch: int, context: int, k: int, mode: str, iters: int = 20,
+                 block_size: int = 64) -> dict:
+    """Where a decode step's device time goes, kernel by kernel: the step run eagerly under
+    torch.profiler (a kernel costs the same inside a graph; the graph removes launch gaps), and the
+    same step replayed as a CUDA graph for its wall time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from mindspec.modeling.graph_runner import DecodeGraphRunner
+    from mindspec.modeling.model_wrapper import ModelWrapper
+
+    modules = sorted(set(_mtp_modules(k, mode)))
+    wrapper = ModelWrapper(model_dir, backend="cuda", dtype=dtype, num_mtp_modules=len(modules), progress=False)
+    per_seq = -(-(context + 2 * k + 2) // block_size)
+    wrapper.allocate_cache(batch * per_seq + 2, block_size)
+    runner = wrapper.graph_runner or DecodeGraphRunner(wrapper)
+    step = _step_fn(wrapper, batch, context, k, mode, block_size)
+    wrapper.graph_runner = runner
+    step()
+    graph_ms = statistics.median(_time_ms(step, iters) for _ in range(3))
+    wrapper.graph_runner = None
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    del wrapper, runner
+    torch.cuda.empty_cache()
+    return {"batch": batch, "context": context, "num_speculative_tokens": k, "mtp_mode": mode if k else None,
+            "graph_ms": round(graph_ms, 4), **kernel_table(events, iters)}

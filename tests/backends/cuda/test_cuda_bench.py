@@ -55,6 +55,8 @@ def _synthetic_report():
         },
         "decode_latency": [dict(batch=1, num_speculative_tokens=3, eager_ms=9.0, graphs_ms=3.0, graph_speedup=3.0)],
         "throughput": [dict(batch=1, mtp="mtp on", graphs=True, tokens_per_s=100.0)],
+        "step_kernels": [dict(batch=1, num_speculative_tokens=k, device_ms_per_step=ms, graph_ms=ms + 0.2)
+                         for k, ms in ((0, 1.0), (3, 2.5))],
     }
 
 
@@ -113,3 +115,18 @@ def test_stdlib_prompts():
     tok = load_tokenizer(default_model_dir())
     prompts = stdlib_prompts(tok, 3, 16)
     assert len(prompts) == 3 and all(len(p) == 16 for p in prompts)
+
+
+def test_kernel_table_sums_device_time_per_step():
+    from types import SimpleNamespace
+
+    from mindspec.backends.cuda.bench_e2e import kernel_table
+
+    def event(name, us):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+    # 2 steps: each launches gemm twice (30 + 10 us) and rms_norm once (5 us)
+    events = [event("gemm", 30), event("gemm", 10), event("rms_norm", 5)] * 2
+    table = kernel_table(events, steps=2, top=1)
+    assert table["device_ms_per_step"] == 0.045 and table["kernels_per_step"] == 3.0
+    assert table["top"] == [{"name": "gemm", "launches_per_step": 2.0, "ms_per_step": 0.04, "share": 0.8889}]
