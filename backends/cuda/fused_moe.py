@@ -1,9 +1,11 @@
 """Routed experts as two grouped GEMMs over the (token, expert) pairs, with SwiGLU fused in.
 
-1. ``align_routes`` (torch ops on the device, no host sync, static shapes): sort the T*k pairs by
-   expert and pad each expert's run to a multiple of BLOCK_M, so every M-block of rows belongs to
-   one expert. Ids outside [0, E) (experts of another rank) are given no row: they are skipped,
-   as in the cpu backend.
+1. ``align_routes`` (on the device, no host sync, static shapes): sort the T*k pairs by expert
+   and pad each expert's run to a multiple of BLOCK_M, so every M-block of rows belongs to one
+   expert. Ids outside [0, E) (experts of another rank) are given no row: they are skipped, as in
+   the cpu backend. Up to FUSED_ALIGN_MAX_PAIRS pairs (every decode step) this is one kernel of
+   one program: as ~20 torch ops it was ~25 launches per MoE layer, a quarter of a small model's
+   decode step; larger batches (prefill) use the torch ops, whose kernels are then not tiny.
 2. ``_gate_up_silu_kernel``: per M-block and N-tile of the intermediate size, x[token] @ w13[e]^T
    for the gate and the up rows at once, then silu(gate) * up -> act [T*k, I].
 3. ``_down_kernel``: act @ w2[e]^T, times the pair's routing weight (float32, then cast as the
@@ -37,7 +39,90 @@ class RoutePlan:
         return self.block_expert.shape[0]
 
 
+FUSED_ALIGN_MAX_PAIRS = 8192
+_ALIGN_CHUNK = 128  # pairs per pass of the fused kernel (its rank step compares a chunk pairwise)
+
+
+def _max_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows the plan can need: at most min(E, P) experts are non-empty, each wasting < block_m rows."""
+    rows = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return triton.cdiv(rows, block_m) * block_m
+
+
 def align_routes(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> RoutePlan:
+    if topk_ids.numel() <= FUSED_ALIGN_MAX_PAIRS:
+        return align_routes_fused(topk_ids, num_experts, block_m)
+    return align_routes_torch(topk_ids, num_experts, block_m)
+
+
+@triton.jit
+def _align_routes_kernel(
+    ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, pad_start_ptr, seen_ptr,
+    num_pairs, num_experts, max_rows, block_m,
+    BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    e = tl.arange(0, BLOCK_E)  # bins: experts [0, E), then E for skipped ids (BLOCK_E > E)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for p0 in range(0, num_pairs, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        key = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1)
+        key = tl.where((key >= 0) & (key < num_experts), key, num_experts).to(tl.int32)
+        counts += tl.histogram(key, BLOCK_E)
+    padded = tl.where(e < num_experts, (counts + block_m - 1) // block_m * block_m, 0)
+    pad_end = tl.cumsum(padded, 0)
+    tl.store(pad_start_ptr + e, pad_end - padded)
+    tl.store(seen_ptr + e, tl.zeros([BLOCK_E], tl.int32))
+    tl.store(num_rows_ptr, tl.sum(padded, 0))
+    # Block b's expert: the experts whose padded runs end at or before its first row (searchsorted).
+    for b0 in range(0, max_rows // block_m, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        ended = (pad_end[None, :] <= (b * block_m)[:, None]) & (e[None, :] < num_experts)
+        expert = tl.minimum(tl.sum(ended.to(tl.int32), 1), num_experts - 1)
+        tl.store(block_expert_ptr + b, expert, mask=b < max_rows // block_m)
+    for r0 in range(0, max_rows, BLOCK_P):
+        r = r0 + tl.arange(0, BLOCK_P)
+        tl.store(sorted_ptr + r, tl.zeros([BLOCK_P], tl.int32) + num_pairs, mask=r < max_rows)
+    tl.debug_barrier()
+    # Pair p's row: its expert's first row + the pairs of that expert before it (a stable sort).
+    for p0 in range(0, num_pairs, BLOCK_P):
+        i = tl.arange(0, BLOCK_P)
+        p = p0 + i
+        key = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1)
+        key = tl.where((key >= 0) & (key < num_experts), key, num_experts).to(tl.int32)
+        valid = key < num_experts
+        earlier = (key[:, None] == key[None, :]) & (i[None, :] < i[:, None])
+        rank = tl.sum(earlier.to(tl.int32), 1)
+        row = tl.load(pad_start_ptr + key, mask=valid, other=0) + tl.load(seen_ptr + key, mask=valid, other=0) + rank
+        tl.store(sorted_ptr + row, p.to(tl.int32), mask=valid)
+        seen = tl.load(seen_ptr + e) + tl.histogram(key, BLOCK_E)
+        tl.debug_barrier()  # every lane has read the counts before they change
+        tl.store(seen_ptr + e, seen)
+        tl.debug_barrier()
+
+
+def align_routes_fused(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> RoutePlan:
+    """``align_routes`` as one single-program kernel: a histogram of the experts, their padded
+    runs' starts (a cumulative sum), each block's expert, then each pair's row in chunks of
+    _ALIGN_CHUNK pairs (its rank among earlier pairs of its expert)."""
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1)
+    flat = flat if flat.is_contiguous() else flat.contiguous()
+    num_pairs = flat.shape[0]
+    max_rows = _max_rows(num_pairs, num_experts, block_m)
+    block_e = pow2(num_experts + 1)
+    sorted_pairs = torch.empty(max_rows, dtype=torch.int32, device=device)
+    block_expert = torch.empty(max_rows // block_m, dtype=torch.int32, device=device)
+    num_rows = torch.empty(1, dtype=torch.int32, device=device)
+    scratch = torch.empty(2, block_e, dtype=torch.int32, device=device)  # padded starts, pairs placed so far
+    _align_routes_kernel[(1,)](
+        flat, sorted_pairs, block_expert, num_rows, scratch[0], scratch[1],
+        num_pairs, num_experts, max_rows, block_m,
+        BLOCK_P=_ALIGN_CHUNK, BLOCK_E=block_e, BLOCK_B=max(1, 4096 // block_e), num_warps=4,
+    )
+    return RoutePlan(sorted_pairs=sorted_pairs, block_expert=block_expert, num_rows=num_rows, block_m=block_m)
+
+
+def align_routes_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> RoutePlan:
     device = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)  # [P] pairs
     num_pairs = flat.shape[0]
@@ -55,9 +140,7 @@ def align_routes(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Rout
     sorted_key = key[order]
     cnt_start = torch.cumsum(counts, 0) - counts
     rank = torch.arange(num_pairs, device=device) - cnt_start[sorted_key]
-    # At most min(E, P) experts are non-empty, each wasting < block_m rows.
-    max_rows = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    max_rows = triton.cdiv(max_rows, block_m) * block_m
+    max_rows = _max_rows(num_pairs, num_experts, block_m)
     dest = torch.where(sorted_key < num_experts, pad_start[sorted_key] + rank, max_rows)  # skipped -> spill row
     sorted_pairs = torch.full((max_rows + 1,), num_pairs, dtype=torch.int64, device=device)
     sorted_pairs.scatter_(0, dest, order)

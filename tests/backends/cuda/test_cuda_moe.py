@@ -5,7 +5,7 @@ import torch
 
 from cuda_support import DTYPES, assert_close
 from mindspec.backend import ExpertWeights, RouterConfig
-from mindspec.backends.cuda.fused_moe import align_routes
+from mindspec.backends.cuda.fused_moe import align_routes_fused, align_routes_torch
 
 HIDDEN = 40
 
@@ -111,12 +111,13 @@ def test_no_tokens(cuda_backend, device):
     assert out.shape == (0, HIDDEN)
 
 
+@pytest.mark.parametrize("align", [align_routes_fused, align_routes_torch], ids=["fused", "torch"])
 @pytest.mark.parametrize("block_m", [4, 16])
-def test_align_routes_gives_each_pair_one_row_of_its_expert(device, block_m):
+def test_align_routes_gives_each_pair_one_row_of_its_expert(device, block_m, align):
     g = torch.Generator().manual_seed(block_m)
     num_experts = 6
     ids = torch.randint(-1, num_experts + 1, (23, 3), generator=g)  # includes skipped ids -1 and 6
-    plan = align_routes(ids.to(device), num_experts, block_m)
+    plan = align(ids.to(device), num_experts, block_m)
     pairs = plan.sorted_pairs.cpu().long()
     experts = plan.block_expert.cpu().long().repeat_interleave(block_m)
     used = int(plan.num_rows.item())
@@ -125,3 +126,20 @@ def test_align_routes_gives_each_pair_one_row_of_its_expert(device, block_m):
     assert sorted(pairs[:used][real].tolist()) == [p for p in range(flat.numel()) if 0 <= flat[p] < num_experts]
     assert torch.equal(flat[pairs[:used][real]], experts[:used][real])  # every row sits in its expert's blocks
     assert used % block_m == 0 and torch.all(pairs[used:] == flat.numel())
+
+
+@pytest.mark.parametrize("tokens, top_k, num_experts, block_m", [
+    (1, 6, 64, 16),  # a V2-Lite decode step
+    (4, 8, 256, 16),  # V3, one sequence verifying 3 drafts
+    (300, 6, 64, 32),  # several chunks of the fused kernel, experts hit many times
+    (7, 2, 6, 64),  # fewer pairs than a block
+])
+def test_fused_align_routes_equals_the_torch_ops(device, tokens, top_k, num_experts, block_m):
+    """The one-kernel alignment (every decode step) gives exactly the torch ops' plan: the same
+    stable order of pairs within an expert, block experts and rows in use."""
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.randint(-1, num_experts + 1, (tokens, top_k), generator=g).to(device)
+    fused, reference = align_routes_fused(ids, num_experts, block_m), align_routes_torch(ids, num_experts, block_m)
+    assert torch.equal(fused.sorted_pairs, reference.sorted_pairs)
+    assert torch.equal(fused.block_expert, reference.block_expert)
+    assert torch.equal(fused.num_rows, reference.num_rows)
