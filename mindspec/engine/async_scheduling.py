@@ -11,11 +11,6 @@ host appends tokens to the real sequences while the device reads the views. Torc
 the calling thread: on cpu a second thread running intra-op parallel kernels makes both OpenMP
 teams several times slower.
 
-Both threads run Python, so they take turns on the GIL. A thread that wants it back (the
-calling thread when the device step's results arrive) waits until the holder blocks or the
-interpreter's switch interval ends (5 ms by default): longer than a whole decode step on a GPU.
-While async scheduling is on, the switch interval is at most SWITCH_INTERVAL_S.
-
 The next step is built after the previous one was post-processed, so it never holds a sequence
 that had finished by then; sequences that finish while their next step already runs drop what
 it computed for them. When the next decode batch would need a preemption nothing is built ahead
@@ -25,7 +20,6 @@ scheduling token for token (tests/engine/test_async_scheduling.py).
 """
 from __future__ import annotations
 
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional
@@ -40,30 +34,6 @@ from .sequence import Sequence
 if TYPE_CHECKING:
     from .llm_engine import LLMEngine
     from .outputs import RequestOutput
-
-
-SWITCH_INTERVAL_S = 2e-4  # the GIL hand-off latency the calling thread may wait, at most
-
-
-class _SwitchInterval:
-    """The interpreter's switch interval lowered while any async engine is open, then restored."""
-
-    def __init__(self):
-        self.users, self.saved = 0, None
-
-    def acquire(self) -> None:
-        if self.users == 0:
-            self.saved = sys.getswitchinterval()
-            sys.setswitchinterval(min(self.saved, SWITCH_INTERVAL_S))
-        self.users += 1
-
-    def release(self) -> None:
-        self.users -= 1
-        if self.users == 0:
-            sys.setswitchinterval(self.saved)
-
-
-_switch_interval = _SwitchInterval()
 
 
 @dataclass
@@ -88,7 +58,6 @@ class AsyncStepper:
     def __init__(self, engine: "LLMEngine"):
         self.engine = engine
         self.host = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mindspec-host")
-        _switch_interval.acquire()
         self.prev: Optional[_Step] = None  # ran, not post-processed yet
         self.next: Optional[_Step] = None  # built ahead, not run yet
         self.stats = AsyncStats()
@@ -135,7 +104,6 @@ class AsyncStepper:
     def close(self) -> None:
         self.drain()
         self.host.shutdown(wait=True)
-        _switch_interval.release()
 
     # ---- device side (calling thread) -----------------------------------------------------------
     def _run(self, cur: _Step, prev: Optional[_Step]) -> None:

@@ -146,19 +146,3 @@ def test_config_key_and_dp_conflict(tmp_path):
     args = EngineArgs(model=str(tmp_path), scheduler=SchedulerConfig(async_scheduling=True))
     with pytest.raises(ConfigError, match="asyncScheduling: not available with dp > 1"):
         build_engine(args, ParallelConfig(world_size=2, dp=2))
-
-
-def test_the_gil_switch_interval_is_short_while_an_async_engine_is_open(case):
-    """The calling thread must not wait the default 5 ms for the GIL after each device step."""
-    import sys
-
-    from mindspec.engine.async_scheduling import SWITCH_INTERVAL_S
-
-    path = case[0]
-    before = sys.getswitchinterval()
-    a, b = _llm(path, None, True), _llm(path, None, True)
-    assert sys.getswitchinterval() == min(before, SWITCH_INTERVAL_S)
-    a.close()
-    assert sys.getswitchinterval() == min(before, SWITCH_INTERVAL_S)  # b is still open
-    b.close()
-    assert sys.getswitchinterval() == before
