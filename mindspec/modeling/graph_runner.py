@@ -14,8 +14,13 @@ occupies the first rows and sequences unchanged; the rest is padding:
 - the MTP draft steps have a variable number of rows per sequence (MTP Vanilla re-writes history
   rows), so their row count is rounded up to a multiple of q per sequence and the slack goes to one
   extra padding sequence at the end (0 or more rows, same dummy-only block table);
+- a verification forward whose sequences verify different numbers of drafts (unequal q, every
+  row an lm_head row) has each sequence padded to the most rows (``pad_verify_rows``): padding
+  rows come after a sequence's real rows, write nothing and are dropped from the outputs, so the
+  shape depends on the batch size and the most drafts only;
 - block tables are widened to a fixed width with the dummy block; a batch whose tables are wider,
-  whose sequences have unequal q, that has a tree mask or is a prefill, is run eagerly.
+  whose sequences have unequal q outside a verification, that has a tree mask or is a prefill, is
+  run eagerly.
 
 Outputs are sliced back to the real rows (and cloned: the next replay overwrites them). With
 ``capture=False`` the runner does all of this but calls the step eagerly over the static
@@ -41,6 +46,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 ENV_SWITCH = "MINDSPEC_GRAPHS"  # "0" turns decode graphs off on a backend that supports them
+MAX_VERIFY_ROWS = 16  # a sequence's last token and up to 15 drafts
 
 
 # ------------------------------------------------------------------------------------------
@@ -129,6 +135,21 @@ def pad_rows_per_seq(inputs: ModelInputs, rows: int) -> tuple[ModelInputs, np.nd
     return padded, row_map
 
 
+def verifies_every_row(inputs: ModelInputs) -> bool:
+    """Every row is an lm_head row, in order: a verification forward (each sequence's last token
+    and its drafts), whose sequences may verify different numbers of drafts."""
+    n = inputs.num_tokens
+    return len(inputs.lm_head_indices) == n and bool((inputs.lm_head_indices == np.arange(n)).all())
+
+
+def pad_verify_rows(inputs: ModelInputs) -> tuple[ModelInputs, np.ndarray]:
+    """A verification forward with unequal q_lens -> every sequence padded to the most rows
+    (``pad_rows_per_seq``), every padded row an lm_head row, and the new row of each old row [T]:
+    the outputs' real rows are ``out[row_map]``, in the original order."""
+    padded, row_map = pad_rows_per_seq(inputs, int(inputs.q_lens.max()))
+    return padded.with_(lm_head_indices=np.arange(padded.num_tokens, dtype=np.int64)), row_map
+
+
 # ------------------------------------------------------------------------------------------
 # Static buffers and captured steps
 # ------------------------------------------------------------------------------------------
@@ -208,7 +229,7 @@ class DecodeGraphRunner:
     replay, and copies of the real rows out."""
 
     def __init__(self, wrapper, buckets=DEFAULT_BUCKETS, max_blocks_per_seq: Optional[int] = None, capture: bool = True,
-                 uniform_draft_rows: bool = False):
+                 uniform_draft_rows: bool = False, max_verify_rows: int = MAX_VERIFY_ROWS):
         cc = wrapper.cache_config
         if cc is None:
             raise ValueError("the graph runner needs the KV cache allocated first")
@@ -218,6 +239,7 @@ class DecodeGraphRunner:
         # Draft steps with every sequence padded to the same rows (pad_rows_per_seq) instead of
         # one slack sequence: fewer distinct shapes, for steps compiled per shape (exported_step.py).
         self.uniform_draft_rows = uniform_draft_rows
+        self.max_verify_rows = max_verify_rows  # rows per sequence of a graph; more (a prompt's tail) run eagerly
         self.dummy_block = cc.dummy_block_id
         self.block_size = cc.block_size
         max_pos = getattr(wrapper.config, "max_position_embeddings", cc.num_blocks * cc.block_size)
@@ -243,9 +265,14 @@ class DecodeGraphRunner:
         num_seqs = inputs.num_seqs
         if tree_mask is not None or num_seqs == 0 or self.bucket(num_seqs) is None or not self._fits(inputs, num_seqs):
             return False
-        if (inputs.q_lens != inputs.q_lens[0]).any() or len(inputs.lm_head_indices) % num_seqs:
+        verify = verifies_every_row(inputs)
+        if (inputs.q_lens != inputs.q_lens[0]).any() and not verify:
             return False
-        if sub_steps is None and int(inputs.q_lens[0]) != 1:
+        if len(inputs.lm_head_indices) % num_seqs and not verify:
+            return False
+        if int(inputs.q_lens.max()) > self.max_verify_rows:
+            return False
+        if sub_steps is None and int(inputs.q_lens.max()) != 1 and not verify:
             return False  # a plain step feeds one token; more is a prompt's tail after a shared prefix, run eagerly
 
         if sub_steps is not None:
@@ -266,7 +293,14 @@ class DecodeGraphRunner:
         return entry
 
     # ---- plain decode ----------------------------------------------------------------------------
+    def _uniform_rows(self, inputs: ModelInputs) -> tuple[ModelInputs, Optional[np.ndarray]]:
+        """Unequal verification rows padded per sequence (pad_verify_rows), with their row map."""
+        if (inputs.q_lens == inputs.q_lens[0]).all():
+            return inputs, None
+        return pad_verify_rows(inputs)
+
     def forward(self, inputs: ModelInputs):
+        real, (inputs, row_map) = inputs, self._uniform_rows(inputs)
         num_seqs = inputs.num_seqs
         lm_per_seq = len(inputs.lm_head_indices) // num_seqs
         spec = self._spec(inputs)
@@ -274,7 +308,7 @@ class DecodeGraphRunner:
         entry = self._entry(key, [pad_inputs(inputs, spec, lm_per_seq)], [],
                             lambda e: lambda: self.wrapper.forward(e.statics.inputs[0], padded=True))
         out = self._replay(entry)
-        return _sliced(out, len(inputs.lm_head_indices), inputs.num_tokens, None, self._static(entry))
+        return _sliced(out, len(real.lm_head_indices), real.num_tokens, None, self._static(entry), row_map)
 
     def capture_decode_buckets(self, max_seqs: int) -> None:
         """Capture the plain decode step of every bucket up to the one holding ``max_seqs`` now,
@@ -294,6 +328,7 @@ class DecodeGraphRunner:
         hidden_states: torch.Tensor,  # [sub rows, hidden] on the device
         lm_head_local_dp: np.ndarray,  # [B] the drafter's lm_head rows
     ):
+        real, (inputs, main_map) = inputs, self._uniform_rows(inputs)
         num_seqs, q = inputs.num_seqs, int(inputs.q_lens[0])
         sub_q = max(int(s.q_lens.max()) for s in sub_steps)
         per_seq = -(-sub_q // q) * q  # rows per sequence in the draft steps, a multiple of q
@@ -326,7 +361,7 @@ class DecodeGraphRunner:
             if rows < entry.hidden.shape[0]:
                 entry.hidden[rows:].zero_()
         out = self._replay(entry)
-        return _sliced(out, len(inputs.lm_head_indices), inputs.num_tokens, num_seqs, self._static(entry))
+        return _sliced(out, len(real.lm_head_indices), real.num_tokens, num_seqs, self._static(entry), main_map)
 
     # ---- capture and replay ----------------------------------------------------------------------
     def _make_step(self, key: tuple, entry: _Entry, fn: Callable[[], object]):
@@ -376,16 +411,23 @@ class _LazyCapture:
         return graph
 
 
-def _sliced(out, num_logits: int, num_rows: int, num_seqs: Optional[int], static: bool):
-    """The real rows of a padded step's output; copied out of a captured graph's static buffers."""
-    def rows(t: torch.Tensor, n: int) -> torch.Tensor:
+def _sliced(out, num_logits: int, num_rows: int, num_seqs: Optional[int], static: bool,
+            row_map: Optional[np.ndarray] = None):
+    """The real rows of a padded step's output; copied out of a captured graph's static buffers.
+    ``row_map``: a verification padded per sequence, whose real rows (logits and hidden states
+    alike: every row is an lm_head row) are gathered back in their original order."""
+    index = None if row_map is None else torch.from_numpy(row_map).to(out.logits.device, non_blocking=True)
+
+    def rows(t: torch.Tensor, n: int, per_token: bool = True) -> torch.Tensor:
+        if per_token and index is not None:
+            return t.index_select(0, index)  # a new tensor: nothing to copy out of the graph's buffers
         return t[:n].clone() if static else t[:n]
 
     return replace(
         out,
         logits=rows(out.logits, num_logits),
         hidden_states=rows(out.hidden_states, num_rows),
-        draft_tokens=None if num_seqs is None or out.draft_tokens is None else rows(out.draft_tokens, num_seqs),
+        draft_tokens=None if num_seqs is None or out.draft_tokens is None else rows(out.draft_tokens, num_seqs, False),
     )
 
 

@@ -12,6 +12,7 @@ from mindspec.backends.cpu import CpuBackend
 from mindspec.modeling.forward_metadata import build_model_inputs, input_arrays, to_device
 from mindspec.modeling.graph_runner import (
     DecodeGraphRunner, EagerStep, PadSpec, StaticInputs, maybe_graph_runner, pad_inputs, pad_rows_per_seq,
+    pad_verify_rows,
 )
 from mindspec.modeling.model_wrapper import ModelWrapper
 from mindspec.plugins.mtp import decode_inputs as di
@@ -286,3 +287,47 @@ def test_environment_switch_turns_graphs_off(wrapper, monkeypatch):
     assert isinstance(maybe_graph_runner(wrapper), DecodeGraphRunner)
     monkeypatch.setenv("MINDSPEC_GRAPHS", "0")
     assert maybe_graph_runner(wrapper) is None
+
+
+def test_verification_rows_padded_per_sequence():
+    """Sequences verifying 0, 2 and 1 drafts: each padded to 3 rows, every row an lm_head row."""
+    inputs = build_model_inputs([[1], [2, 3, 4], [5, 6]], [4, 6, 2], [[3, 7], [1, 2, 5], [6]], BLOCK_SIZE)
+    inputs = inputs.with_(lm_head_indices=np.arange(6))
+    padded, row_map = pad_verify_rows(inputs)
+    assert row_map.tolist() == [0, 3, 4, 5, 6, 7] and padded.q_lens.tolist() == [3, 3, 3]
+    assert padded.lm_head_indices.tolist() == list(range(9))
+    assert (padded.slots[[1, 2, 8]] == -1).all()  # padding rows write nothing
+
+
+@pytest.mark.parametrize("drafts", [[0, 2, 1], [2, 0, 2]])
+def test_verification_with_a_draft_count_per_sequence_equals_unpadded(wrapper, checkpoint, drafts):
+    """A verify-only forward (drafts from any drafter) whose sequences verify different numbers
+    of drafts runs through the runner with the unpadded call's outputs and cache writes."""
+    _, cfg = checkpoint
+    tables = _tables(SEQ_LENS, 4)
+    rng = np.random.default_rng(6)
+    tokens = [rng.integers(2, cfg.vocab_size, s).tolist() for s in SEQ_LENS]
+    _prefill(wrapper, tokens, tables)
+    before = _snapshot(wrapper)
+    rows = [rng.integers(2, cfg.vocab_size, 1 + d).tolist() for d in drafts]
+    host = build_model_inputs(rows, SEQ_LENS, tables, BLOCK_SIZE)
+    host = host.with_(lm_head_indices=np.arange(host.num_tokens))
+
+    def step():
+        with torch.inference_mode():
+            return wrapper.forward_host(host)
+
+    expected = step()
+    after_eager = _snapshot(wrapper)
+    _restore(wrapper, before)
+    runner = wrapper.graph_runner = DecodeGraphRunner(wrapper, buckets=(4,), capture=False)
+    assert runner.accepts(host)
+    got = step()
+    assert got.logits.shape == expected.logits.shape == (host.num_tokens, cfg.vocab_size)
+    torch.testing.assert_close(got.logits, expected.logits, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got.hidden_states, expected.hidden_states, atol=1e-6, rtol=1e-6)
+    _assert_cache_contract(wrapper, before, after_eager, _written_mask([host.slots]))
+    assert list(runner._entries) == [("decode", 4, 3, 3)]  # 3 rows per sequence: the most drafts + 1
+    # a prompt's tail (only its last row feeds the lm_head) and more rows than a graph holds run eagerly
+    assert not runner.accepts(host.with_(lm_head_indices=np.cumsum(host.q_lens) - 1))
+    assert not DecodeGraphRunner(wrapper, buckets=(4,), capture=False, max_verify_rows=2).accepts(host)
