@@ -27,6 +27,9 @@ class Plugin(ABC):
     name = "plugin"
     # KV positions a decode step writes beyond one new token per sequence (MTP: drafts).
     num_lookahead_tokens = 0
+    # plugin_verify reads the step's SamplingMetadata (inputs.extra["sampling_metadata"]) even
+    # when every row is plain greedy, whose sampling otherwise skips building it.
+    needs_sampling_metadata = False
 
     def model_inputs_update(self, batch: "StepBatch", inputs: "StepInputs") -> "StepInputs":
         return inputs

@@ -331,7 +331,9 @@ class DecodeGraphRunner:
         real, (inputs, main_map) = inputs, self._uniform_rows(inputs)
         num_seqs, q = inputs.num_seqs, int(inputs.q_lens[0])
         sub_q = max(int(s.q_lens.max()) for s in sub_steps)
-        per_seq = -(-sub_q // q) * q  # rows per sequence in the draft steps, a multiple of q
+        # Rows per sequence in the draft steps: a multiple of q for the slack-sequence layout;
+        # with uniform rows any count fits, rounded up to even so catch-up steps add few shapes.
+        per_seq = sub_q + sub_q % 2 if self.uniform_draft_rows else -(-sub_q // q) * q
         lm_per_seq = len(inputs.lm_head_indices) // num_seqs
         main_spec, sub_spec = self._spec(inputs), self._spec(inputs, per_seq)
         row_map = None

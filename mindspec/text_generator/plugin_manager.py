@@ -130,6 +130,10 @@ class PluginManager:
             out = self.generator.forward(inputs.model_inputs)
         return StepOutputs(logits=out.logits, hidden_states=out.hidden_states, draft_tokens=out.draft_tokens)
 
+    def _plain_greedy(self, batch: StepBatch) -> bool:
+        return (not any(p.needs_sampling_metadata for p in self.plugins)
+                and all(s.sampling_params.plain_greedy for s in batch.seqs))
+
     def sampling_metadata(self, batch: StepBatch, inputs: StepInputs, draft_prefix: Optional[np.ndarray] = None) -> SamplingMetadata:
         """One row per logits row. Row r of sequence b samples output position
         len(output) + row_offset[r]; its penalty history includes the drafts before it."""
@@ -149,6 +153,10 @@ class PluginManager:
 
     def sample(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs) -> None:
         drafts = outputs.drafts_host()
+        if self._plain_greedy(batch):  # the argmax, without the per-row metadata (~0.2 ms of host work a step)
+            outputs.sampled = outputs.logits.argmax(dim=-1).cpu().numpy()
+            outputs.logprobs = None
+            return
         md = self.sampling_metadata(batch, inputs, drafts)
         inputs.extra["sampling_metadata"] = md
         res = self.sampler(outputs.logits, md)

@@ -88,6 +88,8 @@ class MtpPlugin(Plugin):
         self.history = HiddenHistory(self.keep_hidden)
         self.adaptive = AdaptiveSpeculation(range(self.k + 1), self.params.adaptive_speculation)
         self.simulation_rng = np.random.default_rng(0)  # simulated_acceptance's draws: the same every run
+        # relaxed and typical acceptance read the target probabilities; strict needs the sampled tokens only
+        self.needs_sampling_metadata = self.params.decoding_policy != "strict" and self.params.simulated_acceptance is None
 
     # ---- hooks ---------------------------------------------------------------------------------
     def model_inputs_update(self, batch: StepBatch, inputs: StepInputs) -> StepInputs:

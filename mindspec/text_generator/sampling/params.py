@@ -164,6 +164,13 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     @property
+    def plain_greedy(self) -> bool:
+        """The token is the logits' argmax and nothing else is asked: no penalty, bias, min_tokens
+        ban or log-probabilities (the sampler's fast path)."""
+        return (self.greedy and not self.has_penalties and not self.logit_bias and self.min_tokens == 0
+                and self.logprobs is None)
+
+    @property
     def top_k_enabled(self) -> bool:
         return self.top_k > 1
 

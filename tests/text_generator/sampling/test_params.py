@@ -80,3 +80,32 @@ def test_min_tokens_above_max_tokens():
 )
 def test_boundary_values_accepted(kwargs):
     SamplingParams(**kwargs)
+
+
+def test_plain_greedy_is_an_argmax_with_nothing_else_asked():
+    assert SamplingParams(temperature=0).plain_greedy and SamplingParams(top_k=1).plain_greedy
+    assert not SamplingParams(temperature=0.7).plain_greedy
+    for extra in (dict(repetition_penalty=1.1), dict(presence_penalty=0.5), dict(logit_bias={3: 1.0}),
+                  dict(min_tokens=2), dict(logprobs=0)):
+        assert not SamplingParams(temperature=0, **extra).plain_greedy, extra
+
+
+def test_plain_greedy_steps_skip_the_sampling_metadata_with_the_same_tokens(monkeypatch):
+    """A batch where every row is plain greedy samples by argmax alone; a row that asks for more
+    (a penalty here) takes the full sampler. Both give the tokens the sampler would."""
+    from mindspec import LLM
+    from mindspec.config.defaults import default_model_dir
+    from mindspec.text_generator.plugin_manager import PluginManager
+
+    built = []
+    original = PluginManager.sampling_metadata
+    monkeypatch.setattr(PluginManager, "sampling_metadata", lambda *a, **k: built.append(1) or original(*a, **k))
+    llm = LLM(model=str(default_model_dir()), backend="cpu", dtype="float32", cache_block_size=16, num_blocks=32,
+              progress=False, plugin_params={"plugin_type": "mtp", "num_speculative_tokens": 2})
+    prompt = list(range(5, 30))
+    fast = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].token_ids
+    assert not built
+    # a negligible presence penalty: the same argmax here, but through the full sampler
+    slow = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                 presence_penalty=1e-6))[0].token_ids
+    assert built and fast == slow
