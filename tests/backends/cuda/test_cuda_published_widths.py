@@ -123,7 +123,10 @@ def test_plain_decode_equals_cpu(checkpoint, device, quick_start):
 
 
 def test_mtp_eagle_equals_cpu(checkpoint, device, quick_start):
-    _, path, prompts = checkpoint
+    name, path, prompts = checkpoint
+    if name == "deepseek-v3" and not ON_GPU:
+        # 90 s under the interpreter; the draft layer and the multi-row attention run at V2-Lite's widths here
+        pytest.skip("MTP at V3's widths runs natively only")
     expected = _run(path, "cpu", prompts, plugin_params=MTP)
     actual = _run(path, "cuda", prompts, device, plugin_params=MTP)
     _assert_same(actual, expected)
