@@ -54,6 +54,19 @@ def _step_fn(wrapper, batch: int, context: int, k: int, mode: str, block_size: i
     return step
 
 
+def _set_up(model_dir: str, dtype: str, batch: int, context: int, k: int, mode: str, block_size: int):
+    """(wrapper, its graph runner, one decode step from host inputs) on the cuda backend."""
+    from mindspec.modeling.graph_runner import DecodeGraphRunner
+    from mindspec.modeling.model_wrapper import ModelWrapper
+
+    modules = sorted(set(_mtp_modules(k, mode)))
+    wrapper = ModelWrapper(model_dir, backend="cuda", dtype=dtype, num_mtp_modules=len(modules), progress=False)
+    per_seq = -(-(context + 2 * k + 2) // block_size)
+    wrapper.allocate_cache(batch * per_seq + 2, block_size)
+    runner = wrapper.graph_runner or DecodeGraphRunner(wrapper)
+    return wrapper, runner, _step_fn(wrapper, batch, context, k, mode, block_size)
+
+
 def _time_ms(fn, iters: int) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -66,15 +79,7 @@ def _time_ms(fn, iters: int) -> float:
 @torch.inference_mode()
 def decode_latency(model_dir: str, dtype: str, batch: int, context: int, k: int, mode: str,
                    rounds: int, iters: int, block_size: int = 64) -> dict:
-    from mindspec.modeling.graph_runner import DecodeGraphRunner
-    from mindspec.modeling.model_wrapper import ModelWrapper
-
-    modules = sorted(set(_mtp_modules(k, mode)))
-    wrapper = ModelWrapper(model_dir, backend="cuda", dtype=dtype, num_mtp_modules=len(modules), progress=False)
-    per_seq = -(-(context + 2 * k + 2) // block_size)
-    wrapper.allocate_cache(batch * per_seq + 2, block_size)
-    runner = wrapper.graph_runner or DecodeGraphRunner(wrapper)
-    step = _step_fn(wrapper, batch, context, k, mode, block_size)
+    wrapper, runner, step = _set_up(model_dir, dtype, batch, context, k, mode, block_size)
     times = {"eager": [], "graphs": []}
     for _ in range(rounds):
         for name in times:
@@ -176,15 +181,7 @@ def step_kernels(model_dir: str, dtype: str, batch: int, context: int, k: int, m
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from mindspec.modeling.graph_runner import DecodeGraphRunner
-    from mindspec.modeling.model_wrapper import ModelWrapper
-
-    modules = sorted(set(_mtp_modules(k, mode)))
-    wrapper = ModelWrapper(model_dir, backend="cuda", dtype=dtype, num_mtp_modules=len(modules), progress=False)
-    per_seq = -(-(context + 2 * k + 2) // block_size)
-    wrapper.allocate_cache(batch * per_seq + 2, block_size)
-    runner = wrapper.graph_runner or DecodeGraphRunner(wrapper)
-    step = _step_fn(wrapper, batch, context, k, mode, block_size)
+    wrapper, runner, step = _set_up(model_dir, dtype, batch, context, k, mode, block_size)
     wrapper.graph_runner = runner
     step()
     graph_ms = statistics.median(_time_ms(step, iters) for _ in range(3))

@@ -75,8 +75,8 @@ def write_shape_checkpoint(name: str, out_dir: str | Path, tokenizer_dir: str | 
     from mindspec.models.deepseekv2.weights import model_specs
 
     tokenizer_dir, out = Path(tokenizer_dir), Path(out_dir)
-    generation = json.loads((tokenizer_dir / "config.json").read_text())
-    config = shape_config(name, num_layers, generation.get("bos_token_id", 0), generation.get("eos_token_id", 1))
+    source = json.loads((tokenizer_dir / "config.json").read_text())  # the tokenizer's special ids
+    config = shape_config(name, num_layers, source.get("bos_token_id", 0), source.get("eos_token_id", 1))
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for f in TOKENIZER_FILES:

@@ -265,15 +265,14 @@ class DecodeGraphRunner:
         num_seqs = inputs.num_seqs
         if tree_mask is not None or num_seqs == 0 or self.bucket(num_seqs) is None or not self._fits(inputs, num_seqs):
             return False
-        verify = verifies_every_row(inputs)
-        if (inputs.q_lens != inputs.q_lens[0]).any() and not verify:
+        max_q = int(inputs.q_lens.max())
+        if max_q > self.max_verify_rows:
             return False
-        if len(inputs.lm_head_indices) % num_seqs and not verify:
+        ragged = bool((inputs.q_lens != max_q).any()) or len(inputs.lm_head_indices) % num_seqs != 0
+        # A plain step feeds one token; more is a prompt's tail after a shared prefix (run eagerly)
+        # unless every row feeds the lm_head: a verification.
+        if (ragged or (sub_steps is None and max_q != 1)) and not verifies_every_row(inputs):
             return False
-        if int(inputs.q_lens.max()) > self.max_verify_rows:
-            return False
-        if sub_steps is None and int(inputs.q_lens.max()) != 1 and not verify:
-            return False  # a plain step feeds one token; more is a prompt's tail after a shared prefix, run eagerly
 
         if sub_steps is not None:
             return all(self._fits(s, num_seqs) and len(s.lm_head_indices) == num_seqs for s in sub_steps)

@@ -136,23 +136,29 @@ def test_plain_decode_padded_equals_unpadded(wrapper, checkpoint):
     rng = np.random.default_rng(5)
     tokens = [rng.integers(2, cfg.vocab_size, s).tolist() for s in SEQ_LENS]
     _prefill(wrapper, tokens, tables)
-    before = _snapshot(wrapper)
     host = build_model_inputs([[7], [8], [9]], SEQ_LENS, tables, BLOCK_SIZE)
+    expected, got = _eager_then_runner(wrapper, host, DecodeGraphRunner(wrapper, buckets=(1, 2, 4, 8), capture=False))
+    assert got.logits.shape == expected.logits.shape and got.hidden_states.shape == expected.hidden_states.shape
+    assert list(wrapper.graph_runner._entries) == [("decode", 4, 1, 1)]
 
+
+def _eager_then_runner(wrapper, host, runner):
+    """``host``'s forward eagerly, then (the cache restored) through ``runner``: the outputs equal,
+    and the runner writes what the eager call wrote and only the dummy block besides."""
     def step():
         with torch.inference_mode():
             return wrapper.forward_host(host)
 
+    before = _snapshot(wrapper)
     expected = step()
     after_eager = _snapshot(wrapper)
     _restore(wrapper, before)
-    wrapper.graph_runner = DecodeGraphRunner(wrapper, buckets=(1, 2, 4, 8), capture=False)
+    wrapper.graph_runner = runner
     got = step()
-    assert got.logits.shape == expected.logits.shape and got.hidden_states.shape == expected.hidden_states.shape
     torch.testing.assert_close(got.logits, expected.logits, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(got.hidden_states, expected.hidden_states, atol=1e-6, rtol=1e-6)
     _assert_cache_contract(wrapper, before, after_eager, _written_mask([host.slots]))
-    assert list(wrapper.graph_runner._entries) == [("decode", 4, 1, 1)]
+    return expected, got
 
 
 def test_padding_rows_live_in_the_dummy_block_only():
@@ -308,25 +314,13 @@ def test_verification_with_a_draft_count_per_sequence_equals_unpadded(wrapper, c
     rng = np.random.default_rng(6)
     tokens = [rng.integers(2, cfg.vocab_size, s).tolist() for s in SEQ_LENS]
     _prefill(wrapper, tokens, tables)
-    before = _snapshot(wrapper)
     rows = [rng.integers(2, cfg.vocab_size, 1 + d).tolist() for d in drafts]
     host = build_model_inputs(rows, SEQ_LENS, tables, BLOCK_SIZE)
     host = host.with_(lm_head_indices=np.arange(host.num_tokens))
-
-    def step():
-        with torch.inference_mode():
-            return wrapper.forward_host(host)
-
-    expected = step()
-    after_eager = _snapshot(wrapper)
-    _restore(wrapper, before)
-    runner = wrapper.graph_runner = DecodeGraphRunner(wrapper, buckets=(4,), capture=False)
+    runner = DecodeGraphRunner(wrapper, buckets=(4,), capture=False)
     assert runner.accepts(host)
-    got = step()
+    expected, got = _eager_then_runner(wrapper, host, runner)
     assert got.logits.shape == expected.logits.shape == (host.num_tokens, cfg.vocab_size)
-    torch.testing.assert_close(got.logits, expected.logits, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(got.hidden_states, expected.hidden_states, atol=1e-6, rtol=1e-6)
-    _assert_cache_contract(wrapper, before, after_eager, _written_mask([host.slots]))
     assert list(runner._entries) == [("decode", 4, 3, 3)]  # 3 rows per sequence: the most drafts + 1
     # a prompt's tail (only its last row feeds the lm_head) and more rows than a graph holds run eagerly
     assert not runner.accepts(host.with_(lm_head_indices=np.cumsum(host.q_lens) - 1))
