@@ -1,8 +1,8 @@
 """CudaBackend: the Backend interface on Triton kernels (one file per kernel family).
 
-Dense GEMMs (projections, lm_head, the router's [T, H] x [H, E] logits, the per-head absorb
-matmuls) stay in torch: cuBLAS is already at the roofline there, and the model calls them as
-plain torch. Everything else runs in the Triton kernels of this package.
+Projections of a decode or verification step (at most 16 rows, a small weight) run in one
+Triton launch each (linear.py); larger GEMMs and the per-head absorb matmuls stay in torch,
+where cuBLAS is at the roofline. Everything else runs in the Triton kernels of this package.
 
 The kernels are imported only after ``choose_device`` has checked that triton and a CUDA device
 (or Triton's interpreter, for tests on CPU tensors) are there.
@@ -20,6 +20,7 @@ from mindspec.backend import (
     Backend,
     ExpertWeights,
     LatentCache,
+    LinearWeight,
     RotaryEmbedding,
     RouterConfig,
 )
@@ -39,11 +40,11 @@ class CudaBackend(Backend):
         if chosen.type == "cuda":
             torch.cuda.set_device(chosen)
         # Imported here, not at module top: choosing another backend never imports triton.
-        from mindspec.backends.cuda import activation, fused_moe, latent_cache, mla_attention, moe_gate, norm, rope
+        from mindspec.backends.cuda import activation, fused_moe, latent_cache, linear, mla_attention, moe_gate, norm, rope
 
         self._k = SimpleNamespace(
-            activation=activation, fused_moe=fused_moe, latent_cache=latent_cache, mla_attention=mla_attention,
-            moe_gate=moe_gate, norm=norm, rope=rope,
+            activation=activation, fused_moe=fused_moe, latent_cache=latent_cache, linear=linear,
+            mla_attention=mla_attention, moe_gate=moe_gate, norm=norm, rope=rope,
         )
         self.num_kv_splits = num_kv_splits  # None: chosen per launch from the device (tests force > 1)
 
@@ -79,6 +80,10 @@ class CudaBackend(Backend):
         rotary: RotaryEmbedding, cache: LatentCache, slots: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._k.latent_cache.latent_norm_rope_cache(kv_a, norm_weight, eps, positions, rotary, cache, slots)
+
+    # ---- dense projections -------------------------------------------------------------------
+    def linear(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+        return self._k.linear.project(x, w.weight)
 
     # ---- norms and activations -----------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -18,8 +18,8 @@ import torch
 
 from mindspec.backends.cuda.availability import interpreting
 
-SECTIONS = ("kernels", "decode", "throughput", "step_kernels")
-DEFAULT_SECTIONS = ("kernels", "decode", "throughput")  # step_kernels: asked for by name
+SECTIONS = ("kernels", "linear", "decode", "throughput", "step_kernels")
+DEFAULT_SECTIONS = ("kernels", "linear", "decode", "throughput")  # step_kernels: asked for by name
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,6 +105,9 @@ def run(args: argparse.Namespace, sections: list[str], argv: list[str]) -> dict:
     report = {"device": device_info(), "dtype": args.dtype, "model": model_dir, "argv": argv}
     if "kernels" in sections:
         report["kernels"] = bench_kernels.run_kernel_benchmarks(get_backend("cuda"), dtype, args.quick, args.heads, args.moe_experts)
+    if "linear" in sections:
+        report["linear"] = bench_kernels.run_linear_benchmarks(
+            get_backend("cuda").device, (torch.float32, torch.bfloat16), rows=(1, 4) if args.quick else (1, 4, 8))
     if "decode" in sections:
         report["decode_latency"] = [
             bench_e2e.decode_latency(model_dir, args.dtype, b, args.context, k, args.mtp_mode, rounds, 10 if args.quick else 50)
@@ -137,7 +140,7 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    count = 2 * ("kernels" in report) + ("decode_latency" in report) + ("throughput" in report) + ("step_kernels" in report)
+    count = 2 * ("kernels" in report) + ("linear" in report) + ("decode_latency" in report) + ("throughput" in report) + ("step_kernels" in report)
     fig, axes = plt.subplots(1, max(1, count), figsize=(6.5 * max(1, count), 4.8))
     axes = list(axes) if hasattr(axes, "__len__") else [axes]
     title = f"{report['device']['name']}, {report['dtype']}"
@@ -156,6 +159,18 @@ def plot(report: dict, path: Path) -> None:
             ax.set_ylabel("achieved bandwidth / peak")
             ax.set_title(f"{kernel} kernel ({title})")
             ax.legend(fontsize=7)
+    if "linear" in report:
+        rows = report["linear"]
+        ax = axes[i]
+        i += 1
+        x = range(len(rows))
+        ax.plot(list(x), [r["cublas_us"] for r in rows], "o", ms=3, label="cuBLAS")
+        ax.plot(list(x), [r["skinny_us"] for r in rows], "x", ms=4, label="skinny kernel")
+        ax.set_yscale("log")
+        ax.set_xticks(list(x), [f"{r['dtype'][:4]} {r['rows']}x{r['k']}x{r['n']}" for r in rows], rotation=90, fontsize=5)
+        ax.set_ylabel("us per call (in a CUDA graph)")
+        ax.set_title("decode projections: cuBLAS vs skinny")
+        ax.legend(fontsize=7)
     if "decode_latency" in report:
         rows = report["decode_latency"]
         ax = axes[i]

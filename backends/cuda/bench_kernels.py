@@ -151,3 +151,56 @@ def run_kernel_benchmarks(backend, dtype: torch.dtype, quick: bool, heads: int, 
         "attention": [asdict(r) for r in attention],
         "moe": [asdict(r) for r in moe],
     }
+
+
+# (K, N) of the decode projections: the shipped model's (fused q_a/kv_a, q_b, o_proj, router,
+# lm_head, shared-expert down, eh_proj) and DeepSeek-V2-Lite's (kv_a, shared gate_up, q, o_proj, down).
+LINEAR_SHAPES = ((192, 176), (96, 192), (128, 192), (192, 6), (192, 4096), (512, 192), (384, 192),
+                 (2048, 576), (512, 3072), (2048, 2048), (2048, 2816), (1408, 2048))
+
+
+def graph_us(fn, device: torch.device, calls: int = 50, replays: int = 5) -> float:
+    """Microseconds per call of ``fn`` replayed in one CUDA graph of ``calls`` calls (median of
+    ``replays``): the cost inside a captured decode step, launch overhead excluded."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()  # compiles and warms up outside the capture
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize(device)
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return float(sorted(times)[len(times) // 2])
+
+
+def run_linear_benchmarks(device: torch.device, dtypes: tuple[torch.dtype, ...], rows=(1, 4, 8),
+                          shapes=LINEAR_SHAPES, timer=graph_us) -> list[dict]:
+    """Each decode projection through cuBLAS (F.linear) and through the skinny kernel, and which
+    one the backend routes it to (``linear.fits``)."""
+    import torch.nn.functional as F
+
+    from mindspec.backends.cuda import linear
+
+    results = []
+    for dtype in dtypes:
+        for k, n in shapes:
+            w = torch.randn(n, k, dtype=dtype, device=device)
+            for m in rows:
+                x = torch.randn(m, k, dtype=dtype, device=device)
+                results.append(dict(
+                    dtype=str(dtype).removeprefix("torch."), rows=m, k=k, n=n,
+                    cublas_us=timer(lambda: F.linear(x, w), device),
+                    skinny_us=timer(lambda: linear.skinny_linear(x, w), device),
+                    routed_to="skinny" if linear.fits(x, w) else "cublas",
+                ))
+    return results

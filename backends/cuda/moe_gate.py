@@ -15,13 +15,13 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from mindspec.backend import RouterConfig
 from mindspec.backends.cuda.availability import interpreting
 from mindspec.backends.cuda.launch import pow2
+from mindspec.backends.cuda.linear import project
 
 SCORINGS = {"softmax": 0, "sigmoid": 1}
 
@@ -129,7 +129,7 @@ def moe_gate(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     num_experts = gate_weight.shape[0]
     grouped, n_group = _check_router(router, num_experts)
-    logits = F.linear(x.to(torch.float32), gate_weight.to(torch.float32))  # [T, E]: torch GEMM, fp32
+    logits = project(x.to(torch.float32), gate_weight.to(torch.float32))  # [T, E] in fp32
     num_tokens = logits.shape[0]
     k = router.top_k
     weights = torch.empty((num_tokens, k), dtype=torch.float32, device=x.device)

@@ -10,6 +10,11 @@ Values: norm weights 1, the V3 router bias 0, everything else normal with config
 ``initializer_range`` (0.02 by default), as transformers initialises these models. Each tensor
 has its own generator seeded from the seed and its name, so a tensor's values do not depend on
 which others are loaded.
+
+Where the generator runs is the manifest's ``generator``: ``"device"`` (the default) draws on the
+device the model loads to, fast but device-specific (torch's CPU and CUDA generators give different
+streams for one seed); ``"cpu"`` draws on the CPU and copies, so every backend and device gets the
+same values, as a comparison between backends needs.
 """
 from __future__ import annotations
 
@@ -22,11 +27,16 @@ import torch
 from .errors import NotACheckpointError
 
 MANIFEST = "random_weights.json"
+GENERATORS = ("device", "cpu")
 
 
-def write_manifest(model_dir: str | Path, shapes: dict[str, tuple[int, ...]], seed: int = 0) -> Path:
+def write_manifest(model_dir: str | Path, shapes: dict[str, tuple[int, ...]], seed: int = 0,
+                   generator: str = "device") -> Path:
+    if generator not in GENERATORS:
+        raise ValueError(f"generator must be one of {GENERATORS}, got {generator!r}")
     path = Path(model_dir) / MANIFEST
-    path.write_text(json.dumps({"seed": seed, "tensors": {n: list(s) for n, s in shapes.items()}}, indent=0) + "\n")
+    manifest = {"seed": seed, "generator": generator, "tensors": {n: list(s) for n, s in shapes.items()}}
+    path.write_text(json.dumps(manifest, indent=0) + "\n")
     return path
 
 
@@ -56,9 +66,13 @@ class RandomWeights:
             self.seed = int(manifest["seed"])
             self.shapes = {str(n): tuple(int(d) for d in s) for n, s in manifest["tensors"].items()}
             self.std = float(_config(Path(path).parent).get("initializer_range", 0.02))
+            generator = manifest.get("generator", "device")
+            if generator not in GENERATORS:
+                raise ValueError(f"generator must be one of {GENERATORS}, got {generator!r}")
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise NotACheckpointError(f"{path} is not a random-weights manifest: {exc}") from None
         self.device = torch.device(device)
+        self.draw_device = self.device if generator == "device" else torch.device("cpu")
 
     def __enter__(self) -> "RandomWeights":
         return self
@@ -78,8 +92,8 @@ class RandomWeights:
             return torch.ones(shape, device=self.device)
         if name.endswith("e_score_correction_bias"):
             return torch.zeros(shape, device=self.device)
-        gen = torch.Generator(self.device).manual_seed(zlib.crc32(f"{self.seed}:{name}".encode()))
-        return torch.randn(shape, generator=gen, device=self.device).mul_(self.std)
+        gen = torch.Generator(self.draw_device).manual_seed(zlib.crc32(f"{self.seed}:{name}".encode()))
+        return torch.randn(shape, generator=gen, device=self.draw_device).mul_(self.std).to(self.device)
 
 
 def _config(model_dir: Path) -> dict:

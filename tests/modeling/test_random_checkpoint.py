@@ -16,11 +16,11 @@ from mindspec.models.deepseekv2.weights import model_specs
 from tests.support.checkpoints import tiny_v3_config
 
 
-def _tiny_random(tmp_path, seed=0, **overrides):
+def _tiny_random(tmp_path, seed=0, generator="device", **overrides):
     cfg = tiny_v3_config(num_nextn_predict_layers=1, **overrides)
     cfg.save_pretrained(tmp_path)
     specs = model_specs(DeepseekV2Config.from_model_dir(tmp_path), 1)
-    write_manifest(tmp_path, {n: s.shape for n, s in specs.items()}, seed)
+    write_manifest(tmp_path, {n: s.shape for n, s in specs.items()}, seed, generator=generator)
     return tmp_path, specs
 
 
@@ -45,6 +45,24 @@ def test_a_tensor_keeps_its_values_whatever_else_is_loaded(tmp_path):
     (tmp_path / "other").mkdir()
     other, _ = _tiny_random(tmp_path / "other", seed=4)
     assert not torch.equal(alone, RandomWeights(other / MANIFEST).get_tensor(name))
+
+
+def test_the_cpu_generator_gives_every_device_the_cpu_values(tmp_path):
+    """``generator: "cpu"`` draws on the CPU and copies to the load device (here "meta", where no
+    generator exists): the values a cpu-backend run gets, whatever device loads them."""
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    path, _ = _tiny_random(tmp_path, generator="cpu")
+    on_cpu = RandomWeights(path / MANIFEST).get_tensor(name)
+    assert RandomWeights(path / MANIFEST, device="meta").get_tensor(name).device.type == "meta"
+    (tmp_path / "default").mkdir()
+    default, _ = _tiny_random(tmp_path / "default")
+    assert torch.equal(on_cpu, RandomWeights(default / MANIFEST).get_tensor(name))  # on a CPU both draw alike
+    with pytest.raises(RuntimeError):
+        RandomWeights(default / MANIFEST, device="meta").get_tensor(name)  # "device" draws where it loads
+    manifest = json.loads((path / MANIFEST).read_text())
+    (path / MANIFEST).write_text(json.dumps({**manifest, "generator": "gpu"}))
+    with pytest.raises(NotACheckpointError, match="generator"):
+        RandomWeights(path / MANIFEST)
 
 
 def test_a_shape_that_does_not_fit_the_model_is_named(tmp_path):

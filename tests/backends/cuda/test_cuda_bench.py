@@ -53,6 +53,8 @@ def _synthetic_report():
             "attention": [dict(kernel="mla_attention", shape=dict(batch=1, q_len=4, context=1024), **kernel)],
             "moe": [dict(kernel="moe_experts", shape=dict(tokens=4, experts=64, experts_hit=30), **kernel)],
         },
+        "linear": [dict(dtype="bfloat16", rows=m, k=192, n=176, cublas_us=2.4, skinny_us=1.7, routed_to="skinny")
+                   for m in (1, 4)],
         "decode_latency": [dict(batch=1, num_speculative_tokens=3, eager_ms=9.0, graphs_ms=3.0, graph_speedup=3.0)],
         "throughput": [dict(batch=1, mtp="mtp on", graphs=True, tokens_per_s=100.0)],
         "step_kernels": [dict(batch=1, num_speculative_tokens=k, device_ms_per_step=ms, graph_ms=ms + 0.2)
@@ -130,3 +132,20 @@ def test_kernel_table_sums_device_time_per_step():
     table = kernel_table(events, steps=2, top=1)
     assert table["device_ms_per_step"] == 0.045 and table["kernels_per_step"] == 3.0
     assert table["top"] == [{"name": "gemm", "launches_per_step": 2.0, "ms_per_step": 0.04, "share": 0.8889}]
+
+
+def test_linear_cases_time_both_paths_and_name_the_route(device):
+    """The projection benchmark's set-up with a stand-in timer (graph timing needs a GPU): both
+    paths are timed per shape and rows, and the route is the backend's (float32 stays on cuBLAS)."""
+    from mindspec.backends.cuda import bench_kernels
+
+    timed = []
+    rows = bench_kernels.run_linear_benchmarks(
+        torch.device(device), (torch.float32, torch.float16), rows=(1, 4), shapes=((96, 48), (2048, 16)),
+        timer=lambda fn, dev: (timed.append(tuple(fn().shape)), 1.0)[1])
+    assert len(rows) == 2 * 2 * 2 and len(timed) == 2 * len(rows)
+    assert {(r["dtype"], r["k"], r["rows"]): r["routed_to"] for r in rows} == {
+        ("float32", 96, 1): "cublas", ("float32", 96, 4): "cublas", ("float32", 2048, 1): "cublas",
+        ("float32", 2048, 4): "cublas", ("float16", 96, 1): "skinny", ("float16", 96, 4): "skinny",
+        ("float16", 2048, 1): "cublas", ("float16", 2048, 4): "cublas"}
+    assert timed[:2] == [(1, 48), (1, 48)]

@@ -64,7 +64,9 @@ def write_checkpoint(path: Path, name: str, seed: int = 0) -> Path:
     for f in TOKENIZER_FILES:
         shutil.copyfile(assets / f, path / f)
     cfg = DeepseekV2Config.from_model_dir(path)
-    write_manifest(path, {n: s.shape for n, s in model_specs(cfg, cfg.num_nextn_predict_layers).items()}, seed)
+    # drawn on the CPU: torch's CUDA generator would give the cuda run other weights than the cpu run's
+    write_manifest(path, {n: s.shape for n, s in model_specs(cfg, cfg.num_nextn_predict_layers).items()}, seed,
+                   generator="cpu")
     return path
 
 

@@ -1,0 +1,94 @@
+"""Skinny linear: x [M, K] @ w [N, K].T for the few rows of a decode or verification step.
+
+At M <= 16 a projection is a read of its weight plus a launch, and the launch dominates at small
+widths. This kernel is one launch per projection: each program owns a slice of 32 output columns,
+streams their weight rows once over K and multiplies every row of x (padded to 16 for ``tl.dot``).
+
+Where it is used (``fits``), from graph-replayed timings on an H200 (benchmarks/README.md):
+- bfloat16/float16 with K <= 1024: 1.7-2.7 us against cuBLAS's 2.4-3.3 us at the shipped model's
+  and V2-Lite's narrower projections; at K >= 1408 cuBLAS is as fast or faster (5.1 vs 5.5 us);
+- not float32: an exact-precision (``ieee``) tl.dot runs on the CUDA cores and took 6-74 us
+  against cuBLAS's 2-16 us, so float32 stays with cuBLAS.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from mindspec.backends.cuda.availability import interpreting
+from mindspec.backends.cuda.launch import MIN_DOT, dot_precision, pow2
+
+MAX_ROWS = MIN_DOT  # rows of x one launch multiplies: decode and verification steps
+MAX_K = 1024  # longer rows: cuBLAS's split-K keeps more SMs streaming
+ENV_SWITCH = "MINDSPEC_CUDA_SKINNY_LINEAR"  # "0": every projection through torch (cuBLAS)
+_DTYPES = (torch.float16, torch.bfloat16)  # routed here by ``fits``; float32 works but is slower
+
+
+@triton.jit
+def _skinny_linear_kernel(
+    x_ptr, w_ptr, out_ptr, num_rows, n_out, k_in,
+    stride_xm, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    m = tl.arange(0, BLOCK_M)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = m < num_rows
+    n_ok = n < n_out
+    kk = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + n[None, :].to(tl.int64) * stride_wn  # [1, N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, k_in, BLOCK_K):
+        k = k0 + kk
+        k_ok = k < k_in
+        a = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [K, N]
+        acc += tl.dot(a, w, input_precision=PRECISION)
+    out = acc.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip() != "0"
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``skinny_linear`` takes this product (otherwise torch does)."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (0 < rows <= MAX_ROWS and weight.dim() == 2 and weight.shape[1] <= MAX_K
+            and x.dtype == weight.dtype and x.dtype in _DTYPES and weight.stride(-1) == 1
+            and x.shape[-1] == weight.shape[1])
+
+
+def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T: the skinny kernel where it fits, torch otherwise."""
+    if enabled() and fits(x, weight):
+        return skinny_linear(x, weight)
+    return torch.nn.functional.linear(x, weight)
+
+
+def _tiles(n_out: int, k_in: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K): on a GPU 32 columns per program (many programs for the SMs); under the
+    interpreter few, large programs."""
+    if interpreting():
+        return min(pow2(n_out, MIN_DOT), 1024), min(pow2(k_in, MIN_DOT), 512)
+    return 32, 128
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (at most MAX_ROWS rows) @ weight [N, K].T -> [..., N] in x's dtype."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows, k_in = x2.shape
+    n_out = weight.shape[0]
+    out = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
+    block_n, block_k = _tiles(n_out, k_in)
+    _skinny_linear_kernel[(triton.cdiv(n_out, block_n),)](
+        x2, weight, out, rows, n_out, k_in, x2.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=dot_precision(x.dtype), num_warps=4,
+    )
+    return out.view(*lead, n_out)

@@ -1,0 +1,55 @@
+"""The skinny linear kernel (decode and verification projections) equals torch's F.linear, and
+the backend sends it exactly the products it is for."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cuda_support import DTYPES, assert_close
+from mindspec.backend import LinearWeight
+from mindspec.backends.cuda import linear
+
+
+def _rand(g, *shape, dtype):
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,k_in,n_out", [(1, 192, 176), (4, 96, 192), (8, 384, 192), (16, 130, 6), (3, 512, 4096),
+                                             (5, 1024, 33)])
+def test_skinny_linear_equals_torch(device, dtype, rows, k_in, n_out):
+    # Widths of the shipped model's projections (fused q_a/kv_a 176, router 6, lm_head 4096), and
+    # ones no tile divides (130).
+    g = torch.Generator().manual_seed(rows * k_in + n_out)
+    x, w = _rand(g, rows, k_in, dtype=dtype), _rand(g, n_out, k_in, dtype=dtype) / k_in ** 0.5
+    out = linear.skinny_linear(x.to(device), w.to(device))
+    assert out.shape == (rows, n_out) and out.dtype == dtype
+    assert_close(out, F.linear(x.float(), w.float()).to(dtype), dtype)
+
+
+def test_leading_dims_and_a_strided_input(device):
+    g = torch.Generator().manual_seed(0)
+    x, w = _rand(g, 2, 3, 80, dtype=torch.float32), _rand(g, 40, 64, dtype=torch.float32)
+    view = x.to(device)[..., :64]  # rows longer than the product's K
+    out = linear.skinny_linear(view, w.to(device))
+    assert out.shape == (2, 3, 40)
+    assert_close(out, F.linear(x[..., :64], w), torch.float32)
+
+
+def test_the_backend_routes_skinny_products_only(cuda_backend, device, monkeypatch):
+    calls = []
+    real = linear.skinny_linear
+    monkeypatch.setattr(linear, "skinny_linear", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    g = torch.Generator().manual_seed(1)
+    half = torch.float16
+    w = LinearWeight(_rand(g, 48, 32, dtype=half).to(device))
+    for rows in (1, 16, 17):
+        x = _rand(g, rows, 32, dtype=half).to(device)
+        assert_close(cuda_backend.linear(x, w), F.linear(x.cpu().float(), w.weight.cpu().float()).to(half), half)
+    assert calls == [1, 16]  # a prefill's 17 rows go to torch
+    w32 = LinearWeight(w.weight.float())
+    cuda_backend.linear(torch.zeros(1, 32, device=device), w32)  # float32: cuBLAS is faster
+    long_rows = torch.zeros(8, linear.MAX_K + 1, dtype=half, device=device)
+    cuda_backend.linear(torch.zeros(1, linear.MAX_K + 1, dtype=half, device=device), LinearWeight(long_rows))
+    monkeypatch.setenv(linear.ENV_SWITCH, "0")
+    cuda_backend.linear(torch.zeros(1, 32, dtype=half, device=device), w)
+    assert calls == [1, 16]
