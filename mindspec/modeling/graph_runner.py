@@ -28,6 +28,7 @@ buffers: that is how it is tested on CPU, where no graphs exist.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass, field, replace
@@ -76,6 +77,35 @@ def _pad_rows(spec: PadSpec, real_seqs: int, real_tokens: int) -> list[int]:
     return pad + [slack] if spec.slack_seq else pad
 
 
+@dataclass(frozen=True)
+class _Padding:
+    """The rows and sequences ``pad_inputs`` appends; the same for every step of one shape."""
+
+    positions: np.ndarray  # [P] padding rows' positions
+    slots: np.ndarray  # [P] in the dummy block
+    seq_lens: np.ndarray  # [S]
+    q_lens: np.ndarray  # [S]
+    lm_rows: np.ndarray  # [L] padding sequences' lm_head rows
+
+
+@functools.lru_cache(maxsize=256)
+def _padding(spec: PadSpec, real_seqs: int, real_tokens: int, lm_rows_per_seq: int) -> _Padding:
+    pad_q = np.array(_pad_rows(spec, real_seqs, real_tokens), dtype=np.int32)
+    _, pad_pos = token_positions(np.zeros(len(pad_q), dtype=np.int64), pad_q)
+    ends = real_tokens + np.cumsum(pad_q, dtype=np.int64)  # one past each padding sequence's rows
+    lm_ends = ends[: spec.num_seqs - real_seqs]  # the slack sequence has no lm_head rows
+    padding = _Padding(
+        positions=pad_pos,
+        slots=spec.dummy_block * spec.block_size + pad_pos % spec.block_size,
+        seq_lens=np.maximum(pad_q, 1),
+        q_lens=pad_q,
+        lm_rows=(lm_ends[:, None] + np.arange(-lm_rows_per_seq, 0)).reshape(-1),
+    )
+    for a in (padding.positions, padding.slots, padding.seq_lens, padding.q_lens, padding.lm_rows):
+        a.setflags(write=False)  # shared by every step of the shape
+    return padding
+
+
 def pad_inputs(inputs: ModelInputs, spec: PadSpec, lm_rows_per_seq: int) -> ModelInputs:
     """The host inputs with padding sequences appended (see the module docstring).
 
@@ -84,21 +114,17 @@ def pad_inputs(inputs: ModelInputs, spec: PadSpec, lm_rows_per_seq: int) -> Mode
     real_seqs, real_tokens = inputs.num_seqs, inputs.num_tokens
     if inputs.block_tables.shape[1] > spec.width:
         raise ValueError(f"block tables of {inputs.block_tables.shape[1]} columns exceed the padded width {spec.width}")
-    pad_q = np.array(_pad_rows(spec, real_seqs, real_tokens), dtype=np.int32)
-    _, pad_pos = token_positions(np.zeros(len(pad_q), dtype=np.int64), pad_q)
-    ends = real_tokens + np.cumsum(pad_q, dtype=np.int64)  # one past each padding sequence's rows
-    lm_ends = ends[: spec.num_seqs - real_seqs]  # the slack sequence has no lm_head rows
-    lm_rows = (lm_ends[:, None] + np.arange(-lm_rows_per_seq, 0)).reshape(-1)
-    tables = np.full((real_seqs + len(pad_q), spec.width), spec.dummy_block, dtype=np.int32)
+    pad = _padding(spec, real_seqs, real_tokens, lm_rows_per_seq)
+    tables = np.full((real_seqs + len(pad.q_lens), spec.width), spec.dummy_block, dtype=np.int32)
     tables[:real_seqs, : inputs.block_tables.shape[1]] = inputs.block_tables
     return ModelInputs(
-        input_ids=np.concatenate([inputs.input_ids, np.zeros(len(pad_pos), dtype=np.int64)]),
-        positions=np.concatenate([inputs.positions, pad_pos]),
-        slots=np.concatenate([inputs.slots, spec.dummy_block * spec.block_size + pad_pos % spec.block_size]),
+        input_ids=np.concatenate([inputs.input_ids, np.zeros(len(pad.positions), dtype=np.int64)]),
+        positions=np.concatenate([inputs.positions, pad.positions]),
+        slots=np.concatenate([inputs.slots, pad.slots]),
         block_tables=tables,
-        seq_lens=np.concatenate([inputs.seq_lens, np.maximum(pad_q, 1)]).astype(np.int32),
-        q_lens=np.concatenate([inputs.q_lens, pad_q]).astype(np.int32),
-        lm_head_indices=np.concatenate([inputs.lm_head_indices, lm_rows]).astype(np.int64),
+        seq_lens=np.concatenate([inputs.seq_lens, pad.seq_lens]).astype(np.int32),
+        q_lens=np.concatenate([inputs.q_lens, pad.q_lens]).astype(np.int32),
+        lm_head_indices=np.concatenate([inputs.lm_head_indices, pad.lm_rows]).astype(np.int64),
         is_prefill=False,
         block_size=inputs.block_size,
     )
