@@ -5,6 +5,7 @@
 #   OUT=benchmarks/out/gpu bash scripts/gpu_check.sh [tests|bench|all] [extra bench args...]
 #   bash scripts/gpu_check.sh compare [extra bench args...]   # the MTP/transformers comparison
 #   bash scripts/gpu_check.sh shapes [extra bench args...]    # published model shapes, simulated acceptance
+#   DTYPE=bfloat16 bash scripts/gpu_check.sh profile          # one decode step through the engine: host vs device
 #   bash scripts/gpu_check.sh py SCRIPT [ARGS...]
 #
 # `all` runs every GPU measurement: tests, the kernel benchmarks, the comparison on the shipped
@@ -61,6 +62,9 @@ if [[ $WHAT == shapes || $WHAT == all ]]; then  # realistic sizes: random weight
   timeout "${BENCH_TIMEOUT:-420}" $PY -m mindspec.cli bench --backend cuda --compare --model-shape "${SHAPE:-deepseek-v2-lite}" \
     --dtype bfloat16 --batches 1,16 --rounds 3 --no-async --configs "mtp off,eagle K=3" \
     --out "$OUT/shape_${SHAPE:-deepseek-v2-lite}" "${EXTRA[@]}" 2>&1 | tee "$OUT/shapes.log" | tail -20
+fi
+if [[ $WHAT == profile || $WHAT == all ]]; then  # where a step's time goes: MTP off, vanilla and eagle K=3
+  OUT="$OUT" timeout "${PROFILE_TIMEOUT:-240}" $PY scripts/gpu_step_profile.py 2>&1 | tee "$OUT/profile.log" | grep '^{'
 fi
 if [[ $WHAT == py ]]; then  # any script against this checkout: gpu_check.sh py SCRIPT ARGS...
   $PY "$@" 2>&1 | tee "$OUT/py.log" | tail -120
