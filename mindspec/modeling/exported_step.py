@@ -16,7 +16,9 @@ modification times), dtype, backend, thread count (generated loops are paralleli
 input shapes (the KV cache's included), torch version and the source of the model, the backend
 and the backend interface; it lives in ``step_cache_dir()``: a restart loads it in milliseconds
 instead of compiling again (tens of seconds per package on two cores). An unreadable package is
-compiled again. The weights are constants inside the package.
+compiled again. The weights are constants inside the package. A package runs through its model
+library's C ABI with the GIL released (aoti_runner.py), so async scheduling's host thread works
+while it computes; torch's loader, which holds the GIL, where that does not apply.
 
 Any failure (no C++ toolchain, an op export cannot trace) logs one warning per shape and that
 shape runs eagerly from then on: serving never depends on the compiler.
@@ -34,6 +36,7 @@ from typing import Callable
 
 import torch
 
+from mindspec.modeling.aoti_runner import open_released
 from mindspec.modeling.random_checkpoint import MANIFEST
 from mindspec.modeling.step_accounting import outside_accounting
 
@@ -183,8 +186,9 @@ class ExportedSteps:
                     self.stats.by_key[path.stem] = "loaded"
                     return runner
                 path.unlink(missing_ok=True)  # unreadable (a torch or toolchain change, a cut write): compile again
+                path.with_suffix(".so").unlink(missing_ok=True)
             self._compile(path, run, tensors, dims)
-            runner = torch._inductor.aoti_load_package(str(path))
+            runner = open_released(path) or torch._inductor.aoti_load_package(str(path))
             self.stats.compiled += 1
             self.stats.by_key[path.stem] = "compiled"
             return runner
@@ -198,7 +202,7 @@ class ExportedSteps:
     def _load(self, path: Path):
         start = time.perf_counter()
         try:
-            runner = torch._inductor.aoti_load_package(str(path))
+            runner = open_released(path) or torch._inductor.aoti_load_package(str(path))
         except Exception as exc:
             log.warning("the compiled step %s cannot be loaded (%s: %s); compiling it again", path,
                         type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
