@@ -74,29 +74,82 @@ def convert(model_dir: str, out: Path, src: Path, outtype: str = "f32") -> Path:
     return out
 
 
-# The worker: loads the GGUF file, then per input line {"prompts", "lengths"} answers one line
-# {"outs", "seconds"}; it imports nothing of mindspec (whose import sets OpenMP's wait policy).
+# The worker: loads the GGUF file, then per input line {"prompts", "lengths", "batch"} answers one
+# line {"outs", "seconds"}; it imports nothing of mindspec (whose import sets OpenMP's wait policy).
+# Batch 1 decodes one prompt at a time through Llama.generate; a larger batch decodes groups of
+# that many prompts as parallel sequences of one context (llama.cpp's own "batched" example: one
+# llama_decode per step with a token of every live sequence), seconds timed per group.
 _WORKER = """
 import json, sys, time
 gguf, threads, n_ctx = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 try:
+    import numpy as np
+    import llama_cpp as lc
     from llama_cpp import Llama
     llm = Llama(model_path=gguf, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
 except Exception as exc:
     print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
     sys.exit(0)
+model = llm._model.model
+n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+contexts = {}
+
+
+def one(prompt, n):
+    out = []
+    for token in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        out.append(int(token))
+        if len(out) == n:
+            break
+    return out
+
+
+def context(batch, per_seq, prompt_tokens):
+    key = (batch, per_seq, prompt_tokens)
+    if key not in contexts:
+        p = lc.llama_context_default_params()
+        p.n_ctx, p.n_seq_max = batch * per_seq, batch
+        p.n_batch, p.n_ubatch = max(prompt_tokens, batch), min(max(prompt_tokens, batch), 512)
+        p.n_threads = p.n_threads_batch = threads
+        ctx = lc.llama_init_from_model(model, p)
+        contexts[key] = (ctx, lc.llama_batch_init(p.n_batch, 0, 1))
+    return contexts[key]
+
+
+def group(prompts, lengths, per_seq, prompt_tokens):
+    ctx, batch = context(len(prompts), per_seq, prompt_tokens)
+    lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+    rows = [(t, j, s, j == len(p) - 1) for s, p in enumerate(prompts) for j, t in enumerate(p)]
+    outs, pos = [[] for _ in prompts], [len(p) for p in prompts]
+    while rows:
+        batch.n_tokens = len(rows)
+        for i, (t, j, s, want) in enumerate(rows):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, j, 1, want
+            batch.seq_id[i][0] = s
+        if lc.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        picks = [(i, s) for i, (_, _, s, want) in enumerate(rows) if want]
+        rows = []
+        for i, s in picks:
+            logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), shape=(n_vocab,))
+            outs[s].append(int(logits.argmax()))
+            if len(outs[s]) < lengths[s]:
+                rows.append((outs[s][-1], pos[s], s, True))
+                pos[s] += 1
+    return outs
+
+
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     job = json.loads(line)
+    prompts, lengths, size = job["prompts"], job["lengths"], job.get("batch", 1)
     outs, seconds = [], []
-    for prompt, n in zip(job["prompts"], job["lengths"]):
-        start, out = time.perf_counter(), []
-        for token in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
-            out.append(int(token))
-            if len(out) == n:
-                break
+    per_seq = max(len(p) for p in prompts) + max(lengths) + 8
+    for at in range(0, len(prompts), size):
+        part, lens = prompts[at : at + size], lengths[at : at + size]
+        start = time.perf_counter()
+        outs += [one(p, n) for p, n in zip(part, lens)] if size == 1 else group(part, lens, per_seq, sum(map(len, part)))
         seconds.append(time.perf_counter() - start)
-        outs.append(out)
     print(json.dumps({"outs": outs, "seconds": seconds}), flush=True)
 """
 
@@ -121,9 +174,9 @@ class LlamaCppRunner:
             self.close()
             raise LlamaCppError(f"llama.cpp could not load {gguf}: {ready.get('error', ready)}")
 
-    def generate(self, prompts: list[list[int]], lengths: list[int]) -> tuple[list[list[int]], list[float]]:
-        """(tokens of each prompt, seconds each took, timed in the worker)."""
-        self._proc.stdin.write(json.dumps({"prompts": prompts, "lengths": lengths}) + "\n")
+    def generate(self, prompts: list[list[int]], lengths: list[int], batch: int = 1) -> tuple[list[list[int]], list[float]]:
+        """(tokens of each prompt, seconds each group of ``batch`` prompts took, timed in the worker)."""
+        self._proc.stdin.write(json.dumps({"prompts": prompts, "lengths": lengths, "batch": batch}) + "\n")
         self._proc.stdin.flush()
         reply = self._reply()
         return reply["outs"], reply["seconds"]
@@ -152,9 +205,10 @@ def _environ_for_worker() -> dict:
     return env
 
 
-def run_llama_cpp(runner: LlamaCppRunner, prompts: list[list[int]], lengths: list[int], m) -> None:
-    """One round over ``prompts`` one at a time (batch 1), into the Measurement ``m``."""
-    outs, seconds = runner.generate(prompts, lengths)
+def run_llama_cpp(runner: LlamaCppRunner, prompts: list[list[int]], lengths: list[int], m, batch: int = 1) -> None:
+    """One round over ``prompts`` in groups of ``batch`` parallel sequences, into the Measurement ``m``."""
+    outs, seconds = runner.generate(prompts, lengths, batch)
     m.tokens_per_s.append(sum(lengths) / sum(seconds))
-    m.latency_per_token_ms.append(1e3 * sum(s / n for s, n in zip(seconds, lengths)) / len(lengths))
+    group_lens = [max(lengths[i : i + batch]) for i in range(0, len(lengths), batch)]
+    m.latency_per_token_ms.append(1e3 * sum(s / n for s, n in zip(seconds, group_lens)) / len(group_lens))
     m.token_ids = outs

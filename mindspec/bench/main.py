@@ -7,7 +7,7 @@
     mindspec bench --batching static ...                     # groups of b, each run to its slowest sequence
     mindspec bench --backend cuda ...                        # the cuda backend's kernel and e2e benchmarks
     mindspec bench --backend cuda --compare ...              # this comparison on a GPU (CUDA graphs on)
-    mindspec bench --compare llama.cpp --llama-cpp-src DIR   # also llama.cpp, same model and prompts, batch 1
+    mindspec bench --compare llama.cpp --llama-cpp-src DIR   # also llama.cpp, same model and prompts (parallel sequences)
     mindspec bench --model-shape deepseek-v2-lite ...        # random weights of that shape, simulated acceptance
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cpu (this benchmark) | cuda (the cuda backend's benchmarks; with --compare, this one)")
     p.add_argument("--compare", nargs="?", const="gpu", default=None, choices=["gpu", "llama.cpp"],
                    help="with --backend cuda: this comparison on the GPU instead of the cuda backend's benchmarks; "
-                        "'llama.cpp': also llama.cpp on the same model and prompts at batch 1 (llama-cpp-python)")
+                        "'llama.cpp': also llama.cpp on the same model and prompts, a batch as parallel sequences (llama-cpp-python)")
     p.add_argument("--llama-cpp-src", default=None,
                    help="llama.cpp source tree whose convert_hf_to_gguf.py converts the model (default: $LLAMA_CPP_SRC)")
     p.add_argument("--gguf", default=None, help="an already converted GGUF file of the model, for --compare llama.cpp")
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         t = time.time()
         report["results"][f"batch {batch}"] = speed.bench_batch(llms, hf, prompts, batch, MIN_PROMPTS, args.rounds,
                                                                 params, args.batching, warm_up, output_lens,
-                                                                extra if batch == 1 else {})
+                                                                extra)
         _write_json(report, out)  # a run cut short keeps the batch sizes it finished
         row = report["results"][f"batch {batch}"]
         print(f"batch {batch} ({args.batching}, {time.time() - t:.0f} s): " +
@@ -226,9 +226,9 @@ def _gguf(args: argparse.Namespace, model_dir: str) -> Path:
 
 
 def _llama_cpp(gguf: Path, threads: int, prompts: list[list[int]], output_lens: list[int]):
-    """llama.cpp on ``gguf``: a function running one round over prompts, one at a time."""
+    """llama.cpp on ``gguf``: a function running one round over prompts, in groups of the batch size."""
     runner = llama_cpp.LlamaCppRunner(gguf, threads, max(len(p) for p in prompts) + max(output_lens) + 8)
-    return lambda group, lengths, m: llama_cpp.run_llama_cpp(runner, group, lengths, m)
+    return lambda group, lengths, m, batch: llama_cpp.run_llama_cpp(runner, group, lengths, m, batch)
 
 
 def _hf_model(model_dir: str, backend: str = "cpu", dtype: str = "float32"):

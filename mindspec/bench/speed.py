@@ -277,7 +277,7 @@ def bench_batch(llms: dict[str, LLM], hf, prompts: list[list[int]], batch: int, 
     """``warm_up``: configurations that run once untimed first (a compiled decode step compiles
     its graphs for this batch's shapes then, not inside a timed round). ``output_lens``: each
     prompt's max_tokens (default: ``params.max_tokens`` for all). ``others``: more engines by
-    name, each a function (prompts, output lengths, Measurement) running one round (llama.cpp)."""
+    name, each a function (prompts, output lengths, Measurement, batch) running one round (llama.cpp)."""
     others = others or {}
     count = prompt_count(batch, min_prompts, batching)
     if len(prompts) < count or (output_lens is not None and len(output_lens) < count):
@@ -316,5 +316,5 @@ def bench_batch(llms: dict[str, LLM], hf, prompts: list[list[int]], batch: int, 
         if hf is not None:
             run_hf(hf, groups, group_lens, results["transformers generate"])
         for name, other in others.items():
-            other(prompts, lens, results[name])
+            other(prompts, lens, results[name], batch)
     return summarise(results)

@@ -262,15 +262,15 @@ def test_another_engine_runs_in_every_round_and_is_compared_token_for_token():
     llms = {"mtp off": _CountingLLM()}
     calls = []
 
-    def other(prompts, lengths, m):
-        calls.append((prompts, lengths))
+    def other(prompts, lengths, m, batch):
+        calls.append((prompts, lengths, batch))
         m.tokens_per_s.append(10.0)
         m.latency_per_token_ms.append(1.0)
         m.token_ids = [[0]] * len(prompts)
 
     rows = speed.bench_batch(llms, None, [[i] for i in range(4)], 1, 4, 3, SamplingParams(max_tokens=2),
                              "static", others={"llama.cpp": other})
-    assert len(calls) == 3 and calls[0] == ([[0], [1], [2], [3]], [2, 2, 2, 2])
+    assert len(calls) == 3 and calls[0] == ([[0], [1], [2], [3]], [2, 2, 2, 2], 1)
     assert rows["llama.cpp"]["tokens_per_s_rounds"] == [10.0] * 3
     assert "identical_to_mtp_off" in rows["llama.cpp"]
 

@@ -23,14 +23,16 @@ def test_llama_cpp_decodes_the_shipped_models_greedy_tokens(tmp_path):
     llm = LLM(dtype="float32", progress=False, plugin_params=None, cpu_threads=1)
     prompts = [llm.tokenizer.encode(t) for t in ("def fibonacci(n):\n", "import os\nimport sys\n\nclass ")]
     expected = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))]
-    m = Measurement()
+    one, both = Measurement(), Measurement()
     runner = llama_cpp.LlamaCppRunner(gguf, 1, 256)
     try:
-        llama_cpp.run_llama_cpp(runner, prompts, [24, 24], m)
+        llama_cpp.run_llama_cpp(runner, prompts, [24, 24], one)
+        llama_cpp.run_llama_cpp(runner, prompts, [24, 16], both, batch=2)  # parallel sequences of one context
     finally:
         runner.close()
-    assert m.token_ids == [list(e) for e in expected]
-    assert m.tokens_per_s[0] > 0 and len(m.latency_per_token_ms) == 1
+    assert one.token_ids == [list(e) for e in expected]
+    assert one.tokens_per_s[0] > 0 and len(one.latency_per_token_ms) == 1
+    assert both.token_ids == [list(expected[0]), list(expected[1][:16])]
 
 
 def test_a_gguf_llama_cpp_cannot_load_is_one_clear_error(tmp_path):
