@@ -30,6 +30,8 @@ class Plugin(ABC):
     # plugin_verify reads the step's SamplingMetadata (inputs.extra["sampling_metadata"]) even
     # when every row is plain greedy, whose sampling otherwise skips building it.
     needs_sampling_metadata = False
+    # Whether prepare_masks_for_filling / fill_in_model_result handle this plugin's inputs.
+    supports_async_scheduling = True
 
     def model_inputs_update(self, batch: "StepBatch", inputs: "StepInputs") -> "StepInputs":
         return inputs

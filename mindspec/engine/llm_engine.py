@@ -85,6 +85,10 @@ class LLMEngine:
         if self.plugin_manager.generator.dp_size > 1:
             raise EngineError("asyncScheduling is not available with dp > 1: turn one of them off")
         for plugin in self.plugin_manager.plugins:
+            if not plugin.supports_async_scheduling:
+                raise EngineError(f"asyncScheduling is not available with plugin_type {plugin.name!r} yet: "
+                                  "turn one of them off")
+        for plugin in self.plugin_manager.plugins:
             if getattr(plugin, "adaptive", None) is not None and plugin.adaptive.enabled:
                 # Steps are built before the previous one is timed: speculate on every step.
                 logger.info("async scheduling: adaptive speculation is off, %s speculates every step", plugin.name)
@@ -331,7 +335,8 @@ class LLMEngine:
                 self._record_spec(state, outputs, b)
 
     def _record_spec(self, state: RequestState, outputs: StepOutputs, b: int) -> None:
-        k = outputs.draft_tokens.shape[1]  # this step's drafts: at most K (adaptive speculation)
+        # this step's drafts: at most K (adaptive speculation), or the sequence's own count
+        k = outputs.num_drafts[b] if outputs.num_drafts is not None else outputs.draft_tokens.shape[1]
         state.spec_decode = state.spec_decode or SpecDecodeStats.for_drafts(self.plugin_manager.num_lookahead_tokens)
         for stats in (state.spec_decode, self.spec_stats):
             stats.add_step(k, outputs.num_draft_accepted[b])

@@ -17,7 +17,7 @@ from typing import Optional, Sequence as Seq
 import numpy as np
 
 from mindspec.modeling.forward_metadata import build_model_inputs
-from mindspec.plugins.plugin import Plugin
+from mindspec.plugins.plugin import Plugin, PluginError
 from mindspec.text_generator import prompt_logprobs
 from mindspec.text_generator.generator import Generator, GeneratorOutput
 from mindspec.text_generator.sampling.metadata import SamplingMetadata
@@ -37,6 +37,9 @@ class PluginManager:
         self.generator = generator
         self.sampler = sampler or Sampler()
         self.plugins = list(plugins)
+        drafters = [p.name for p in self.plugins if p.num_lookahead_tokens > 0]
+        if len(drafters) > 1:
+            raise PluginError(f"plugin_params.plugin_type: {' and '.join(drafters)} both draft; one drafter per engine")
         self.vocab_size = vocab_size or generator.model_wrapper.config.vocab_size
         self.eos_token_ids = list(eos_token_ids)
 
@@ -153,6 +156,8 @@ class PluginManager:
 
     def sample(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs) -> None:
         drafts = outputs.drafts_host()
+        if drafts is None:  # drafts that were inputs, not outputs (a drafter without a model)
+            drafts = inputs.extra.get("draft_prefix")
         if self._plain_greedy(batch):  # the argmax, without the per-row metadata (~0.2 ms of host work a step)
             outputs.sampled = outputs.logits.argmax(dim=-1).cpu().numpy()
             outputs.logprobs = None

@@ -59,6 +59,7 @@ class StepOutputs:
     # Per sequence: the tokens accepted this step (1..K+1) and, with drafts, how many were accepted.
     accepted: list[list[int]] = field(default_factory=list)
     num_draft_accepted: Optional[list[int]] = None
+    num_drafts: Optional[list[int]] = None  # per sequence, where sequences verify different numbers of drafts
     accepted_rows: list[list[int]] = field(default_factory=list)  # logits rows of the accepted tokens
     # Prefill: prompt logprobs of the sequences that asked, by seq_id (prompt_logprobs.py)
     prompt_logprobs: dict = field(default_factory=dict)

@@ -1,0 +1,110 @@
+"""SuffixPlugin: speculative decoding without draft weights (``"plugin_type": "suffix"``).
+
+Each decode step drafts, per sequence, the tokens that followed the first earlier occurrence of
+the longest suffix of its tokens that repeats (prompt and output; suffix_automaton.py), when that
+suffix is at least ``min_match`` tokens long, at most ``num_speculative_tokens`` of them. Every
+sequence verifies its own number of drafts (0 included) in one forward of the main model: rows
+[last token, d1..dk] per sequence, every row an lm_head row (the graph runner pads unequal counts
+per sequence). Acceptance is strict: the longest draft prefix equal to the sampled targets, then
+the target after it, so greedy output is token for token what decoding without drafts gives, and
+sampled output has the target's distribution. Works on any checkpoint (no MTP modules needed).
+
+Not yet: combined with MTP in one step, async scheduling, dp > 1 (each refused with a clear
+error), other decoding policies.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mindspec.config.plugin_params import PluginParamsError
+from mindspec.modeling.forward_metadata import build_model_inputs
+from mindspec.plugins.plugin import Plugin
+from mindspec.text_generator.step import StepBatch, StepInputs, StepOutputs
+
+from .suffix_automaton import SuffixAutomaton
+
+MAX_DRAFTS = 15  # the graph runner's rows per sequence (MAX_VERIFY_ROWS) less the fed token
+KNOWN_KEYS = {"num_speculative_tokens", "min_match", "decoding_policy"}
+
+
+def _int_option(options: dict, key: str, lo: int, hi: int, default: int) -> int:
+    value = options.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise PluginParamsError(f"plugin_params.{key} must be an integer in {lo}..{hi} for plugin_type 'suffix', "
+                                f"got {value!r}")
+    return value
+
+
+class SuffixPlugin(Plugin):
+    name = "suffix"
+    supports_async_scheduling = False
+
+    def __init__(self, generator, cache_config, **options):
+        unknown = sorted(set(options) - KNOWN_KEYS)
+        if unknown:
+            raise PluginParamsError(f"plugin_params.{unknown[0]} is not a suffix option (known: {', '.join(sorted(KNOWN_KEYS))})")
+        if options.get("decoding_policy", "strict") != "strict":
+            raise PluginParamsError(f"plugin_params.decoding_policy must be 'strict' for plugin_type 'suffix', "
+                                    f"got {options['decoding_policy']!r}")
+        if generator.dp_size > 1:
+            raise PluginParamsError("plugin_type 'suffix' is not available with dp > 1 yet")
+        self.max_drafts = _int_option(options, "num_speculative_tokens", 1, MAX_DRAFTS, 4)
+        self.min_match = _int_option(options, "min_match", 1, 1024, 3)
+        self.num_lookahead_tokens = self.max_drafts
+        self.block_size = cache_config.block_size
+        self.automata: dict[int, SuffixAutomaton] = {}
+
+    # ---- hooks ---------------------------------------------------------------------------------
+    def model_inputs_update(self, batch: StepBatch, inputs: StepInputs) -> StepInputs:
+        if batch.is_prefill:
+            return inputs
+        drafts = [self._draft(seq) for seq in batch.seqs]
+        if not any(drafts):
+            return inputs  # a plain decode step
+        counts = np.array([len(d) for d in drafts], dtype=np.int64)
+        rows = [[seq.last_token_id, *d] for seq, d in zip(batch.seqs, drafts)]
+        inputs.model_inputs = build_model_inputs(
+            rows, [seq.num_tokens - 1 for seq in batch.seqs], [seq.block_table for seq in batch.seqs],
+            self.block_size, lm_head_indices=np.arange(int(counts.sum()) + len(rows), dtype=np.int64),
+        )
+        inputs.q_lens = inputs.model_inputs.q_lens
+        inputs.row_seq = np.repeat(np.arange(len(rows), dtype=np.int64), counts + 1)
+        inputs.row_offset = np.concatenate([np.arange(c + 1, dtype=np.int64) for c in counts])
+        inputs.extra["suffix_drafts"] = drafts
+        prefix = np.full((len(drafts), int(counts.max())), -1, dtype=np.int64)  # row k's history: drafts before it
+        for b, d in enumerate(drafts):
+            prefix[b, : len(d)] = d
+        inputs.extra["draft_prefix"] = prefix
+        return inputs
+
+    def plugin_verify(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs) -> StepOutputs:
+        drafts = inputs.extra.get("suffix_drafts")
+        if drafts is None:
+            return outputs
+        accepted, accepted_rows, num_accepted = [], [], []
+        start = 0
+        for d in drafts:
+            targets = outputs.sampled[start : start + len(d) + 1]
+            n = 0
+            while n < len(d) and d[n] == targets[n]:
+                n += 1
+            accepted.append([int(t) for t in targets[: n + 1]])
+            accepted_rows.append(list(range(start, start + n + 1)))
+            num_accepted.append(n)
+            start += len(d) + 1
+        outputs.accepted, outputs.accepted_rows = accepted, accepted_rows
+        outputs.num_draft_accepted = num_accepted
+        outputs.num_drafts = [len(d) for d in drafts]
+        return outputs
+
+    def plugin_cache_clear(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self.automata.pop(seq_id, None)
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _draft(self, seq) -> list[int]:
+        """The sequence's drafts, its automaton first brought up to its tokens (a sequence only
+        ever grows; a preempted one keeps its tokens)."""
+        automaton = self.automata.setdefault(seq.seq_id, SuffixAutomaton())
+        automaton.extend(seq.token_ids[len(automaton):])
+        return automaton.draft(self.max_drafts, self.min_match)
