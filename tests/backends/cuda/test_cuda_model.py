@@ -7,6 +7,7 @@ import pytest
 from mindspec import LLM, SamplingParams
 from mindspec.modeling.graph_runner import DecodeGraphRunner
 from tests.support.checkpoints import make_checkpoint, make_self_predicting_checkpoint, tiny_v2_config, tiny_v3_config
+from tests.support.draft_counts import record_draft_counts
 
 pytestmark = pytest.mark.slow  # about a minute under the interpreter on 2 cores
 
@@ -73,3 +74,15 @@ def test_padded_decode_buckets_equal_cpu(v3_checkpoint, device, mode):
     if runner.capture:  # on a GPU every bucket must really be captured, not fall back to eager
         # (every step here speculates with the same rows: one speculative graph serves them all)
         assert runner.stats.eager_fallbacks == 0 and runner.stats.captures == runner.num_graphs >= 1, runner.stats
+
+
+def test_suffix_drafting_with_unequal_draft_counts_equals_cpu(v3_checkpoint, device, monkeypatch):
+    """Sequences of one verification forward with different draft counts (0 included): the
+    attention kernels' unequal q_lens, and the graph runner's per-sequence padding on a GPU."""
+    path, _ = v3_checkpoint
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40, 41, 42, 43, 44], [9, 10, 9, 10, 9]]
+    params = {"plugin_type": "suffix", "num_speculative_tokens": 3, "min_match": 1}
+    counts = record_draft_counts(monkeypatch)
+    expected = _tokens(_llm(path, "cpu"), prompts)
+    assert _tokens(_llm(path, "cuda", device, plugin_params=params), prompts) == expected
+    assert any(len(set(c)) > 1 for c in counts)

@@ -15,6 +15,7 @@ from mindspec.modeling.forward_metadata import build_model_inputs, to_device
 from mindspec.modeling.model_wrapper import ModelWrapper
 from npu_cases import ascend_config
 from tests.support.checkpoints import make_checkpoint, make_self_predicting_checkpoint, tiny_v3_config
+from tests.support.draft_counts import record_draft_counts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 MTP_K3 = {"plugin_type": "mtp", "num_speculative_tokens": 3, "mtp_mode": "eagle", "adaptive_speculation": False}
@@ -87,3 +88,19 @@ def test_small_model_runs_on_composed_paths(tmp_path, npu_ref):
     with_cpu, _ = _generate(path, "cpu", "float32", 4)
     assert with_npu == with_cpu
     assert {"mla_attention", "mla_prefill", "latent_norm_rope_cache", "moe_gate"} <= llm.engine.model_wrapper.backend.fallbacks.ops()
+
+
+def test_suffix_drafting_with_unequal_draft_counts_equals_cpu(ascend_checkpoint, npu_ref, monkeypatch):
+    """Sequences of one verification forward with different draft counts (0 included) through
+    the npu backend's attention (per-sequence query lengths)."""
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40, 41, 42, 43, 44], [9, 10, 9, 10, 9]]
+    params = {"plugin_type": "suffix", "num_speculative_tokens": 3, "min_match": 1}
+    counts = record_draft_counts(monkeypatch)
+
+    def tokens(backend, plugin_params, **kw):
+        llm = LLM(model=str(ascend_checkpoint), dtype="float16", cache_block_size=16, num_blocks=64, progress=False,
+                  plugin_params=plugin_params, backend=backend, **kw)
+        return [o.token_ids for o in llm.generate(prompts, GREEDY)]
+
+    assert tokens("npu", params, device="cpu") == tokens("cpu", {})
+    assert any(len(set(c)) > 1 for c in counts)

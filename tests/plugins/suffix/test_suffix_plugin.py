@@ -10,8 +10,8 @@ from mindspec import LLM, SamplingParams
 from mindspec.config.plugin_params import PluginParamsError
 from mindspec.engine.errors import EngineError
 from mindspec.plugins.plugin import PluginError
-from mindspec.plugins.suffix.suffix_plugin import SuffixPlugin
 from tests.support.checkpoints import make_checkpoint, tiny_v3_config
+from tests.support.draft_counts import record_draft_counts
 
 SUFFIX = {"plugin_type": "suffix", "num_speculative_tokens": 5, "min_match": 2}
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -45,15 +45,7 @@ def _llm(path, plugin_params=None, **kw):
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded-sampling"])
 def test_suffix_drafting_gives_the_tokens_of_decoding_without_drafts(params, monkeypatch):
-    counts = []
-    verify = SuffixPlugin.plugin_verify
-
-    def spy(self, batch, inputs, outputs):
-        if "suffix_drafts" in inputs.extra:
-            counts.append([len(d) for d in inputs.extra["suffix_drafts"]])
-        return verify(self, batch, inputs, outputs)
-
-    monkeypatch.setattr(SuffixPlugin, "plugin_verify", spy)
+    counts = record_draft_counts(monkeypatch)
     expected = [o.token_ids for o in _shipped({}).generate(PROMPTS, params)]
     outs = _shipped(SUFFIX).generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == expected
