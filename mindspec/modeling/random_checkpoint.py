@@ -30,10 +30,15 @@ MANIFEST = "random_weights.json"
 GENERATORS = ("device", "cpu")
 
 
-def write_manifest(model_dir: str | Path, shapes: dict[str, tuple[int, ...]], seed: int = 0,
-                   generator: str = "device") -> Path:
+def _checked_generator(generator: str) -> str:
     if generator not in GENERATORS:
         raise ValueError(f"generator must be one of {GENERATORS}, got {generator!r}")
+    return generator
+
+
+def write_manifest(model_dir: str | Path, shapes: dict[str, tuple[int, ...]], seed: int = 0,
+                   generator: str = "device") -> Path:
+    _checked_generator(generator)
     path = Path(model_dir) / MANIFEST
     manifest = {"seed": seed, "generator": generator, "tensors": {n: list(s) for n, s in shapes.items()}}
     path.write_text(json.dumps(manifest, indent=0) + "\n")
@@ -66,9 +71,7 @@ class RandomWeights:
             self.seed = int(manifest["seed"])
             self.shapes = {str(n): tuple(int(d) for d in s) for n, s in manifest["tensors"].items()}
             self.std = float(_config(Path(path).parent).get("initializer_range", 0.02))
-            generator = manifest.get("generator", "device")
-            if generator not in GENERATORS:
-                raise ValueError(f"generator must be one of {GENERATORS}, got {generator!r}")
+            generator = _checked_generator(manifest.get("generator", "device"))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise NotACheckpointError(f"{path} is not a random-weights manifest: {exc}") from None
         self.device = torch.device(device)

@@ -106,5 +106,8 @@ class SuffixPlugin(Plugin):
         """The sequence's drafts, its automaton first brought up to its tokens (a sequence only
         ever grows; a preempted one keeps its tokens)."""
         automaton = self.automata.setdefault(seq.seq_id, SuffixAutomaton())
-        automaton.extend(seq.token_ids[len(automaton):])
+        prompt = seq.prompt_token_ids  # the new tokens only, not seq.token_ids' copy of the whole sequence
+        if len(automaton) < len(prompt):
+            automaton.extend(prompt[len(automaton):])
+        automaton.extend(seq.output_token_ids[len(automaton) - len(prompt):])
         return automaton.draft(self.max_drafts, self.min_match)
