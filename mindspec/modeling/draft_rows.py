@@ -11,6 +11,8 @@ row (each module has its own cache) and keep the full layout.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 from mindspec.modeling.forward_metadata import ModelInputs
@@ -50,3 +52,19 @@ def on_lm_rows(step: ModelInputs) -> ModelInputs:
         q_lens=np.ones(num_seqs, dtype=np.int32),
         lm_head_indices=np.arange(num_seqs, dtype=np.int64),
     )
+
+
+def verify_source(q_lens: np.ndarray, k: int) -> Optional[np.ndarray]:
+    """[R] for a verification whose sequences verify fewer than the k drafts made (q_lens[b] =
+    k_b + 1 <= k + 1 rows): each row's token in the flat ``cat(input_ids [R], drafts [B * k])``:
+    a sequence's first row is its own fed token, its row j >= 1 is draft j of its k. None when
+    every sequence verifies all k (the model places the drafts by a view)."""
+    q = np.asarray(q_lens, dtype=np.int64)
+    if (q == k + 1).all():
+        return None
+    if (q < 1).any() or (q > k + 1).any():
+        raise ValueError(f"verification rows per sequence must be 1..{k + 1}, got {q.tolist()}")
+    starts = np.cumsum(q) - q
+    seq = np.repeat(np.arange(len(q)), q)
+    j = np.arange(int(q.sum())) - starts[seq]  # row within its sequence
+    return np.where(j == 0, np.arange(len(j)), q.sum() + seq * k + j - 1).astype(np.int64)

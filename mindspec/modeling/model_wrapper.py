@@ -16,7 +16,7 @@ import torch
 
 from mindspec.backend import Backend, LatentCache, get_backend
 from mindspec.modeling.forward_metadata import DeviceInputs, ModelInputs, build_model_inputs, to_device
-from mindspec.modeling.draft_rows import lm_rows_only_steps, on_lm_rows
+from mindspec.modeling.draft_rows import lm_rows_only_steps, on_lm_rows, verify_source
 from mindspec.modeling.exported_step import ExportedSteps
 from mindspec.modeling.graph_runner import DecodeGraphRunner, maybe_graph_runner
 from mindspec.modeling.loader import read_hf_config
@@ -145,6 +145,7 @@ class ModelWrapper:
         lm_head_local_dp: torch.Tensor,
         lm_rows_only: Optional[list[bool]] = None,  # per step: it runs on the lm_head rows alone (draft_rows.py)
         padded: bool = False,  # as in ``forward``
+        verify_source: Optional[torch.Tensor] = None,  # [R]: ragged verification rows (decode_inputs.verify_source)
     ):
         from mindspec.models.deepseekv2.flash_causal_deepseekv2 import DraftStep
 
@@ -152,11 +153,11 @@ class ModelWrapper:
         first = sub_steps[0]
         narrow = lm_rows_only or [False] * len(sub_steps)
         steps = [DraftStep(m, d.positions, d.meta, n) for m, d, n in zip(mtp_modules, sub_steps, narrow)]
-        forward = self.compiled.forward_speculative if self.compiled and padded else self.model.forward_speculative
-        return forward(
-            inputs.input_ids, inputs.positions, inputs.meta, inputs.lm_head_indices,
-            first.input_ids, hidden_states, lm_head_local_dp, steps, self.caches,
-        )
+        args = (inputs.input_ids, inputs.positions, inputs.meta, inputs.lm_head_indices,
+                first.input_ids, hidden_states, lm_head_local_dp, steps, self.caches)
+        if self.compiled and padded:  # padded steps verify K drafts per sequence
+            return self.compiled.forward_speculative(*args)
+        return self.model.forward_speculative(*args, verify_source=verify_source)
 
     def forward_speculative_host(
         self,
@@ -176,7 +177,11 @@ class ModelWrapper:
         lm = torch.from_numpy(np.ascontiguousarray(lm_head_local_dp, dtype=np.int64)).to(self.device)
         narrow = lm_rows_only_steps(sub_steps) if lm_rows_only is None else lm_rows_only
         steps = [to_device(on_lm_rows(s) if n else s, self.device) for s, n in zip(sub_steps, narrow)]
-        return self.forward_speculative(to_device(inputs, self.device), steps, mtp_modules, hidden_states, lm, narrow)
+        source = verify_source(inputs.q_lens, len(sub_steps))
+        if source is not None:
+            source = torch.from_numpy(source).to(self.device)
+        return self.forward_speculative(to_device(inputs, self.device), steps, mtp_modules, hidden_states, lm, narrow,
+                                        verify_source=source)
 
     @torch.inference_mode()
     def warmup(self, num_tokens: int = 4, max_seqs: Optional[int] = None) -> None:

@@ -213,13 +213,20 @@ class FlashCausalDeepseekV2:
         lm_head_local_dp: torch.Tensor,  # [B] drafter lm_head rows on this dp rank (seed 000's name)
         steps: list[DraftStep],
         caches: list[LatentCache],
+        verify_source: Optional[torch.Tensor] = None,  # [R] per row: its token in cat(input_ids, drafts)
     ) -> ModelOutput:
         """Decode with MTP in one call: draft K tokens, then the main model verifies
-        [last token, d1..dK] per sequence (seed 000: drafts fill input_ids.view(B, K+1)[:, 1:])."""
+        [last token, d1..dK] per sequence (seed 000: drafts fill input_ids.view(B, K+1)[:, 1:]).
+        With ``verify_source``, sequence b verifies only its first k_b <= K drafts: its rows are
+        [last token, d1..d_kb] (ragged q_lens) and each row takes its token from the flat
+        concatenation of input_ids and the [B * K] drafts (decode_inputs.verify_source)."""
         draft_tokens = self.draft(sub_input_ids, sub_hidden_states, lm_head_local_dp, steps, caches)
         num_seqs, k = draft_tokens.shape
-        ids = input_ids.clone().view(num_seqs, k + 1)
-        ids[:, 1:] = draft_tokens
+        if verify_source is None:
+            ids = input_ids.clone().view(num_seqs, k + 1)
+            ids[:, 1:] = draft_tokens
+        else:
+            ids = torch.cat([input_ids, draft_tokens.reshape(-1)])[verify_source]
         out = self.forward(ids.view(-1), positions, caches, meta, lm_head_indices)
         out.draft_tokens = draft_tokens
         return out

@@ -1,36 +1,42 @@
-"""Adaptive speculation: per decode step, how many drafts to verify (0: a plain step), from
-measured throughput.
+"""Adaptive speculation: per decode step, how many drafts each sequence verifies (0: none),
+from measured step time and each sequence's own acceptance.
 
 Speculation pays when a step that verifies k+1 tokens per sequence costs less than the tokens it
 yields. At batch 1 that holds easily (a step is dispatch- or bandwidth-bound, so k+1 tokens cost
 little more than one); at large batches the step becomes compute-bound, every extra token costs
 nearly as much as a real one, and rejected drafts are pure loss (users of vLLM and SGLang report
 speculation turning into a slowdown there), while fewer drafts, whose acceptance is highest, may
-still pay. So the choice is measured, not assumed. Tokens per step come from the measured acceptance: per
-draft position j, the share of drafts at j accepted when every draft before it was (decayed
-counts over recent speculative steps of every batch size and draft count), so a step with k
-drafts yields 1 + sum_{j<=k} prod_{i<=j} alpha_i tokens per sequence; every speculative step
-informs every arm that drafts as far, where per-arm means of a few exploration steps swing with
-the text being written (a run of boilerplate or of novel code). Step time is measured per
-batch-size bucket and draft count (the "arms"), as the median of its recent steps. The controller
-picks the arm with the most tokens per second. Each arm is timed a few times first, and the arms
-not chosen are re-tried now and then (a few steps in a row, one arm at a time), so the estimate
-follows the context length as it changes. Speculative steps that catch up MTP cache entries
-skipped by plain steps are not measured: they cost more than a steady speculative step, and
-counting them would make speculation look worse the longer it is off.
+still pay. And what pays for one request's text may not for another's. So the choice is
+measured, per sequence, not assumed.
 
-Every choice is lossless: a step without drafts is plain decoding, and the MTP caches it skipped
-are caught up by the next speculative step (decode_inputs: ``last_accepted`` counts the entries
-still to write).
+Step time is measured per batch-size bucket and per the step's draft count (the "arms": the most
+drafts any of its sequences verifies, which is how far the step drafts), as the median of its
+recent steps; each arm is timed a few times first, and the arms not chosen are re-tried now and
+then (a few steps in a row, one arm at a time), so the estimate follows the context length as it
+changes. Tokens per step come from acceptance per draft position j, the share of drafts at j
+accepted when every draft before it was: a step with k drafts yields
+1 + sum_{j<=k} prod_{i<=j} alpha_i tokens. Each sequence has its own alpha (sequence_acceptance.py:
+its decayed counts blended with a prior from the last finished sequences), so it prefers the arm
+with the most of its tokens per second of step; the step's arm maximises the batch's tokens per
+second when each sequence verifies the fewer of its preference and the step's; a sequence that
+stopped drafting retries one draft now and then. Speculative steps that catch up MTP cache entries
+skipped by plain steps inform acceptance but not step time: they cost more than a steady
+speculative step, and counting them would make speculation look worse the longer it is off.
+
+Every choice is lossless: a sequence verifying no drafts decodes plainly, and the MTP caches it
+skipped are caught up by its next speculative step (decode_inputs: ``last_accepted`` counts the
+entries still to write).
 """
 from __future__ import annotations
 
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Optional, Sequence, Union
 
 import numpy as np
+
+from .sequence_acceptance import AcceptancePrior, SequenceAcceptance, expected_tokens, verified_and_accepted
 
 MIN_SAMPLES = 3  # steps of each arm measured in a bucket before choosing by throughput
 WINDOW = 16  # recent steps per arm that the estimate uses
@@ -53,19 +59,21 @@ class Acceptance:
         self.verified = np.zeros(max_k)
         self.accepted = np.zeros(max_k)
 
-    def record(self, k: int, accepted: Sequence[int]) -> None:
-        """One step with k drafts per sequence; accepted[b]: drafts sequence b kept (0..k)."""
-        a = np.asarray(accepted)[:, None]
-        positions = np.arange(k)[None, :]
-        self.verified *= DECAY
-        self.accepted *= DECAY
-        self.verified[:k] += (positions <= a).sum(axis=0)  # reached: every draft before was kept
-        self.accepted[:k] += (positions < a).sum(axis=0)
+    def record(self, counts: Union[int, Sequence[int]], accepted: Sequence[int]) -> None:
+        """One step: counts[b] (or one k for all) drafts verified by sequence b, accepted[b] kept."""
+        counts = np.broadcast_to(np.asarray(counts), (len(accepted),))
+        verified, kept = verified_and_accepted(counts, np.asarray(accepted), len(self.verified))
+        self.verified = DECAY * self.verified + verified
+        self.accepted = DECAY * self.accepted + kept
+
+    def alpha(self, unknown: float = 0.0) -> np.ndarray:
+        """[max_k] rates; ``unknown`` at positions never verified."""
+        return np.divide(self.accepted, self.verified, out=np.full_like(self.verified, unknown),
+                         where=self.verified > 0)
 
     def expected_tokens(self) -> np.ndarray:
         """[max_k + 1]: expected tokens per sequence from a step with k = 0..max_k drafts."""
-        alpha = np.divide(self.accepted, self.verified, out=np.zeros_like(self.verified), where=self.verified > 0)
-        return 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(alpha))])
+        return expected_tokens(self.alpha())
 
     def tokens(self, k: int) -> float:
         return float(self.expected_tokens()[k])
@@ -85,9 +93,9 @@ class _Bucket:
 
 
 class AdaptiveSpeculation:
-    """Decides, per step, how many drafts a batch of ``batch_size`` sequences verifies.
+    """Decides, per step, how many drafts each sequence of a batch verifies.
 
-    ``arms``: the allowed draft counts, the largest the plugin's K (0 = a plain step)."""
+    ``arms``: the allowed draft counts per step, the largest the plugin's K (0 = a plain step)."""
 
     def __init__(self, arms: Sequence[int], enabled: bool = True):
         if not arms or min(arms) < 0:
@@ -97,11 +105,15 @@ class AdaptiveSpeculation:
         self.enabled = enabled
         self.buckets: dict[int, _Bucket] = {}
         self.acceptance = Acceptance(self.max_k)
+        self.sequences: dict[int, SequenceAcceptance] = {}
+        self.prior = AcceptancePrior(self.max_k)
 
     def reset(self) -> None:
         """Forget every measurement (warm-up steps on dummy prompts are no sample of serving)."""
         self.buckets.clear()
         self.acceptance = Acceptance(self.max_k)
+        self.sequences.clear()
+        self.prior = AcceptancePrior(self.max_k)
 
     def _bucket(self, batch_size: int) -> _Bucket:
         key = batch_bucket(batch_size)
@@ -110,40 +122,96 @@ class AdaptiveSpeculation:
             b = self.buckets[key] = _Bucket(choice=self.max_k, seconds={k: deque(maxlen=WINDOW) for k in self.arms})
         return b
 
-    def choose(self, batch_size: int) -> int:
+    def _sequence(self, seq_id: int) -> SequenceAcceptance:
+        seq = self.sequences.get(seq_id)
+        if seq is None:
+            seq = self.sequences[seq_id] = SequenceAcceptance(self.max_k)
+        return seq
+
+    def draft_counts(self, seq_ids: Sequence[int]) -> np.ndarray:
+        """[B] drafts each sequence verifies this step; the step drafts as far as the most of them.
+
+        Until each arm of the batch-size bucket is timed, and in the re-exploration bursts, every
+        sequence gets the arm being timed. Otherwise each sequence prefers the arm with the most
+        of its own expected tokens per second of step, and the step's arm is the one with the most
+        tokens per second over the batch when each sequence verifies the fewer of its preference
+        and the step's arm. A sequence that prefers none retries one draft when due."""
+        n = len(seq_ids)
         if not self.enabled or len(self.arms) == 1:
-            return self.max_k
-        b = self._bucket(batch_size)
+            return np.full(n, self.max_k, dtype=np.int64)
+        b = self._bucket(n)
         b.steps += 1
+        timing = self._timing_arm(b)
+        if timing is not None:
+            return np.full(n, timing, dtype=np.int64)
+        arms = np.array(self.arms)
+        seconds = np.array([b.median_seconds(k) for k in self.arms])  # all > 0 once timed
+        prior = self.prior.alpha(self.acceptance.alpha(unknown=1.0))  # nothing measured: drafts pay until shown not to
+        seqs = [self._sequence(s) for s in seq_ids]
+        tokens = expected_tokens(np.stack([s.alpha(prior) for s in seqs]))[:, arms]  # [B, arms]
+        prefer = arms[np.argmax(tokens / seconds, axis=1)]
+        for seq, p in zip(seqs, prefer.tolist()):
+            seq.prefers_drafts = p > 0
+        retry = (prefer == 0) & np.array([s.retry_due() for s in seqs])
+        # Retries ride along in a step that drafts anyway (one more row each); a step that would
+        # draft nothing drafts for them only when half the batch is due (at a batch size where no
+        # drafts pay, staggered retries would otherwise make every step draft).
+        if retry.any() and (b.choice > 0 or 2 * retry.sum() >= n):
+            prefer[retry] = min(a for a in self.arms if a)
+        else:
+            retry[:] = False
+        column = np.zeros(self.max_k + 1, dtype=np.int64)
+        column[arms] = np.arange(len(arms))
+        # the batch's tokens per second for each step arm: sequence b verifies min(prefer[b], k)
+        per_arm = {k: float(tokens[np.arange(n), column[np.minimum(prefer, k)]].sum()) / t
+                   for k, t in zip(self.arms, seconds)}
+        best = max(self.arms, key=per_arm.get)
+        if best != b.choice and per_arm[best] > per_arm[b.choice] * (1 + MARGIN):
+            b.choice = best
+        step = max(b.choice, int(prefer[retry].max())) if retry.any() else b.choice
+        return np.minimum(prefer, step)
+
+    def _timing_arm(self, b: _Bucket) -> Optional[int]:
+        """The arm every sequence gets this step while arms are being timed, or None."""
         fewest = min(self.arms, key=lambda k: len(b.seconds[k]))  # ties: the most speculative
         if len(b.seconds[fewest]) < MIN_SAMPLES:
             return fewest  # explore, round robin over the arms
         if b.steps % REEXPLORE_EVERY < REEXPLORE_BURST:
             others = [k for k in self.arms if k != b.choice]
             return others[(b.steps // REEXPLORE_EVERY) % len(others)]
-        tokens = self.acceptance.expected_tokens()  # once per decision, shared by the arms
-        rate = {k: self._rate(b, k, tokens) for k in self.arms}
-        best = max(self.arms, key=rate.get)
-        if best != b.choice and rate[best] > rate[b.choice] * (1 + MARGIN):
-            b.choice = best
-        return b.choice
+        return None
 
     def planned(self, batch_size: int) -> int:
-        """The draft count steps of this batch size currently get (K until measured; no side
-        effects: a prefill asks this to decide which MTP caches its prompts need)."""
+        """The draft count steps of this batch size currently get at most (K until measured; no
+        side effects: a prefill asks this to decide which MTP caches its prompts need)."""
         b = self.buckets.get(batch_bucket(batch_size))
         return b.choice if self.enabled and b is not None else self.max_k
 
-    def record(self, batch_size: int, k: int, accepted: Sequence[int], seconds: float) -> None:
-        """One finished step with ``k`` drafts: the drafts each sequence kept, and its wall time."""
-        if not self.enabled or seconds <= 0 or k not in self.arms:
+    def record(self, seq_ids: Sequence[int], counts: Sequence[int], accepted: Sequence[int],
+               seconds: Optional[float]) -> None:
+        """One finished step: the drafts each sequence verified and kept, and its wall time
+        (None: a step that is no sample of its arm's cost, e.g. one that caught MTP caches up)."""
+        if not self.enabled:
             return
-        self._bucket(batch_size).seconds[k].append(seconds)
-        if k > 0 and len(accepted):
-            self.acceptance.record(k, accepted)
+        counts, accepted = np.asarray(counts, dtype=np.int64), np.asarray(accepted, dtype=np.int64)
+        k = int(counts.max()) if len(counts) else 0
+        if seconds is not None and seconds > 0 and k in self.arms:
+            self._bucket(len(counts)).seconds[k].append(seconds)
+        if k > 0:
+            self.acceptance.record(counts, accepted)
+        for seq_id, c, a in zip(seq_ids, counts.tolist(), accepted.tolist()):
+            self._sequence(seq_id).record(c, a)
+
+    def finish(self, seq_ids: Sequence[int]) -> None:
+        """Sequences that ended: their acceptance joins the prior of the sequences to come."""
+        for seq_id in seq_ids:
+            seq = self.sequences.pop(seq_id, None)
+            if seq is not None:
+                self.prior.add(seq)
 
     def throughput(self, batch_size: int, k: int) -> float:
-        """Expected tokens per sequence per second of a step with k drafts at this batch size."""
+        """Expected tokens per sequence per second of a step with k drafts at this batch size
+        (pooled acceptance)."""
         return self._rate(self.buckets[batch_bucket(batch_size)], k, self.acceptance.expected_tokens())
 
     @staticmethod
@@ -152,7 +220,8 @@ class AdaptiveSpeculation:
         return float(tokens[k]) / seconds if seconds > 0 else 0.0
 
     def summary(self) -> dict:
-        """Per bucket: the draft count now chosen and each arm's tokens per sequence per second."""
+        """Per bucket: the step's draft count now chosen and each arm's tokens per sequence per
+        second at the pooled acceptance."""
         tokens = self.acceptance.expected_tokens()
         return {
             bucket: {"k": b.choice, "tokens_per_s": {k: round(self._rate(b, k, tokens), 2) for k in self.arms}}

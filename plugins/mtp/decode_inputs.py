@@ -3,7 +3,8 @@
 Per sequence with n tokens, whose last ``a`` tokens have no MTP cache entry yet (the tokens the
 last step accepted: 1 after prefill; more after steps that ran without speculation):
 - main ``model_inputs``: K+1 rows [t(n-1), d1..dK] at positions n-1..n-1+K (drafts filled in
-  on the device); every row gets logits.
+  on the device), or fewer where a sequence verifies fewer drafts than the step made (adaptive
+  speculation's per-sequence counts); every row gets logits.
 - ``sub_model_inputs``: one ModelInputs per MTP step over the same rows. MTP cache entry i holds
   (t(i+1), h(i)) at rope position i (mindspec's convention; MindIE's code uses i+1: RoPE is
   relative, so either is exact when used everywhere). Rows are ``h`` history entries, the ``a``
@@ -58,23 +59,34 @@ def decode_layout(
     )
 
 
-def main_inputs(last_tokens: np.ndarray, num_tokens: np.ndarray, tables: np.ndarray, block_size: int, k: int) -> ModelInputs:
-    num_seqs = len(num_tokens)
-    q_lens = np.full(num_seqs, k + 1, dtype=np.int32)
+def main_inputs(last_tokens: np.ndarray, num_tokens: np.ndarray, tables: np.ndarray, block_size: int,
+                counts: int | np.ndarray) -> ModelInputs:
+    """Sequence b verifies counts[b] drafts (or ``counts`` each): rows [t(n-1), d1..d_counts[b]]
+    (ragged q_lens when the counts differ; the model places each draft by
+    ``draft_rows.verify_source``)."""
+    q_lens = (np.broadcast_to(np.asarray(counts, dtype=np.int64), (len(num_tokens),)) + 1).astype(np.int32)
     seq_idx, positions = token_positions(num_tokens - 1, q_lens)
-    ids = np.zeros((num_seqs, k + 1), dtype=np.int64)
-    ids[:, 0] = last_tokens  # drafts go to ids[:, 1:] inside the model
+    ids = np.zeros(len(positions), dtype=np.int64)
+    ids[np.cumsum(q_lens) - q_lens] = last_tokens  # drafts go to the other rows inside the model
     return ModelInputs(
-        input_ids=ids.reshape(-1),
+        input_ids=ids,
         positions=positions,
         slots=slots_for(tables, seq_idx, positions, block_size),
         block_tables=tables,
-        seq_lens=(num_tokens + k).astype(np.int32),
+        seq_lens=(num_tokens - 1 + q_lens).astype(np.int32),
         q_lens=q_lens,
-        lm_head_indices=np.arange(num_seqs * (k + 1), dtype=np.int64),
+        lm_head_indices=np.arange(len(positions), dtype=np.int64),
         is_prefill=False,
         block_size=block_size,
     )
+
+
+def verify_grid(counts: np.ndarray, k: int) -> np.ndarray:
+    """[B, k + 1] flat verification row of each sequence's position j, for j past its counts[b]
+    its last row (so [B, k + 1] views of targets and probabilities hold only real rows)."""
+    rows = np.asarray(counts, dtype=np.int64) + 1
+    first = np.cumsum(rows) - rows
+    return first[:, None] + np.minimum(np.arange(k + 1)[None, :], rows[:, None] - 1)
 
 
 def sub_inputs(

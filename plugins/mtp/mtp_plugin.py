@@ -97,13 +97,15 @@ class MtpPlugin(Plugin):
         if batch.is_prefill:
             inputs.extra["mtp_modules"] = self.modules[: self._prefill_modules(batch)]
             return inputs
-        k = self.adaptive.choose(len(batch))
-        if k == 0 and any(self.states[s.seq_id].lag[0] >= CATCH_UP for s in batch.seqs):
-            k = min(a for a in self.adaptive.arms if a)  # a plain step now would leave an entry unwritten for good
+        counts = np.asarray(self.adaptive.draft_counts([s.seq_id for s in batch.seqs]), dtype=np.int64)
+        behind = np.array([self.states[s.seq_id].lag[0] >= CATCH_UP for s in batch.seqs])
+        if behind.any():  # no drafts now would leave an MTP entry unwritten for good
+            counts[behind] = np.maximum(counts[behind], min(a for a in self.adaptive.arms if a))
+        k = int(counts.max())
         inputs.extra["mtp_k"] = k
         if k == 0:  # a plain decode step: the base inputs as composed
             return inputs
-        inputs = self._speculative_inputs(batch, inputs, self._window(batch.seqs, k), k)
+        inputs = self._speculative_inputs(batch, inputs, self._window(batch.seqs, k), k, counts)
         inputs.hidden_states = self._gather_hidden(batch.seqs, inputs.extra["mtp_layout"])
         return inputs
 
@@ -119,7 +121,7 @@ class MtpPlugin(Plugin):
         # Otherwise K drafts use every module, so the window is the deepest module's lag (_window).
         last_accepted = np.array([n if n else self.states[s.seq_id].lag[-1] for s, n in zip(batch.seqs, pending)],
                                  dtype=np.int64)
-        return self._speculative_inputs(batch, inputs, last_accepted, self.k)
+        return self._speculative_inputs(batch, inputs, last_accepted, self.k, np.full(len(batch), self.k))
 
     def fill_in_model_result(self, batch: StepBatch, inputs: StepInputs, pending: np.ndarray,
                              accepted: list[list[int]]) -> None:
@@ -129,7 +131,9 @@ class MtpPlugin(Plugin):
         inputs.extra["mtp_layout"] = layout
         inputs.hidden_states = self._gather_hidden(batch.seqs, layout)
 
-    def _speculative_inputs(self, batch: StepBatch, inputs: StepInputs, last_accepted: np.ndarray, k: int) -> StepInputs:
+    def _speculative_inputs(self, batch: StepBatch, inputs: StepInputs, last_accepted: np.ndarray, k: int,
+                            counts: np.ndarray) -> StepInputs:
+        """A step that drafts k tokens per sequence; sequence b verifies the first counts[b] <= k."""
         seqs = batch.seqs
         num_tokens = np.array([s.num_tokens for s in seqs], dtype=np.int64)
         tables = di.block_tables([s.block_table for s in seqs])
@@ -137,7 +141,7 @@ class MtpPlugin(Plugin):
         hidden_from = np.array([getattr(self.states.get(s.seq_id), "hidden_from", 0) for s in seqs], dtype=np.int64)
         layout = di.decode_layout(num_tokens, last_accepted, k, self.mode, hidden_from)
         inputs.model_inputs = di.main_inputs(
-            np.array([s.last_token_id for s in seqs]), num_tokens, tables, self.block_size, k
+            np.array([s.last_token_id for s in seqs]), num_tokens, tables, self.block_size, counts
         )
         inputs.sub_model_inputs = di.sub_inputs(
             [s.token_ids for s in seqs], layout, tables, self.block_size, k, self.mode,
@@ -146,6 +150,7 @@ class MtpPlugin(Plugin):
         inputs.q_lens = inputs.model_inputs.q_lens
         inputs.extra["mtp_modules"] = self.modules[:k]
         inputs.extra["mtp_layout"] = layout
+        inputs.extra["mtp_counts"] = np.asarray(counts, dtype=np.int64)
         return inputs
 
     def forward(self, batch: StepBatch, inputs: StepInputs, generator):
@@ -161,21 +166,23 @@ class MtpPlugin(Plugin):
 
     def sample_preprocess(self, batch: StepBatch, inputs: StepInputs) -> StepInputs:
         if self._speculating(batch, inputs):  # one sampling row per verified position
-            n, k = len(batch), self._drafts(batch, inputs)
-            inputs.row_seq = np.repeat(np.arange(n, dtype=np.int64), k + 1)
-            inputs.row_offset = np.tile(np.arange(k + 1, dtype=np.int64), n)
+            rows = inputs.extra["mtp_counts"] + 1
+            inputs.row_seq = np.repeat(np.arange(len(rows), dtype=np.int64), rows)
+            inputs.row_offset = np.arange(int(rows.sum()), dtype=np.int64) - np.repeat(np.cumsum(rows) - rows, rows)
         return inputs
 
     def plugin_verify(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs) -> StepOutputs:
         if not self._speculating(batch, inputs):
             return outputs
-        n, k = len(batch), self._drafts(batch, inputs)
+        counts = inputs.extra["mtp_counts"]
+        grid = di.verify_grid(counts, self._drafts(batch, inputs))  # [B, k + 1] rows, a sequence's last repeated
         drafts = outputs.drafts_host()
-        targets = outputs.sampled.reshape(n, k + 1)
-        accepted = self._accept(batch, inputs, outputs, drafts, targets)
+        targets = outputs.sampled[grid]
+        accepted = np.minimum(self._accept(batch, inputs, outputs, drafts, targets, grid), counts)
         outputs.accepted = policy.emitted_tokens(drafts, targets, accepted)
-        outputs.accepted_rows = [list(range(b * (k + 1), b * (k + 1) + c + 1)) for b, c in enumerate(accepted.tolist())]
+        outputs.accepted_rows = [list(range(g[0], g[0] + c + 1)) for g, c in zip(grid.tolist(), accepted.tolist())]
         outputs.num_draft_accepted = accepted.tolist()
+        outputs.num_drafts = counts.tolist()
         return outputs
 
     def plugin_cache_update(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs) -> None:
@@ -184,14 +191,15 @@ class MtpPlugin(Plugin):
             self._prefilled(batch, inputs, hidden)
             return
         k = self._drafts(batch, inputs)
-        speculated, rows_per_seq = k > 0, k + 1
+        speculated = k > 0
         used = self._modules_used(k)
         counts = np.array([len(a) for a in outputs.accepted], dtype=np.int64)
         states = [self.states[seq.seq_id] for seq in batch.seqs]
-        # Sequence b's accepted rows b * rows_per_seq + 0..count-1 hold positions n-1 .. n-2+count.
+        rows = inputs.extra["mtp_counts"] + 1 if speculated else np.ones(len(states), dtype=np.int64)
+        # Sequence b's accepted rows first_row[b] + 0..count-1 hold positions n-1 .. n-2+count.
         self.history.write(np.array([st.slot for st in states], dtype=np.int64),
                            np.array([st.hidden_end for st in states], dtype=np.int64), counts,
-                           hidden, np.arange(len(states), dtype=np.int64) * rows_per_seq)
+                           hidden, np.cumsum(rows) - rows)
         for b, (state, count) in enumerate(zip(states, counts.tolist())):
             state.hidden_end += count
             # The modules this step ran wrote the entries of the tokens before it; the others did not.
@@ -204,9 +212,10 @@ class MtpPlugin(Plugin):
                 )[0])
         # More entries than a speculative step leaves (K+1): plain steps came before, not fewer drafts.
         caught_up = speculated and int(inputs.extra["mtp_layout"].last_accepted.max()) > self.k + 1
-        if not caught_up:  # a catch-up step is no sample of steady speculation (adaptive.py)
-            accepted = outputs.num_draft_accepted if speculated else []
-            self.adaptive.record(len(batch), k, accepted, time.perf_counter() - inputs.extra["mtp_started"])
+        seconds = None if caught_up else time.perf_counter() - inputs.extra["mtp_started"]  # adaptive.py
+        drafted = inputs.extra["mtp_counts"] if speculated else np.zeros(len(states), dtype=np.int64)
+        accepted = outputs.num_draft_accepted if speculated else drafted
+        self.adaptive.record([seq.seq_id for seq in batch.seqs], drafted, accepted, seconds)
 
     def _prefilled(self, batch: StepBatch, inputs: StepInputs, hidden: torch.Tensor) -> None:
         """New states for a prefill's sequences; their last ``keep`` hidden states kept."""
@@ -245,6 +254,7 @@ class MtpPlugin(Plugin):
         for seq_id in seq_ids:
             self.states.pop(seq_id, None)
             self.history.remove(seq_id)
+        self.adaptive.finish(seq_ids)
 
     # ---- helpers -------------------------------------------------------------------------------
     def _drafts(self, batch: StepBatch, inputs: StepInputs) -> int:
@@ -278,7 +288,9 @@ class MtpPlugin(Plugin):
         slots = np.array([self.states[seq.seq_id].slot for seq in seqs], dtype=np.int64)
         return self.history.read(slots[seq_idx], positions, valid)
 
-    def _accept(self, batch, inputs, outputs, drafts, targets) -> np.ndarray:
+    def _accept(self, batch, inputs, outputs, drafts, targets, grid) -> np.ndarray:
+        """Drafts kept per sequence [B] by the decoding policy, from the target rows ``grid``
+        [B, k + 1] (the caller caps each at the drafts the sequence verified)."""
         p = self.params
         if p.simulated_acceptance is not None:
             return policy.simulated_accept(np.array(p.simulated_acceptance[: drafts.shape[1]]), self.simulation_rng,
@@ -286,12 +298,11 @@ class MtpPlugin(Plugin):
         if p.decoding_policy == "strict":
             return policy.strict_accept(drafts, targets)
         md = inputs.extra["sampling_metadata"]
-        n, k = drafts.shape
         if p.decoding_policy == "relaxed":
-            probs = torch.softmax(penalised_logits(outputs.logits, md), dim=-1).view(n, k + 1, -1).cpu()
+            probs = _on_grid(torch.softmax(penalised_logits(outputs.logits, md), dim=-1), grid)
             delta = np.array([p.relaxed_delta if self.states[s.seq_id].in_think else 0.0 for s in batch.seqs])
             return policy.relaxed_accept(drafts, targets, probs, p.relaxed_topk, delta)
-        probs = processed_probs(outputs.logits, md).view(n, k + 1, -1).cpu()
+        probs = _on_grid(processed_probs(outputs.logits, md), grid)
         return policy.typical_accept(drafts, targets, probs, p.posterior_threshold, p.posterior_alpha)
 
     def _prompt_in_think(self, token_ids: list[int]) -> bool:
@@ -299,3 +310,9 @@ class MtpPlugin(Plugin):
         if p.think_start_token_id is None:
             return False
         return bool(policy.update_think_state(np.array([False]), [token_ids], p.think_start_token_id, p.think_end_token_id)[0])
+
+
+def _on_grid(probs: torch.Tensor, grid: np.ndarray) -> torch.Tensor:
+    """[rows, V] -> [B, k + 1, V] on the host: the rows of each sequence's verified positions."""
+    index = torch.from_numpy(grid.reshape(-1)).to(probs.device)
+    return probs.index_select(0, index).view(*grid.shape, -1).cpu()

@@ -102,3 +102,16 @@ def test_eagle_step_on_lm_rows_equals_the_full_layout(wrapper):
     for now, expected, old in zip(_caches(wrapper), after_full, before):
         torch.testing.assert_close(now, expected, atol=1e-5, rtol=1e-5)
         assert not torch.equal(now, old)  # every layer, the MTP module's too, wrote this step
+
+
+def test_verify_source_places_each_sequences_own_drafts():
+    from mindspec.modeling.draft_rows import verify_source
+
+    # 3 sequences, k = 2 drafts made each; they verify 2, 0 and 1: rows [t0 d0 d0'] [t1] [t2 d2]
+    src = verify_source(np.array([3, 1, 2]), 2)
+    ids = np.array([10, 0, 0, 11, 12, 0])  # fed tokens at each sequence's first row
+    drafts = np.array([[20, 21], [30, 31], [40, 41]])
+    assert np.concatenate([ids, drafts.reshape(-1)])[src].tolist() == [10, 20, 21, 11, 12, 40]
+    assert verify_source(np.array([3, 3]), 2) is None  # uniform: the model's view places them
+    with pytest.raises(ValueError, match="1..3"):
+        verify_source(np.array([4, 1]), 2)

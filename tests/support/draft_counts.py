@@ -1,4 +1,9 @@
-"""Records, per verification step of the suffix plugin, how many drafts each sequence verified."""
+"""Draft counts per verification step: recorded from the suffix plugin, or scripted for the MTP
+plugin in place of its adaptive controller."""
+from __future__ import annotations
+
+import numpy as np
+
 from mindspec.plugins.suffix.suffix_plugin import SuffixPlugin
 
 
@@ -13,3 +18,45 @@ def record_draft_counts(monkeypatch) -> list[list[int]]:
 
     monkeypatch.setattr(SuffixPlugin, "plugin_verify", spy)
     return counts
+
+
+class ScriptedSpeculation:
+    """Stands in for MTP's adaptive controller: each step's draft counts from a fixed pattern,
+    cycled. An entry is one count for every sequence (True: K), or a list of per-sequence counts
+    (sequence b gets entry[b % len(entry)]). Prefills plan for ``planned`` drafts (K by default)."""
+
+    def __init__(self, pattern, k, planned=None):
+        self.arms = tuple(range(k + 1))  # the plugin's arms in both modes
+        self.k, self.i = k, 0
+        self.pattern = [k if p is True else p for p in pattern]
+        self.log: list[int] = []  # per step: the most drafts a sequence verified
+        self.counts: list[list[int]] = []  # per step: each sequence's count
+        self.recorded: list[int] = []  # per timed step: its draft count
+        self.plan, self.plan_asked = k if planned is None else planned, []
+
+    def planned(self, batch_size):
+        self.plan_asked.append(batch_size)
+        return self.plan
+
+    def draft_counts(self, seq_ids):
+        entry = self.pattern[self.i % len(self.pattern)]
+        self.i += 1
+        counts = [int(entry[b % len(entry)]) for b in range(len(seq_ids))] if isinstance(entry, (list, tuple)) \
+            else [int(entry)] * len(seq_ids)
+        self.log.append(max(counts))
+        self.counts.append(counts)
+        return np.array(counts, dtype=np.int64)
+
+    def record(self, seq_ids, counts, accepted, seconds):
+        if seconds is not None:
+            self.recorded.append(int(max(counts)))
+
+    def finish(self, seq_ids):
+        pass
+
+
+def script_mtp_counts(llm, pattern, k=None) -> ScriptedSpeculation:
+    """Replace the MTP plugin's controller of ``llm`` by a scripted one; returns it."""
+    plugin = next(p for p in llm.engine.plugin_manager.plugins if p.name == "mtp")
+    plugin.adaptive = ScriptedSpeculation(pattern, plugin.k if k is None else k)
+    return plugin.adaptive

@@ -5,40 +5,49 @@ import torch
 import pytest
 
 from mindspec import LLM, SamplingParams
-from mindspec.plugins.mtp import adaptive
+from mindspec.plugins.mtp import adaptive, sequence_acceptance
 from mindspec.plugins.mtp.adaptive import AdaptiveSpeculation, batch_bucket
 from mindspec.plugins.mtp.mtp_plugin import CATCH_UP
 from tests.support.checkpoints import make_self_predicting_checkpoint, tiny_v3_config
+from tests.support.draft_counts import ScriptedSpeculation, script_mtp_counts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
 # ---- the controller -----------------------------------------------------------------------------
-def _feed(ctl: AdaptiveSpeculation, batch: int, steps: int, seconds: dict[int, float], runs: list[int]):
-    """Run `steps` decisions. Sequence b of a step would keep runs[b] drafts if it had enough, so
-    a step with k drafts keeps min(runs[b], k) and takes seconds[k]. Returns the choices."""
-    choices = []
+def _counts(ctl: AdaptiveSpeculation, steps: int, seconds: dict[int, float], runs: list[int], ids=None):
+    """Run `steps` decisions for len(runs) sequences. Sequence b would keep runs[b] drafts if it
+    had enough, so verifying c drafts it keeps min(runs[b], c); a step drafting k (the most any
+    sequence verifies) takes seconds[k]. Returns every step's per-sequence counts."""
+    ids = list(range(len(runs))) if ids is None else ids
+    out = []
     for _ in range(steps):
-        k = ctl.choose(batch)
-        choices.append(k)
-        ctl.record(batch, k, [min(r, k) for r in runs], seconds[k])
-    return choices
+        counts = ctl.draft_counts(ids)
+        out.append(counts.tolist())
+        ctl.record(ids, counts, [min(r, c) for r, c in zip(runs, counts)], seconds[int(counts.max())])
+    return out
+
+
+def _feed(ctl: AdaptiveSpeculation, steps: int, seconds: dict[int, float], runs: list[int], ids=None):
+    """As _counts; returns each step's draft count (the most any sequence verified)."""
+    return [max(c) for c in _counts(ctl, steps, seconds, runs, ids)]
 
 
 HALF = [1, 2]  # K=3 yields 2.5 tokens per sequence (1 + mean of 1 and 2 kept drafts)
 ON_WINS = {3: 2.0, 0: 1.0}  # with HALF: speculation 2.5 tokens in 2 s (1.25/s); plain 1 token in 1 s
 # Accepted at position 1, 2, 3 when reached: 0.8, 0.75, 2/3 -> 1.8, 2.4, 2.8 tokens for k = 1, 2, 3.
 RUNS = [0] * 3 + [1] * 3 + [2] * 3 + [3] * 6
+CPU_LIKE = {0: 1.0, 1: 1.3, 2: 1.6, 3: 1.9}  # batch-1 step cost by draft count, eager cpu (~)
 
 
 def test_explores_both_kinds_then_keeps_the_faster():
     ctl = AdaptiveSpeculation((0, 3))
-    first = _feed(ctl, 1, 2 * adaptive.MIN_SAMPLES, ON_WINS, HALF)
+    first = _feed(ctl, 2 * adaptive.MIN_SAMPLES, ON_WINS, HALF)
     assert first.count(3) == first.count(0) == adaptive.MIN_SAMPLES
     assert first[0] == 3  # speculation is tried first
-    later = _feed(ctl, 1, 40, ON_WINS, HALF)
+    later = _feed(ctl, 40, ON_WINS, HALF)
     assert set(later) == {3}
-    assert ctl.summary()[1] == {"k": 3, "tokens_per_s": {3: 1.25, 0: 1.0}}
+    assert ctl.summary()[2] == {"k": 3, "tokens_per_s": {3: 1.25, 0: 1.0}}
 
 
 def test_expected_tokens_from_acceptance_per_position():
@@ -51,41 +60,76 @@ def test_expected_tokens_from_acceptance_per_position():
     alpha1 = (12 * adaptive.DECAY ** 2 + 12 * adaptive.DECAY) / (15 * adaptive.DECAY ** 2 + 15 * adaptive.DECAY + 15)
     assert acc.tokens(1) == pytest.approx(1 + alpha1)
     assert acc.tokens(3) == pytest.approx(1 + alpha1 * (1 + 0.75 + 0.75 * 2 / 3))
+    ragged = adaptive.Acceptance(3)  # per-sequence counts: a sequence verifying 1 never reaches position 2
+    ragged.record([3, 1, 0], [2, 1, 0])
+    assert ragged.verified.tolist() == [2, 1, 1] and ragged.accepted.tolist() == [2, 1, 0]
 
 
-def test_every_arm_learns_from_every_speculative_step():
-    """Steps of one arm that happened to write easy text do not make that arm look better than
-    the others: acceptance is pooled over arms, only step time is per arm."""
+def test_a_sequence_whose_drafts_miss_stops_drafting_within_a_few_steps_and_retries():
+    ctl = AdaptiveSpeculation(range(4))
+    _feed(ctl, 4 * adaptive.MIN_SAMPLES, CPU_LIKE, [3], ids=[1])  # every arm timed on an easy sequence
+    ctl.finish([1])
+    counts = [c[0] for c in _counts(ctl, 120, CPU_LIKE, [0], ids=[2])]  # nothing it drafts is kept
+    first_plain = counts.index(0)
+    assert first_plain <= 6
+    # retries: one draft each (outside the re-exploration bursts, which time every arm now and
+    # then), the waits doubling up to RETRY_MAX
+    first_step = ctl.buckets[1].steps - len(counts) + 1
+    burst = [(first_step + i) % adaptive.REEXPLORE_EVERY < adaptive.REEXPLORE_BURST for i in range(len(counts))]
+    retries = [i for i in range(first_plain, len(counts)) if counts[i] > 0 and not burst[i]]
+    assert retries and all(counts[i] == 1 for i in retries)
+    drafted = [first_plain - 1] + [i for i in range(first_plain, len(counts)) if counts[i] > 0]
+    gaps = np.diff(drafted)
+    assert gaps[0] >= sequence_acceptance.RETRY_AFTER and gaps.max() <= sequence_acceptance.RETRY_MAX + 1
+    assert retries[1] - retries[0] == 2 * sequence_acceptance.RETRY_AFTER + 1  # the second wait doubled
+    assert sum(counts[first_plain:]) <= 0.15 * len(counts[first_plain:])  # drafting is rare now
+
+
+def test_a_new_request_starts_from_the_prior_not_from_the_last_requests_state():
+    """The issue's case: after one request whose drafts all missed, the next request drafts from
+    its first step (the prior is the mean of the last finished sequences, each counted once)."""
+    ctl = AdaptiveSpeculation(range(4))
+    for seq_id in range(5):  # five requests whose drafts are kept
+        _feed(ctl, 20, CPU_LIKE, [3], ids=[seq_id])
+        ctl.finish([seq_id])
+    bad = _counts(ctl, 40, CPU_LIKE, [0], ids=[5])
+    assert bad[-1] == [0]
+    ctl.finish([5])
+    assert ctl.draft_counts([6]).tolist() == [3]
+
+
+def test_sequences_of_one_step_verify_their_own_counts():
+    ctl = AdaptiveSpeculation(range(4))
+    runs = [3, 0, 3, 1]  # per sequence: drafts it would keep
+    last = np.array(_counts(ctl, 60, CPU_LIKE, runs)[-10:])
+    assert (last[:, 0] == 3).all() and (last[:, 2] == 3).all()  # easy text: every draft
+    assert np.median(last[:, 1]) == 0  # drafts that miss: none (retries aside)
+    assert np.median(last[:, 3]) < 3  # one kept per step: fewer verified
+
+
+def test_picks_the_best_step_draft_count_for_the_batch():
+    """Eagle's arms 0..K: at a large batch one draft can beat both three and none; sequences whose
+    drafts miss verify none inside those one-draft steps."""
     ctl = AdaptiveSpeculation(range(4))
     seconds = {0: 1.0, 1: 1.5, 2: 2.2, 3: 3.0}
-    _feed(ctl, 16, 4 * adaptive.MIN_SAMPLES, seconds, RUNS)
-    ctl.record(16, 2, [2] * 15, seconds[2])  # a lucky stretch for k = 2 ...
-    ctl.record(16, 3, [min(r, 3) for r in RUNS], seconds[3])
-    ratio = ctl.throughput(16, 3) / ctl.throughput(16, 2)
-    assert ratio == pytest.approx(ctl.acceptance.tokens(3) / ctl.acceptance.tokens(2) * 2.2 / 3.0)
-    assert ctl.acceptance.tokens(2) < 2.6  # the lucky step moved the pooled estimate, not k = 2's alone
+    first = _feed(ctl, 4 * adaptive.MIN_SAMPLES, seconds, RUNS)
+    assert first[:4] == [3, 2, 1, 0]  # round robin, the most speculative first
+    assert all(first.count(k) == adaptive.MIN_SAMPLES for k in range(4))
+    steps = _counts(ctl, 40, seconds, RUNS)
+    assert {max(c) for c in steps[-20:]} == {1} and ctl.summary()[16]["k"] == 1
+    assert all(c[:3] == [0, 0, 0] for c in steps[-5:])
 
 
 def test_switches_off_when_speculation_loses_and_back_when_it_wins():
     ctl = AdaptiveSpeculation((0, 3))
-    loses = [0, 1]  # 1.5 tokens in 2 s: 0.75/s against 1/s
-    _feed(ctl, 32, 2 * adaptive.MIN_SAMPLES, ON_WINS, loses)
-    assert set(_feed(ctl, 32, 20, ON_WINS, loses)) == {0}
+    loses = [0, 1] * 16  # 1.5 tokens in 2 s: 0.75/s against 1/s
+    _feed(ctl, 2 * adaptive.MIN_SAMPLES, ON_WINS, loses)
+    off = _feed(ctl, 20, ON_WINS, loses)
+    assert off[-5:] == [0] * 5 and off.count(3) <= 2  # retries aside
     # Speculation becomes cheaper and better accepted; the estimate follows as re-explored steps
     # replace old ones (a few every REEXPLORE_EVERY steps; a window's worth is more than enough).
-    choices = _feed(ctl, 32, adaptive.REEXPLORE_EVERY * adaptive.WINDOW, {3: 1.0, 0: 1.0}, [2, 2])
+    choices = _feed(ctl, adaptive.REEXPLORE_EVERY * adaptive.WINDOW, {3: 1.0, 0: 1.0}, [2] * 32)
     assert choices[-1] == 3
-
-
-def test_picks_the_best_draft_count_among_several():
-    """Eagle's arms 0..K: at a large batch one draft can beat both three and none."""
-    ctl = AdaptiveSpeculation(range(4))
-    seconds = {0: 1.0, 1: 1.5, 2: 2.2, 3: 3.0}  # with RUNS: 1.0, 1.2, 1.09, 0.93 tokens per s
-    first = _feed(ctl, 16, 4 * adaptive.MIN_SAMPLES, seconds, RUNS)
-    assert first[:4] == [3, 2, 1, 0]  # round robin, the most speculative first
-    assert all(first.count(k) == adaptive.MIN_SAMPLES for k in range(4))
-    assert set(_feed(ctl, 16, 40, seconds, RUNS)) == {1}
-    assert ctl.summary()[16]["k"] == 1
 
 
 def test_a_few_slow_steps_do_not_flip_the_choice():
@@ -94,69 +138,56 @@ def test_a_few_slow_steps_do_not_flip_the_choice():
     ctl = AdaptiveSpeculation((0, 3))
     steps = []
     for _ in range(60):
-        k = ctl.choose(1)
+        counts = ctl.draft_counts([0, 1])
+        k = int(counts.max())
         spec_steps = sum(1 for s in steps if s == 3)
         seconds = 20.0 if k == 3 and spec_steps % 5 == 4 else (2.0 if k == 3 else 1.0)
-        ctl.record(1, k, [min(r, k) for r in HALF], seconds)
+        ctl.record([0, 1], counts, [min(r, c) for r, c in zip(HALF, counts)], seconds)
         steps.append(k)
     assert steps[-20:].count(3) >= 20 - adaptive.REEXPLORE_BURST
-    assert ctl.summary()[1]["tokens_per_s"][3] == 1.25
+    assert ctl.summary()[2]["tokens_per_s"][3] == 1.25
 
 
 def test_margin_prevents_flip_flopping_on_noise():
     ctl = AdaptiveSpeculation((0, 3))
-    _feed(ctl, 4, 2 * adaptive.MIN_SAMPLES, {3: 1.5, 0: 1.0}, [0, 1])  # 1.5 tokens in 1.5 s: 1.0/s
-    # 1% apart: inside the margin, the current choice (speculate) stays
-    assert set(_feed(ctl, 4, 30, {3: 1.515, 0: 1.0}, [0, 1])[:adaptive.REEXPLORE_EVERY - 10]) == {3}
+    _feed(ctl, 2 * adaptive.MIN_SAMPLES, {3: 1.5, 0: 1.0}, [1, 1])  # 2 tokens in 1.5 s: 1.33/s
+    # 2% apart: inside the margin, the current choice (speculate) stays
+    assert set(_feed(ctl, 30, {3: 1.96, 0: 1.0}, [1, 1])[:adaptive.REEXPLORE_EVERY - 10]) == {3}
 
 
 def test_reexplores_the_other_arms_now_and_then():
     ctl = AdaptiveSpeculation((0, 3))
-    choices = _feed(ctl, 8, 3 * adaptive.REEXPLORE_EVERY, {3: 1.0, 0: 1.0}, [2, 2])
+    choices = _feed(ctl, 3 * adaptive.REEXPLORE_EVERY, {3: 1.0, 0: 1.0}, [2] * 8)
     plain_after_warmup = choices[2 * adaptive.MIN_SAMPLES:].count(0)
     assert 1 <= plain_after_warmup <= 3 * adaptive.REEXPLORE_BURST
     many = AdaptiveSpeculation(range(4))
-    choices = _feed(many, 8, 4 * adaptive.REEXPLORE_EVERY, {k: 1.0 for k in range(4)}, [3])
+    choices = _feed(many, 4 * adaptive.REEXPLORE_EVERY, {k: 1.0 for k in range(4)}, [3] * 8)
     assert {0, 1, 2} <= set(choices[4 * adaptive.MIN_SAMPLES:])  # each arm not chosen is re-tried in turn
 
 
 def test_buckets_are_independent_and_disabled_always_speculates():
     ctl = AdaptiveSpeculation((0, 3))
-    _feed(ctl, 64, 30, {3: 2.0, 0: 1.0}, [0, 0, 1])
-    assert ctl.choose(1) == 3  # a fresh bucket explores speculation first
+    _feed(ctl, 30, {3: 2.0, 0: 1.0}, [0, 0, 1] * 21 + [0])
+    assert ctl.draft_counts([100]).tolist() == [3]  # a fresh bucket explores speculation first
     ctl.reset()  # what warm-up does with its dummy steps
-    assert ctl.summary() == {} and ctl.acceptance.tokens(3) == 1.0
+    assert ctl.summary() == {} and ctl.acceptance.tokens(3) == 1.0 and not ctl.sequences
     assert [batch_bucket(b) for b in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, 32]
-    assert ctl.planned(64) == ctl.choose(64) and ctl.planned(1) == 3  # no bucket: K, none created
+    assert ctl.planned(64) == 3 and ctl.planned(1) == 3 and not ctl.buckets  # no bucket: K, none created
     off = AdaptiveSpeculation((0, 3), enabled=False)
-    assert set(_feed(off, 64, 10, {3: 9.0, 0: 1.0}, [0])) == {3}
-    assert off.summary() == {}
+    assert set(_feed(off, 10, {3: 9.0, 0: 1.0}, [0] * 64)) == {3}
+    assert off.summary() == {} and not off.sequences
     with pytest.raises(ValueError, match="draft counts"):
         AdaptiveSpeculation(())
 
 
+def test_finished_sequences_are_forgotten_and_join_the_prior():
+    ctl = AdaptiveSpeculation(range(4))
+    _feed(ctl, 5, CPU_LIKE, [1, 2], ids=[7, 8])
+    ctl.finish([7, 8, 9])  # 9 never drafted: ignored
+    assert not ctl.sequences and len(ctl.prior.finished) == 2
+
+
 # ---- losslessness under alternating steps ----------------------------------------------------------
-class ScriptedSpeculation:
-    """Stands in for the controller: the draft count of each step from a fixed pattern (True: K,
-    False: a plain step); prefills plan for ``planned`` drafts (K by default)."""
-
-    def __init__(self, pattern, k, planned=None):
-        self.arms = tuple(range(k + 1))  # the plugin's arms in both modes
-        self.pattern, self.i, self.log, self.recorded = [k if p is True else int(p) for p in pattern], 0, [], []
-        self.plan, self.plan_asked = k if planned is None else planned, []
-
-    def planned(self, batch_size):
-        self.plan_asked.append(batch_size)
-        return self.plan
-
-    def choose(self, batch_size):
-        k = self.pattern[self.i % len(self.pattern)]
-        self.i += 1
-        self.log.append(k)
-        return k
-
-    def record(self, batch_size, k, accepted, seconds):
-        self.recorded.append(k)
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +260,64 @@ def test_steps_with_any_draft_count_are_lossless(case, mode, pattern):
     assert drafted[0] > drafted[1] > drafted[2] > 0 and (accepted <= drafted).all()
     assert sum(s.num_draft_tokens for s in stats) == drafted.sum()
     assert accepted.sum() > 0.2 * drafted.sum()  # the modules' caches stay complete: drafts still hit
+
+
+PER_SEQUENCE = {
+    "mixed counts": [[3, 0, 1, 2], [0, 2, 3, 1], [1, 1, 0, 3], [2, 3, 2, 0]],
+    "mixed and plain steps": [[0, 0, 2], 0, [3, 1, 0], 0, 0],
+}
+SEEDED = [SamplingParams(temperature=0.9, top_p=0.95, repetition_penalty=1.2, seed=s, max_tokens=24,
+                         ignore_eos=True) for s in range(8)]
+
+
+@pytest.mark.parametrize("pattern", list(PER_SEQUENCE))
+@pytest.mark.parametrize("mode", ["eagle", "vanilla"])
+def test_sequences_verifying_different_draft_counts_in_one_step_are_lossless(case, mode, pattern):
+    """Adaptive speculation's per-sequence counts: one step drafts as far as its most drafts, each
+    sequence verifies its own number of them (ragged verification rows), greedy and seeded
+    sampling (penalties included) give the tokens of MTP off."""
+    path, prompts, expected = case
+    llm = _llm(path, {"plugin_type": "mtp", "num_speculative_tokens": 3, "mtp_mode": mode})
+    scripted = script_mtp_counts(llm, PER_SEQUENCE[pattern])
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert any(len(set(c)) > 1 for c in scripted.counts)  # counts differed inside a step
+    stats = [o.spec_decode for o in outs if o.spec_decode is not None]
+    drafted = np.sum([s.drafted_per_position for s in stats], axis=0)
+    accepted = np.sum([s.accepted_per_position for s in stats], axis=0)
+    assert (accepted <= drafted).all() and accepted.sum() > 0.2 * drafted.sum()
+    plain = [o.token_ids for o in _llm(path).generate(prompts, SEEDED)]
+    script_mtp_counts(llm, PER_SEQUENCE[pattern])
+    assert [o.token_ids for o in llm.generate(prompts, SEEDED)] == plain
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_usable_blocks and not llm.engine.plugin_manager.plugins[0].states
+
+
+@pytest.mark.parametrize("policy", [dict(decoding_policy="typical", posterior_threshold=0.09, posterior_alpha=0.3),
+                                    dict(decoding_policy="relaxed", relaxed_topk=4, relaxed_delta=0.0,
+                                         think_start_token_id=200, think_end_token_id=201)])
+def test_other_policies_cap_acceptance_at_each_sequences_count(case, policy):
+    """Typical and relaxed acceptance read each sequence's own verified rows and never keep more
+    drafts than the sequence verified (relaxed with delta 0 is strict: MTP off's tokens)."""
+    path, prompts, expected = case
+    llm = _llm(path, {"plugin_type": "mtp", "num_speculative_tokens": 3, **policy})
+    scripted = script_mtp_counts(llm, PER_SEQUENCE["mixed counts"])
+    kept = []
+    plugin = llm.engine.plugin_manager.plugins[0]
+    verify = plugin.plugin_verify
+
+    def spy(batch, inputs, outputs):
+        out = verify(batch, inputs, outputs)
+        if out.num_drafts is not None:
+            kept.append((list(out.num_drafts), list(out.num_draft_accepted)))
+        return out
+
+    plugin.plugin_verify = spy
+    outs = llm.generate(prompts, GREEDY)
+    assert kept and all(a <= c for counts, acc in kept for c, a in zip(counts, acc))
+    assert any(len(set(c)) > 1 for c in scripted.counts)
+    if policy["decoding_policy"] == "relaxed":
+        assert [o.token_ids for o in outs] == expected
 
 
 def test_adaptive_default_on_is_lossless(case):

@@ -1,0 +1,103 @@
+"""Per-sequence acceptance: what a sequence's own verified drafts say about its next ones.
+
+One request's text may suit the MTP modules (boilerplate, code that repeats its prompt) and the
+next one's may not; a pooled estimate lets either spoil the other. So each sequence keeps decayed
+counts per draft position of drafts verified and accepted (as ``adaptive.Acceptance`` does for
+the pool), and its estimate blends them with a prior: the mean acceptance of the last finished
+sequences, each counted once, so one odd request moves a new request's starting point by a
+sixteenth, not all the way.
+
+A sequence whose estimate says drafting does not pay verifies none; after ``RETRY_AFTER`` steps
+without drafts it retries one draft, and each retry after which its estimate still says no
+doubles the wait, up to ``RETRY_MAX`` (= mtp_plugin.CATCH_UP: module 0 of the MTP caches is
+caught up then anyway); a step in which it drafts by preference resets the wait.
+
+Constants (benchmarks/README.md, "Per-sequence speculation control"):
+- SEQ_DECAY 0.9: a sequence's estimate follows its text over ~10 speculative steps; with the
+  prior's 2 pseudo-drafts a sequence whose drafts all miss stops drafting after 3-5 steps;
+- PRIOR_SEQUENCES 16 finished sequences.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+SEQ_DECAY = 0.9  # weight kept by a sequence's past counts per speculative step
+PRIOR_WEIGHT = 2.0  # pseudo-drafts of the prior at each position
+PRIOR_SEQUENCES = 16  # finished sequences the prior averages, each with equal weight
+RETRY_AFTER = 8  # steps without drafts before a sequence that stopped drafting retries one
+RETRY_MAX = 32  # longest wait between two retries
+
+
+def verified_and_accepted(counts: np.ndarray, accepted: np.ndarray, max_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """counts [B] drafts each sequence verified, accepted [B] drafts it kept -> per position j
+    (< max_k): sequences that reached draft j (every draft before it kept), and kept it."""
+    j = np.arange(max_k)[None, :]
+    counts, accepted = np.asarray(counts)[:, None], np.asarray(accepted)[:, None]
+    verified = (j < counts) & (j <= accepted)
+    return verified.sum(axis=0), (verified & (j < accepted)).sum(axis=0)
+
+
+def expected_tokens(alpha: np.ndarray) -> np.ndarray:
+    """alpha [..., K] per-position acceptance -> [..., K + 1] tokens per step with k = 0..K drafts."""
+    reached = np.cumprod(alpha, axis=-1)
+    zero = np.zeros(alpha.shape[:-1] + (1,))
+    return 1.0 + np.concatenate([zero, np.cumsum(reached, axis=-1)], axis=-1)
+
+
+class SequenceAcceptance:
+    """One sequence's decayed counts per draft position, and its retry schedule."""
+
+    def __init__(self, max_k: int):
+        self.verified = np.zeros(max_k)
+        self.accepted = np.zeros(max_k)
+        self.steps_without_drafts = 0
+        self.retry_after = RETRY_AFTER
+        self.prefers_drafts = True  # the controller's last judgement: its drafts pay
+
+    def alpha(self, prior: np.ndarray) -> np.ndarray:
+        return (self.accepted + PRIOR_WEIGHT * prior) / (self.verified + PRIOR_WEIGHT)
+
+    def retry_due(self) -> bool:
+        return self.steps_without_drafts >= self.retry_after
+
+    def record(self, drafts: int, kept: int) -> None:
+        """One step that verified ``drafts`` (0: a step without drafts) and kept ``kept`` of them."""
+        if drafts == 0:
+            self.steps_without_drafts += 1
+            return
+        if self.prefers_drafts:
+            self.retry_after = RETRY_AFTER
+        elif self.retry_due():  # a retry: if its estimate still says no drafts, the next one waits longer
+            self.retry_after = min(2 * self.retry_after, RETRY_MAX)
+        self.steps_without_drafts = 0
+        verified, accepted = verified_and_accepted(np.array([drafts]), np.array([kept]), len(self.verified))
+        self.verified = SEQ_DECAY * self.verified + verified
+        self.accepted = SEQ_DECAY * self.accepted + accepted
+
+    def own_alpha(self) -> np.ndarray:
+        """[K] the sequence's own rates, NaN at positions it never reached."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.verified > 0, self.accepted / self.verified, np.nan)
+
+
+class AcceptancePrior:
+    """The starting estimate of a new sequence: per position, the mean of the last finished
+    sequences' own rates (those that reached it); where none did, ``fallback``."""
+
+    def __init__(self, max_k: int):
+        self.max_k = max_k
+        self.finished: deque[np.ndarray] = deque(maxlen=PRIOR_SEQUENCES)
+
+    def add(self, seq: SequenceAcceptance) -> None:
+        if seq.verified[0] > 0:
+            self.finished.append(seq.own_alpha())
+
+    def alpha(self, fallback: np.ndarray) -> np.ndarray:
+        if not self.finished:
+            return fallback
+        rates = np.stack(self.finished)
+        seen = ~np.isnan(rates)
+        mean = np.nansum(rates, axis=0) / np.maximum(seen.sum(axis=0), 1)
+        return np.where(seen.any(axis=0), mean, fallback)
