@@ -7,7 +7,7 @@ import pytest
 from mindspec import LLM, SamplingParams
 from mindspec.modeling.graph_runner import DecodeGraphRunner
 from tests.support.checkpoints import make_checkpoint, make_self_predicting_checkpoint, tiny_v2_config, tiny_v3_config
-from tests.support.draft_counts import record_draft_counts
+from tests.support.draft_counts import record_draft_counts, script_mtp_counts
 
 pytestmark = pytest.mark.slow  # about a minute under the interpreter on 2 cores
 
@@ -86,3 +86,25 @@ def test_suffix_drafting_with_unequal_draft_counts_equals_cpu(v3_checkpoint, dev
     expected = _tokens(_llm(path, "cpu"), prompts)
     assert _tokens(_llm(path, "cuda", device, plugin_params=params), prompts) == expected
     assert any(len(set(c)) > 1 for c in counts)
+
+
+def test_mtp_per_sequence_draft_counts_equal_cpu(v3_checkpoint, device):
+    """Adaptive speculation's per-sequence counts (0 included) in one MTP step: eagerly (the
+    model places each draft in ragged rows) and through the graph runner (rows padded per
+    sequence)."""
+    path, prompts = v3_checkpoint
+    params = {"plugin_type": "mtp", "num_speculative_tokens": 2, "mtp_mode": "vanilla"}
+    pattern = [[2, 0, 1], [1, 2, 0], [0, 1, 2]]
+    cpu = _llm(path, "cpu", plugin_params=params)
+    script_mtp_counts(cpu, pattern)
+    expected = _tokens(cpu, prompts)
+    assert expected == _tokens(_llm(path, "cpu"), prompts)
+    llm = _llm(path, "cuda", device, plugin_params=params)
+    script_mtp_counts(llm, pattern)
+    assert _tokens(llm, prompts) == expected
+    wrapper = llm.engine.model_wrapper
+    runner = DecodeGraphRunner(wrapper, buckets=(4,), capture=wrapper.backend.supports_graph_capture)
+    wrapper.graph_runner = runner
+    script_mtp_counts(llm, pattern)
+    assert _tokens(llm, prompts) == expected
+    assert runner.stats.replays > 0

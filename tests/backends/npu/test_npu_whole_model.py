@@ -15,7 +15,7 @@ from mindspec.modeling.forward_metadata import build_model_inputs, to_device
 from mindspec.modeling.model_wrapper import ModelWrapper
 from npu_cases import ascend_config
 from tests.support.checkpoints import make_checkpoint, make_self_predicting_checkpoint, tiny_v3_config
-from tests.support.draft_counts import record_draft_counts
+from tests.support.draft_counts import record_draft_counts, script_mtp_counts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 MTP_K3 = {"plugin_type": "mtp", "num_speculative_tokens": 3, "mtp_mode": "eagle", "adaptive_speculation": False}
@@ -104,3 +104,19 @@ def test_suffix_drafting_with_unequal_draft_counts_equals_cpu(ascend_checkpoint,
 
     assert tokens("npu", params, device="cpu") == tokens("cpu", {})
     assert any(len(set(c)) > 1 for c in counts)
+
+
+def test_mtp_per_sequence_draft_counts_equal_cpu(ascend_checkpoint, npu_ref):
+    """MTP steps whose sequences verify different draft counts (adaptive speculation's
+    per-sequence control) through the npu backend's attention."""
+    prompts = [[5, 6, 7, 8, 5, 6], [40, 41, 42, 43, 44], [9, 10, 9, 10, 9]]
+    params = {"plugin_type": "mtp", "num_speculative_tokens": 3, "mtp_mode": "eagle"}
+
+    def tokens(backend, plugin_params, **kw):
+        llm = LLM(model=str(ascend_checkpoint), dtype="float16", cache_block_size=16, num_blocks=64, progress=False,
+                  plugin_params=plugin_params, backend=backend, **kw)
+        if plugin_params:
+            script_mtp_counts(llm, [[3, 0, 1], [1, 3, 0], [0, 2, 3]])
+        return [o.token_ids for o in llm.generate(prompts, GREEDY)]
+
+    assert tokens("npu", params, device="cpu") == tokens("cpu", {})
