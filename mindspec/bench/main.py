@@ -22,10 +22,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from mindspec.bench import llama_cpp, model_shapes, profile, speed
+from mindspec.bench import llama_cpp, model_shapes, profile, speed, workloads
 from mindspec.bench.llama_cpp import LlamaCppError
 from mindspec.modeling.step_accounting import account_decode_steps
-from mindspec.bench.corpus import heldout_prompts
 from mindspec.text_generator.sampling.params import SamplingParams
 
 MIN_PROMPTS = 8  # per configuration and batch size, so that batch 1 is not one prompt's luck
@@ -69,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="output lengths drawn uniformly from new_tokens x [1 - r, 1 + r] per prompt "
                         "(vLLM's --random-range-ratio); 0: every output new_tokens long")
     p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--workload", choices=workloads.WORKLOADS, default="continue",
+                   help="continue: held-out windows continued; edit: a held-out function asked for again under "
+                        "another name (the output copies the prompt); mixed: both, alternating")
     p.add_argument("--threads", type=int, default=2)
     # Off by default: the first run compiles a package per batch-size bucket and step shape (about
     # a minute each on two cores); later runs load them from the cache directory.
@@ -112,16 +114,17 @@ def run(args: argparse.Namespace) -> int:
     # batching queues the rest without blocks); +16 tokens per sequence cover BOS and the drafts.
     count = max(speed.prompt_count(b, MIN_PROMPTS, args.batching) for b in batches)
     output_lens = speed.output_lengths(count, args.new_tokens, args.output_len_range)
-    num_blocks = max(batches + [MIN_PROMPTS]) * -(-(args.prompt_tokens + max(output_lens) + 16) // 16) + 8
+    longest = workloads.max_prompt_tokens(args.workload, args.prompt_tokens)
+    num_blocks = max(batches + [MIN_PROMPTS]) * -(-(longest + max(output_lens) + 16) // 16) + 8
     llms = {c.name: _llm(model_dir, c, num_blocks, max(batches), args.backend, args.dtype) for c in configs}
     tokenizer = next(iter(llms.values())).tokenizer.hf_tokenizer
-    prompts = heldout_prompts(tokenizer, count, args.prompt_tokens)
+    prompts = workloads.prompts_for(args.workload, tokenizer, count, args.prompt_tokens)
     hf = _hf_model(model_dir, args.backend, args.dtype) if args.hf and not shape else None
     extra = {"llama.cpp": _llama_cpp(gguf, args.threads, prompts, output_lens)} if gguf else {}
     device = torch.cuda.get_device_name() if on_gpu else platform.processor() or platform.machine()
     report = {
         "model": model_dir, "model_shape": shape, "backend": args.backend, "device": device,
-        "batching": args.batching, "threads": args.threads, "rounds": args.rounds, "new_tokens": args.new_tokens,
+        "batching": args.batching, "workload": args.workload, "threads": args.threads, "rounds": args.rounds, "new_tokens": args.new_tokens,
         "output_len_range": args.output_len_range,
         "prompt_tokens": args.prompt_tokens, "dtype": args.dtype, "greedy": True,
         "prompts_per_batch": {f"batch {b}": speed.prompt_count(b, MIN_PROMPTS, args.batching) for b in batches},

@@ -13,7 +13,8 @@ def plot_report(report: dict, path: Path) -> None:
 
     batches = list(report["results"])
     profiles = report.get("profile") or {}
-    panels = len(batches) + 1 + (1 if profiles else 0)
+    per_request = [b for b in batches if b == "batch 1" and any("speedup_per_group" in r for r in report["results"][b].values())]
+    panels = len(batches) + 1 + (1 if profiles else 0) + len(per_request)
     cols = min(3, panels)
     rows = -(-panels // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.8 * rows), squeeze=False)
@@ -24,6 +25,8 @@ def plot_report(report: dict, path: Path) -> None:
     _acceptance(axes[len(batches)], batches[0], report["results"][batches[0]])
     if profiles:
         _profile(axes[len(batches) + 1], profiles)
+    for ax, batch in zip(axes[len(batches) + 1 + (1 if profiles else 0):], per_request):
+        _per_request(ax, batch, report["results"][batch], report.get("workload", "continue"))
     for ax in axes[panels:]:
         ax.axis("off")
     fig.tight_layout()
@@ -47,6 +50,20 @@ def _speedups(ax, batch: str, rows: dict, batching: str, where: str) -> None:
     ax.set_xticks(range(len(names)), names, rotation=65, ha="right", fontsize=7)
     ax.set_ylabel("tokens/s relative to MTP off (median)")
     ax.set_title(f"{batch} ({batching} batching): greedy, {where}", fontsize=10)
+
+
+def _per_request(ax, batch: str, rows: dict, workload: str) -> None:
+    """Each request's speed-up over MTP off (a dot per request), with its box: speculation must
+    pay per request, not only on average."""
+    names = [n for n, r in rows.items() if "speedup_per_group" in r and n != "mtp off"]
+    values = [rows[n]["speedup_per_group"]["values"] for n in names]
+    ax.boxplot(values, positions=range(len(names)), widths=0.5, showfliers=False)
+    for i, v in enumerate(values):
+        ax.scatter([i] * len(v), v, s=10, alpha=0.6, color="#4c72b0", zorder=3)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(names)), names, rotation=65, ha="right", fontsize=7)
+    ax.set_ylabel("speed-up over MTP off, per request")
+    ax.set_title(f"{batch}, {workload} workload: per request", fontsize=10)
 
 
 def _acceptance(ax, batch: str, rows: dict) -> None:

@@ -64,6 +64,9 @@ class Config:
         return self.plugin_params is not None
 
 
+SUFFIX = {"plugin_type": "suffix", "num_speculative_tokens": 8}
+
+
 def mtp(k: int, mode: str, adaptive: bool = False, **extra) -> dict:
     return {"plugin_type": "mtp", "num_speculative_tokens": k, "mtp_mode": mode,
             "adaptive_speculation": adaptive, **extra}
@@ -86,6 +89,7 @@ def default_configs(ks: list[int], mtp_modules: int, bos: int, eos: int, compile
     # output is declared one (from BOS to EOS) to measure what relaxed acceptance buys.
     out.append(Config(f"{best} K=3 relaxed", mtp(3, best, decoding_policy="relaxed", relaxed_topk=3, relaxed_delta=0.2,
                                                  think_start_token_id=bos, think_end_token_id=eos), lossless=False))
+    out.append(Config("suffix K=8", SUFFIX))  # no draft weights: matches in the sequence's own tokens
     if asynchronous:
         out += [Config("mtp off +async", async_scheduling=True),
                 Config(f"{best} K=3 +async", mtp(3, best), async_scheduling=True)]
@@ -101,7 +105,7 @@ def simulated(configs: list[Config], rates: list[float]) -> list[Config]:
     (the MTP plugin's simulated_acceptance); relaxed acceptance, which needs real targets, is dropped."""
     out = []
     for c in configs:
-        if not c.speculative:
+        if not c.speculative or c.plugin_params["plugin_type"] != "mtp":  # suffix drafts are verified for real
             out.append(c)
             continue
         k = c.plugin_params["num_speculative_tokens"]
@@ -130,6 +134,7 @@ class Measurement:
     latency_per_token_ms: list[float] = field(default_factory=list)
     token_ids: list = field(default_factory=list)
     spec: dict = field(default_factory=dict)
+    group_seconds: list[list[float]] = field(default_factory=list)  # per round: each static group's wall time
 
 
 def prompt_count(batch: int, min_prompts: int, batching: str) -> int:
@@ -158,14 +163,16 @@ def captured_graphs(llm: LLM) -> int:
 
 def run_mindspec(llm: LLM, groups: list[list[list[int]]], params: list[list[SamplingParams]], m: Measurement) -> None:
     """Static batching: one ``generate`` per group (``params``: per group, per prompt)."""
-    outs, latencies = [], []
+    outs, latencies, seconds = [], [], []
     start = time.perf_counter()
     for group, group_params in zip(groups, params):
         t = time.perf_counter()
         res = llm.generate(group, group_params)
-        latencies.append((time.perf_counter() - t) / max(p.max_tokens for p in group_params))
+        seconds.append(time.perf_counter() - t)
+        latencies.append(seconds[-1] / max(p.max_tokens for p in group_params))
         outs += res
     _record(m, outs, time.perf_counter() - start, statistics.mean(latencies))
+    m.group_seconds.append(seconds)
 
 
 def run_continuous(llm: LLM, prompts: list[list[int]], batch: int, params: list[SamplingParams],
@@ -263,11 +270,24 @@ def summarise(results: dict[str, Measurement], baseline: str = "mtp off") -> dic
         }
         if m.token_ids:
             row["identical_to_mtp_off"] = m.token_ids == reference
+        if m.group_seconds and results[baseline].group_seconds:
+            row["speedup_per_group"] = per_group_speedup(m.group_seconds, results[baseline].group_seconds)
         sync = name.removesuffix(" +async")
         if sync != name and sync in results:  # the host-overlap gain, same run, same rounds
             row["speedup_vs_sync"] = round(tps / statistics.median(results[sync].tokens_per_s), 3)
         out[name] = row
     return out
+
+
+def per_group_speedup(seconds: list[list[float]], base: list[list[float]]) -> dict:
+    """Per static group (at batch 1: per request), the speed-up over the baseline's run of the
+    same group: the ratio of the groups' median wall times over rounds (equal outputs: the same
+    tokens in less time). Worst, median, p90 and best, and every group's value."""
+    mine, theirs = np.median(np.array(seconds), axis=0), np.median(np.array(base), axis=0)
+    ratios = theirs / mine
+    return {"min": round(float(ratios.min()), 3), "median": round(float(np.median(ratios)), 3),
+            "p90": round(float(np.percentile(ratios, 90)), 3), "max": round(float(ratios.max()), 3),
+            "values": [round(float(r), 3) for r in ratios]}
 
 
 def bench_batch(llms: dict[str, LLM], hf, prompts: list[list[int]], batch: int, min_prompts: int,
@@ -295,7 +315,7 @@ def bench_batch(llms: dict[str, LLM], hf, prompts: list[list[int]], batch: int, 
     results.update({name: Measurement() for name in others})
 
     def run(llm: LLM, m: Measurement) -> None:
-        if batching == "continuous":
+        if batching == "continuous" and batch > 1:  # at batch 1 both are one request at a time, timed each
             run_continuous(llm, prompts, batch, per_prompt, m)
         else:
             run_mindspec(llm, groups, group_params, m)
