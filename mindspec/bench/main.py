@@ -24,6 +24,7 @@ import torch
 
 from mindspec.bench import llama_cpp, model_shapes, profile, speed, workloads
 from mindspec.bench.llama_cpp import LlamaCppError
+from mindspec.backends.cpu.backend import default_cpu_threads
 from mindspec.modeling.step_accounting import account_decode_steps
 from mindspec.text_generator.sampling.params import SamplingParams
 
@@ -63,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="speculative token counts to compare (default 1,2,3,4; with --model-shape, 1 up to the "
                         "number of --simulated-acceptance rates)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--min-prompts", type=int, default=MIN_PROMPTS,
+                   help="prompts per configuration and batch size at least (more: a wider per-request distribution)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--output-len-range", type=float, default=0.0,
                    help="output lengths drawn uniformly from new_tokens x [1 - r, 1 + r] per prompt "
@@ -71,7 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", choices=workloads.WORKLOADS, default="continue",
                    help="continue: held-out windows continued; edit: a held-out function asked for again under "
                         "another name (the output copies the prompt); mixed: both, alternating")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None,
+                   help="cpu threads for every engine (default: what mindspec picks for the model, 1 for the "
+                        "shipped one: with OpenMP's passive waiting a second thread slows a small model down)")
     # Off by default: the first run compiles a package per batch-size bucket and step shape (about
     # a minute each on two cores); later runs load them from the cache directory.
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
@@ -92,13 +97,14 @@ def run(args: argparse.Namespace) -> int:
         print("mindspec bench: --backend cuda --compare needs a CUDA GPU and none is visible; nothing was measured",
               file=sys.stderr)
         return 2
-    torch.set_num_threads(args.threads)
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     batches = [int(b) for b in args.batches.split(",")]
     try:
         model_dir, shape = _model(args)
         ks = _ks(args, shape)
         hf_config = json.loads((Path(model_dir) / "config.json").read_text())
+        args.threads = args.threads or default_cpu_threads(hidden_size=hf_config.get("hidden_size"))
+        torch.set_num_threads(args.threads)
         configs = speed.default_configs(ks, hf_config.get("num_nextn_predict_layers", 0),
                                         hf_config.get("bos_token_id", 0), hf_config.get("eos_token_id", 1),
                                         args.compile, args.asynchronous)
@@ -112,10 +118,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # KV blocks for the most sequences ever running at once: max(batches) in both modes (continuous
     # batching queues the rest without blocks); +16 tokens per sequence cover BOS and the drafts.
-    count = max(speed.prompt_count(b, MIN_PROMPTS, args.batching) for b in batches)
+    count = max(speed.prompt_count(b, args.min_prompts, args.batching) for b in batches)
     output_lens = speed.output_lengths(count, args.new_tokens, args.output_len_range)
     longest = workloads.max_prompt_tokens(args.workload, args.prompt_tokens)
-    num_blocks = max(batches + [MIN_PROMPTS]) * -(-(longest + max(output_lens) + 16) // 16) + 8
+    num_blocks = max(batches + [args.min_prompts]) * -(-(longest + max(output_lens) + 16) // 16) + 8
     llms = {c.name: _llm(model_dir, c, num_blocks, max(batches), args.backend, args.dtype) for c in configs}
     tokenizer = next(iter(llms.values())).tokenizer.hf_tokenizer
     prompts = workloads.prompts_for(args.workload, tokenizer, count, args.prompt_tokens)
@@ -127,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         "batching": args.batching, "workload": args.workload, "threads": args.threads, "rounds": args.rounds, "new_tokens": args.new_tokens,
         "output_len_range": args.output_len_range,
         "prompt_tokens": args.prompt_tokens, "dtype": args.dtype, "greedy": True,
-        "prompts_per_batch": {f"batch {b}": speed.prompt_count(b, MIN_PROMPTS, args.batching) for b in batches},
+        "prompts_per_batch": {f"batch {b}": speed.prompt_count(b, args.min_prompts, args.batching) for b in batches},
         "configs": {c.name: {"plugin_params": c.plugin_params, "decode_graphs": c.decode_graphs,
                                "async_scheduling": c.async_scheduling, "lossless_policy": c.lossless}
                     for c in configs},
@@ -141,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     for batch in batches:
         t = time.time()
-        report["results"][f"batch {batch}"] = speed.bench_batch(llms, hf, prompts, batch, MIN_PROMPTS, args.rounds,
+        report["results"][f"batch {batch}"] = speed.bench_batch(llms, hf, prompts, batch, args.min_prompts, args.rounds,
                                                                 params, args.batching, warm_up, output_lens,
                                                                 extra)
         _write_json(report, out)  # a run cut short keeps the batch sizes it finished

@@ -13,7 +13,8 @@ def plot_report(report: dict, path: Path) -> None:
 
     batches = list(report["results"])
     profiles = report.get("profile") or {}
-    per_request = [b for b in batches if b == "batch 1" and any("speedup_per_group" in r for r in report["results"][b].values())]
+    per_request = [b for b in batches if b == "batch 1" and any("speedup_per_group" in r for n, r in report["results"][b].items()
+                                                                if n != "mtp off")]
     panels = len(batches) + 1 + (1 if profiles else 0) + len(per_request)
     cols = min(3, panels)
     rows = -(-panels // cols)

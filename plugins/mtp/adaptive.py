@@ -29,6 +29,7 @@ entries still to write).
 """
 from __future__ import annotations
 
+import functools
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -44,6 +45,11 @@ REEXPLORE_EVERY = 64  # steps in a bucket between two tries of an arm not chosen
 REEXPLORE_BURST = 3  # steps per try: the first speculative one after plain steps catches up, unmeasured
 MARGIN = 0.03  # switch only when another arm is this much faster (no flip-flopping on noise)
 DECAY = 0.98  # weight kept by past acceptance counts per speculative step (~50 steps remembered)
+# A verification row is worth it when its draft is reached and kept with at least this probability:
+# on 2 cores at batch 32 a row costs ~6 % of a sequence's share of a K=3 step (benchmarks/README.md,
+# "Per-sequence speculation control"), at batch 1 its draft stage as well, which the step's arm
+# choice weighs.
+ROW_YIELD = 0.2
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -132,10 +138,11 @@ class AdaptiveSpeculation:
         """[B] drafts each sequence verifies this step; the step drafts as far as the most of them.
 
         Until each arm of the batch-size bucket is timed, and in the re-exploration bursts, every
-        sequence gets the arm being timed. Otherwise each sequence prefers the arm with the most
-        of its own expected tokens per second of step, and the step's arm is the one with the most
-        tokens per second over the batch when each sequence verifies the fewer of its preference
-        and the step's arm. A sequence that prefers none retries one draft when due."""
+        sequence gets the arm being timed. Otherwise sequence b would verify its first useful[b]
+        drafts, those it reaches and keeps with probability >= ROW_YIELD by its own estimate (a
+        row below that costs more than it yields), and the step drafts the arm k with the most
+        tokens per second over the batch, sequence b verifying min(useful[b], k). A sequence
+        with no useful draft retries one when due."""
         n = len(seq_ids)
         if not self.enabled or len(self.arms) == 1:
             return np.full(n, self.max_k, dtype=np.int64)
@@ -144,32 +151,36 @@ class AdaptiveSpeculation:
         timing = self._timing_arm(b)
         if timing is not None:
             return np.full(n, timing, dtype=np.int64)
-        arms = np.array(self.arms)
         seconds = np.array([b.median_seconds(k) for k in self.arms])  # all > 0 once timed
         prior = self.prior.alpha(self.acceptance.alpha(unknown=1.0))  # nothing measured: drafts pay until shown not to
         seqs = [self._sequence(s) for s in seq_ids]
-        tokens = expected_tokens(np.stack([s.alpha(prior) for s in seqs]))[:, arms]  # [B, arms]
-        prefer = arms[np.argmax(tokens / seconds, axis=1)]
-        for seq, p in zip(seqs, prefer.tolist()):
-            seq.prefers_drafts = p > 0
-        retry = (prefer == 0) & np.array([s.retry_due() for s in seqs])
-        # Retries ride along in a step that drafts anyway (one more row each); a step that would
-        # draft nothing drafts for them only when half the batch is due (at a batch size where no
-        # drafts pay, staggered retries would otherwise make every step draft).
-        if retry.any() and (b.choice > 0 or 2 * retry.sum() >= n):
-            prefer[retry] = min(a for a in self.arms if a)
-        else:
-            retry[:] = False
-        column = np.zeros(self.max_k + 1, dtype=np.int64)
-        column[arms] = np.arange(len(arms))
-        # the batch's tokens per second for each step arm: sequence b verifies min(prefer[b], k)
-        per_arm = {k: float(tokens[np.arange(n), column[np.minimum(prefer, k)]].sum()) / t
-                   for k, t in zip(self.arms, seconds)}
+        alpha = np.stack([s.alpha(prior) for s in seqs])  # [B, K]
+        tokens = expected_tokens(alpha)  # [B, K + 1]
+        useful = (np.cumprod(alpha, axis=1) >= ROW_YIELD).sum(axis=1)  # [B] drafts worth a verification row
+        rows = np.arange(len(seqs))
+        # The step's arm: the most tokens per second over the batch, sequence b verifying
+        # min(useful[b], k) of the k drafts.
+        per_arm = {k: float(tokens[rows, np.minimum(useful, k)].sum()) / t for k, t in zip(self.arms, seconds)}
         best = max(self.arms, key=per_arm.get)
         if best != b.choice and per_arm[best] > per_arm[b.choice] * (1 + MARGIN):
             b.choice = best
-        step = max(b.choice, int(prefer[retry].max())) if retry.any() else b.choice
-        return np.minimum(prefer, step)
+        counts = self._floor_arm[np.minimum(useful, b.choice)]
+        for seq, c in zip(seqs, counts.tolist()):
+            seq.prefers_drafts = c > 0
+        retry = (counts == 0) & np.array([s.retry_due() for s in seqs])
+        # Retries ride along in a step that drafts anyway (one row each); a step that would draft
+        # nothing drafts for them only when half the batch is due (at a batch size where no drafts
+        # pay, staggered retries would otherwise make every step draft).
+        if retry.any() and (counts.max() > 0 or 2 * retry.sum() >= n):
+            counts[retry] = min(a for a in self.arms if a)
+        return counts
+
+    @functools.cached_property
+    def _floor_arm(self) -> np.ndarray:
+        """[K + 1] per count, the largest arm not above it (the counts themselves when the arms
+        are 0..K, as the plugin's are)."""
+        return np.array([max(a for a in self.arms if a <= c) if min(self.arms) <= c else 0
+                         for c in range(self.max_k + 1)], dtype=np.int64)
 
     def _timing_arm(self, b: _Bucket) -> Optional[int]:
         """The arm every sequence gets this step while arms are being timed, or None."""

@@ -11,13 +11,15 @@ module, how many tokens still lack its cache entry (the tokens the last step tha
 accepted: 1 after prefill; more after steps without it).
 
 Adaptive speculation (adaptive.py, on by default): per decode step the plugin picks how many
-drafts to verify, k in 0..K, whichever the measured throughput at this batch size favours (k = 0
-is a plain decode step). A step with k drafts runs the first k draft steps: MTP Eagle's one module
-(any k > 0), MTP Vanilla's modules 0..k-1. Each module it skips falls behind by the tokens the step
+drafts each sequence verifies, counts[b] in 0..K, from that sequence's acceptance and the step
+time measured at this batch size. The step drafts k = max(counts) tokens and sequence b verifies
+the first counts[b] of them (ragged verification rows; k = 0 is a plain decode step). A step
+with k drafts runs the first k draft steps over every sequence: MTP Eagle's one module (any
+k > 0), MTP Vanilla's modules 0..k-1, so a sequence verifying fewer still has its caches written. Each module it skips falls behind by the tokens the step
 accepts; the next step that uses the module writes the missed entries first (the window of
 decode_inputs: ``last_accepted`` is the deepest used module's lag). Module 0, which every
-speculative step uses, never falls more than CATCH_UP entries behind: then the step speculates
-however few drafts the controller allows, since entries never written would lower that sequence's
+speculative step uses, never falls more than CATCH_UP entries behind: then that sequence verifies
+at least the fewest drafts the controller allows, since entries never written would lower its
 acceptance for the rest of its life. Vanilla's later modules are not forced: at a large batch,
 where one draft per step pays and three do not, catching them up would cost two decoder layers
 per token. A later module more than CATCH_UP entries behind gives up its oldest missed entries

@@ -13,8 +13,9 @@ doubles the wait, up to ``RETRY_MAX`` (= mtp_plugin.CATCH_UP: module 0 of the MT
 caught up then anyway); a step in which it drafts by preference resets the wait.
 
 Constants (benchmarks/README.md, "Per-sequence speculation control"):
-- SEQ_DECAY 0.9: a sequence's estimate follows its text over ~10 speculative steps; with the
-  prior's 2 pseudo-drafts a sequence whose drafts all miss stops drafting after 3-5 steps;
+- SEQ_DECAY 0.95: a sequence's estimate follows its text over ~20 speculative steps, and a
+  sequence whose drafts are all kept reaches an estimate of 0.9 past the prior's 2 pseudo-drafts;
+  a sequence whose drafts all miss stops drafting after 3-5 steps;
 - PRIOR_SEQUENCES 16 finished sequences.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections import deque
 
 import numpy as np
 
-SEQ_DECAY = 0.9  # weight kept by a sequence's past counts per speculative step
+SEQ_DECAY = 0.95  # weight kept by a sequence's past counts per speculative step
 PRIOR_WEIGHT = 2.0  # pseudo-drafts of the prior at each position
 PRIOR_SEQUENCES = 16  # finished sequences the prior averages, each with equal weight
 RETRY_AFTER = 8  # steps without drafts before a sequence that stopped drafting retries one
@@ -57,7 +58,16 @@ class SequenceAcceptance:
         self.prefers_drafts = True  # the controller's last judgement: its drafts pay
 
     def alpha(self, prior: np.ndarray) -> np.ndarray:
-        return (self.accepted + PRIOR_WEIGHT * prior) / (self.verified + PRIOR_WEIGHT)
+        """[K] this sequence's estimate. Positions it has not reached would otherwise keep the
+        prior for good (a sequence verifying one draft never learns about the second), so the
+        prior it blends with at positions past the first is scaled by how its first position
+        compares with the prior's: text easier than usual at draft 1 is easier further on too."""
+        scale = 1.0
+        if self.verified[0] > 0 and prior[0] > 0:
+            scale = (self.accepted[0] / self.verified[0]) / prior[0]
+        scaled = np.minimum(1.0, prior * scale)
+        scaled[0] = prior[0]
+        return (self.accepted + PRIOR_WEIGHT * scaled) / (self.verified + PRIOR_WEIGHT)
 
     def retry_due(self) -> bool:
         return self.steps_without_drafts >= self.retry_after
@@ -73,8 +83,11 @@ class SequenceAcceptance:
             self.retry_after = min(2 * self.retry_after, RETRY_MAX)
         self.steps_without_drafts = 0
         verified, accepted = verified_and_accepted(np.array([drafts]), np.array([kept]), len(self.verified))
-        self.verified = SEQ_DECAY * self.verified + verified
-        self.accepted = SEQ_DECAY * self.accepted + accepted
+        # Only the positions reached decay: what a sequence learnt about a position it no longer
+        # verifies stays until it verifies it again.
+        reached = verified > 0
+        self.verified = np.where(reached, SEQ_DECAY * self.verified + verified, self.verified)
+        self.accepted = np.where(reached, SEQ_DECAY * self.accepted + accepted, self.accepted)
 
     def own_alpha(self) -> np.ndarray:
         """[K] the sequence's own rates, NaN at positions it never reached."""
