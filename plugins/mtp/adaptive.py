@@ -90,6 +90,7 @@ class _Bucket:
     choice: int  # drafts per step now chosen
     seconds: dict[int, deque] = field(default_factory=dict)  # arm -> recent step times
     steps: int = 0
+    timed_at: dict[int, int] = field(default_factory=dict)  # arm -> the step count when last timed
 
     def median_seconds(self, k: int) -> float:
         """A step slowed by something else on the machine (a noisy neighbour, a page fault, GC)
@@ -189,7 +190,11 @@ class AdaptiveSpeculation:
             return fewest  # explore, round robin over the arms
         if b.steps % REEXPLORE_EVERY < REEXPLORE_BURST:
             others = [k for k in self.arms if k != b.choice]
-            return others[(b.steps // REEXPLORE_EVERY) % len(others)]
+            arm = others[(b.steps // REEXPLORE_EVERY) % len(others)]
+            # an arm the sequences' own counts timed lately needs no burst (at batch 1 they do,
+            # requests whose drafts pay alternating with requests whose drafts do not)
+            if b.steps - b.timed_at.get(arm, -REEXPLORE_EVERY) >= REEXPLORE_EVERY:
+                return arm
         return None
 
     def planned(self, batch_size: int) -> int:
@@ -207,7 +212,9 @@ class AdaptiveSpeculation:
         counts, accepted = np.asarray(counts, dtype=np.int64), np.asarray(accepted, dtype=np.int64)
         k = int(counts.max()) if len(counts) else 0
         if seconds is not None and seconds > 0 and k in self.arms:
-            self._bucket(len(counts)).seconds[k].append(seconds)
+            b = self._bucket(len(counts))
+            b.seconds[k].append(seconds)
+            b.timed_at[k] = b.steps
         if k > 0:
             self.acceptance.record(counts, accepted)
         for seq_id, c, a in zip(seq_ids, counts.tolist(), accepted.tolist()):

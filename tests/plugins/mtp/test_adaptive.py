@@ -456,3 +456,15 @@ def test_an_easy_sequence_after_hard_ones_goes_back_to_every_draft():
     assert (ctl.prior.alpha(np.ones(3)) < 0.45).all()
     easy = [c[0] for c in _counts(ctl, 30, CPU_LIKE, [3], ids=[99])]
     assert easy[-10:] == [3] * 10, easy
+
+
+def test_an_arm_timed_lately_needs_no_reexploration_burst():
+    ctl = AdaptiveSpeculation(range(4))
+    _feed(ctl, 4 * adaptive.MIN_SAMPLES, CPU_LIKE, [3])
+    b = ctl.buckets[1]
+    b.steps = 2 * adaptive.REEXPLORE_EVERY - 1  # the next step opens a burst for an arm not chosen
+    arm = [k for k in ctl.arms if k != b.choice][(b.steps + 1) // adaptive.REEXPLORE_EVERY % 3]
+    b.timed_at[arm] = b.steps - 5  # ... which a sequence's own count timed 5 steps ago
+    assert ctl.draft_counts([0]).tolist() == [b.choice]
+    b.timed_at[arm] = b.steps - adaptive.REEXPLORE_EVERY
+    assert ctl.draft_counts([0]).tolist() == [arm]
