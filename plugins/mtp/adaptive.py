@@ -16,10 +16,10 @@ then (a few steps in a row, one arm at a time), so the estimate follows the cont
 changes. Tokens per step come from acceptance per draft position j, the share of drafts at j
 accepted when every draft before it was: a step with k drafts yields
 1 + sum_{j<=k} prod_{i<=j} alpha_i tokens. Each sequence has its own alpha (sequence_acceptance.py:
-its decayed counts blended with a prior from the last finished sequences), so it prefers the arm
-with the most of its tokens per second of step; the step's arm maximises the batch's tokens per
-second when each sequence verifies the fewer of its preference and the step's; a sequence that
-stopped drafting retries one draft now and then. Speculative steps that catch up MTP cache entries
+its decayed counts blended with a prior from the last finished sequences) and verifies the drafts
+it reaches and keeps with probability >= ROW_YIELD; the step's arm maximises the batch's tokens
+per second with each sequence verifying the fewer of those and the arm's; a sequence that
+verified nothing for a while retries one draft. Speculative steps that catch up MTP cache entries
 skipped by plain steps inform acceptance but not step time: they cost more than a steady
 speculative step, and counting them would make speculation look worse the longer it is off.
 
@@ -45,10 +45,11 @@ REEXPLORE_EVERY = 64  # steps in a bucket between two tries of an arm not chosen
 REEXPLORE_BURST = 3  # steps per try: the first speculative one after plain steps catches up, unmeasured
 MARGIN = 0.03  # switch only when another arm is this much faster (no flip-flopping on noise)
 DECAY = 0.98  # weight kept by past acceptance counts per speculative step (~50 steps remembered)
-# A verification row is worth it when its draft is reached and kept with at least this probability:
-# on 2 cores at batch 32 a row costs ~6 % of a sequence's share of a K=3 step (benchmarks/README.md,
-# "Per-sequence speculation control"), at batch 1 its draft stage as well, which the step's arm
-# choice weighs.
+# A verification row is worth it when its draft is reached and kept with at least this probability.
+# Once a step drafts, a row costs only its share of the verification: at batch 32 on 2 cores
+# ~0.11 ms against 1.7 ms per sequence for a K=3 step that yields ~3 tokens (benchmarks/README.md,
+# "Per-sequence speculation control"), so a row pays from ~0.2 tokens. At batch 1 the draft
+# stages dominate, and the step's arm choice weighs them.
 ROW_YIELD = 0.2
 
 
