@@ -16,8 +16,9 @@ time measured at this batch size. The step drafts k = max(counts) tokens and seq
 the first counts[b] of them (ragged verification rows; k = 0 is a plain decode step). A step
 with k drafts runs the first k draft steps over every sequence: MTP Eagle's one module (any
 k > 0), MTP Vanilla's modules 0..k-1, so a sequence verifying fewer still has its caches
-written. Each module it skips falls behind by the tokens the step accepts; the next step that uses the module writes the missed entries first (the window of
-decode_inputs: ``last_accepted`` is the deepest used module's lag). Module 0, which every
+written. Each module it skips falls behind by the tokens the step accepts; the next step that
+uses the module writes the missed entries first (the window of decode_inputs: ``last_accepted``
+is the deepest used module's lag). Module 0, which every
 speculative step uses, never falls more than CATCH_UP entries behind: then that sequence verifies
 at least the fewest drafts the controller allows, since entries never written would lower its
 acceptance for the rest of its life. Vanilla's later modules are not forced: at a large batch,
