@@ -114,14 +114,14 @@ class AdaptiveSpeculation:
         self.buckets: dict[int, _Bucket] = {}
         self.acceptance = Acceptance(self.max_k)
         self.sequences: dict[int, SequenceAcceptance] = {}
-        self.prior = AcceptancePrior(self.max_k)
+        self.priors: dict[Optional[str], AcceptancePrior] = {}  # per kind of sequence (greedy, sampled)
 
     def reset(self) -> None:
         """Forget every measurement (warm-up steps on dummy prompts are no sample of serving)."""
         self.buckets.clear()
         self.acceptance = Acceptance(self.max_k)
         self.sequences.clear()
-        self.prior = AcceptancePrior(self.max_k)
+        self.priors.clear()
 
     def _bucket(self, batch_size: int) -> _Bucket:
         key = batch_bucket(batch_size)
@@ -130,13 +130,21 @@ class AdaptiveSpeculation:
             b = self.buckets[key] = _Bucket(choice=self.max_k, seconds={k: deque(maxlen=WINDOW) for k in self.arms})
         return b
 
-    def _sequence(self, seq_id: int) -> SequenceAcceptance:
+    def _sequence(self, seq_id: int, kind: Optional[str] = None) -> SequenceAcceptance:
         seq = self.sequences.get(seq_id)
         if seq is None:
-            seq = self.sequences[seq_id] = SequenceAcceptance(self.max_k)
+            seq = self.sequences[seq_id] = SequenceAcceptance(self.max_k, kind)
         return seq
 
-    def draft_counts(self, seq_ids: Sequence[int]) -> np.ndarray:
+    def prior(self, kind: Optional[str] = None) -> AcceptancePrior:
+        """The prior of sequences of this kind: greedy and sampled requests accept drafts at very
+        different rates (this model: ~0.85 and ~0.35 at the first draft), so neither starts from
+        the other's."""
+        if kind not in self.priors:
+            self.priors[kind] = AcceptancePrior(self.max_k)
+        return self.priors[kind]
+
+    def draft_counts(self, seq_ids: Sequence[int], kinds: Optional[Sequence[str]] = None) -> np.ndarray:
         """[B] drafts each sequence verifies this step; the step drafts as far as the most of them.
 
         Until each arm of the batch-size bucket is timed, and in the re-exploration bursts, every
@@ -154,9 +162,10 @@ class AdaptiveSpeculation:
         if timing is not None:
             return np.full(n, timing, dtype=np.int64)
         seconds = np.array([b.median_seconds(k) for k in self.arms])  # all > 0 once timed
-        prior = self.prior.alpha(self.acceptance.alpha(unknown=1.0))  # nothing measured: drafts pay until shown not to
-        seqs = [self._sequence(s) for s in seq_ids]
-        alpha = np.stack([s.alpha(prior) for s in seqs])  # [B, K]
+        fallback = self.acceptance.alpha(unknown=1.0)  # nothing measured: drafts pay until shown not to
+        seqs = [self._sequence(s, k) for s, k in zip(seq_ids, kinds or [None] * n)]
+        priors = {seq.kind: self.prior(seq.kind).alpha(fallback) for seq in seqs}
+        alpha = np.stack([s.alpha(priors[s.kind]) for s in seqs])  # [B, K]
         tokens = expected_tokens(alpha)  # [B, K + 1]
         useful = (np.cumprod(alpha, axis=1) >= ROW_YIELD).sum(axis=1)  # [B] drafts worth a verification row
         rows = np.arange(len(seqs))
@@ -226,7 +235,7 @@ class AdaptiveSpeculation:
         for seq_id in seq_ids:
             seq = self.sequences.pop(seq_id, None)
             if seq is not None:
-                self.prior.add(seq)
+                self.prior(seq.kind).add(seq)
 
     def throughput(self, batch_size: int, k: int) -> float:
         """Expected tokens per sequence per second of a step with k drafts at this batch size

@@ -100,7 +100,8 @@ class MtpPlugin(Plugin):
         if batch.is_prefill:
             inputs.extra["mtp_modules"] = self.modules[: self._prefill_modules(batch)]
             return inputs
-        counts = np.asarray(self.adaptive.draft_counts([s.seq_id for s in batch.seqs]), dtype=np.int64)
+        kinds = ["greedy" if _greedy(s.sampling_params) else "sampled" for s in batch.seqs]
+        counts = np.asarray(self.adaptive.draft_counts([s.seq_id for s in batch.seqs], kinds), dtype=np.int64)
         behind = np.array([self.states[s.seq_id].lag[0] >= CATCH_UP for s in batch.seqs])
         if behind.any():  # no drafts now would leave an MTP entry unwritten for good
             counts[behind] = np.maximum(counts[behind], min(a for a in self.adaptive.arms if a))
@@ -319,3 +320,7 @@ def _on_grid(probs: torch.Tensor, grid: np.ndarray) -> torch.Tensor:
     """[rows, V] -> [B, k + 1, V] on the host: the rows of each sequence's verified positions."""
     index = torch.from_numpy(grid.reshape(-1)).to(probs.device)
     return probs.index_select(0, index).view(*grid.shape, -1).cpu()
+
+
+def _greedy(params) -> bool:
+    return params is None or not params.temperature

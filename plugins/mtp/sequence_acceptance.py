@@ -4,8 +4,8 @@ One request's text may suit the MTP modules (boilerplate, code that repeats its 
 next one's may not; a pooled estimate lets either spoil the other. So each sequence keeps decayed
 counts per draft position of drafts verified and accepted (as ``adaptive.Acceptance`` does for
 the pool), and its estimate blends them with a prior: the mean acceptance of the last finished
-sequences, each counted once, so one odd request moves a new request's starting point by a
-sixteenth, not all the way.
+sequences of its kind (greedy or sampled), each counted once, so one odd request moves a new
+request's starting point by a sixteenth, not all the way.
 
 A sequence whose estimate says drafting does not pay verifies none; after ``RETRY_AFTER`` steps
 without drafts it retries one draft, and each retry after which its estimate still says no
@@ -21,6 +21,7 @@ Constants (benchmarks/README.md, "Per-sequence speculation control"):
 from __future__ import annotations
 
 from collections import deque
+from typing import Optional
 
 import numpy as np
 
@@ -50,7 +51,8 @@ def expected_tokens(alpha: np.ndarray) -> np.ndarray:
 class SequenceAcceptance:
     """One sequence's decayed counts per draft position, and its retry schedule."""
 
-    def __init__(self, max_k: int):
+    def __init__(self, max_k: int, kind: Optional[str] = None):
+        self.kind = kind  # which prior it starts from (adaptive.AdaptiveSpeculation.prior)
         self.verified = np.zeros(max_k)
         self.accepted = np.zeros(max_k)
         self.steps_without_drafts = 0

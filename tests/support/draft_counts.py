@@ -38,7 +38,7 @@ class ScriptedSpeculation:
         self.plan_asked.append(batch_size)
         return self.plan
 
-    def draft_counts(self, seq_ids):
+    def draft_counts(self, seq_ids, kinds=None):
         entry = self.pattern[self.i % len(self.pattern)]
         self.i += 1
         counts = [int(entry[b % len(entry)]) for b in range(len(seq_ids))] if isinstance(entry, (list, tuple)) \

@@ -192,7 +192,7 @@ def test_finished_sequences_are_forgotten_and_join_the_prior():
     ctl = AdaptiveSpeculation(range(4))
     _feed(ctl, 5, CPU_LIKE, [1, 2], ids=[7, 8])
     ctl.finish([7, 8, 9])  # 9 never drafted: ignored
-    assert not ctl.sequences and len(ctl.prior.finished) == 2
+    assert not ctl.sequences and len(ctl.prior().finished) == 2
 
 
 # ---- losslessness under alternating steps ----------------------------------------------------------
@@ -453,7 +453,7 @@ def test_an_easy_sequence_after_hard_ones_goes_back_to_every_draft():
         for _ in range(40):
             ctl.record([seq_id], [3], [int(np.argmin(rng.random(4) < 0.3))], None)
         ctl.finish([seq_id])
-    assert (ctl.prior.alpha(np.ones(3)) < 0.45).all()
+    assert (ctl.prior().alpha(np.ones(3)) < 0.45).all()
     easy = [c[0] for c in _counts(ctl, 30, CPU_LIKE, [3], ids=[99])]
     assert easy[-10:] == [3] * 10, easy
 
@@ -468,3 +468,23 @@ def test_an_arm_timed_lately_needs_no_reexploration_burst():
     assert ctl.draft_counts([0]).tolist() == [b.choice]
     b.timed_at[arm] = b.steps - adaptive.REEXPLORE_EVERY
     assert ctl.draft_counts([0]).tolist() == [arm]
+
+
+def test_greedy_and_sampled_requests_start_from_their_own_prior():
+    """Sampled requests accept far fewer drafts than greedy ones; alternating, neither starts
+    from the other's rates: a sampled request after greedy ones starts without drafts, a greedy
+    one after sampled ones with every draft."""
+    ctl = AdaptiveSpeculation(range(4))
+    _feed(ctl, 4 * adaptive.MIN_SAMPLES, CPU_LIKE, [3], ids=[0])
+    ctl.finish([0])
+    rng = np.random.default_rng(1)
+    for seq_id in range(1, 13):
+        kind = "sampled" if seq_id % 2 else "greedy"
+        for _ in range(30):
+            counts = ctl.draft_counts([seq_id], [kind])
+            kept = 3 if kind == "greedy" else int(np.argmin(rng.random(4) < 0.1))
+            ctl.record([seq_id], counts, [min(kept, int(counts[0]))], CPU_LIKE[int(counts.max())])
+        ctl.finish([seq_id])
+    assert ctl.draft_counts([100], ["sampled"]).tolist() == [0]
+    assert ctl.draft_counts([101], ["greedy"]).tolist() == [3]
+    assert set(ctl.priors) == {None, "greedy", "sampled"}
