@@ -15,7 +15,7 @@ from typing import Optional
 
 import numpy as np
 
-from mindspec.modeling.forward_metadata import ModelInputs
+from mindspec.modeling.forward_metadata import ModelInputs, token_positions
 
 
 def lm_rows_only_steps(sub_steps: list[ModelInputs]) -> list[bool]:
@@ -64,7 +64,5 @@ def verify_source(q_lens: np.ndarray, k: int) -> Optional[np.ndarray]:
         return None
     if (q < 1).any() or (q > k + 1).any():
         raise ValueError(f"verification rows per sequence must be 1..{k + 1}, got {q.tolist()}")
-    starts = np.cumsum(q) - q
-    seq = np.repeat(np.arange(len(q)), q)
-    j = np.arange(int(q.sum())) - starts[seq]  # row within its sequence
+    seq, j = token_positions(np.zeros_like(q), q)  # j: row within its sequence
     return np.where(j == 0, np.arange(len(j)), q.sum() + seq * k + j - 1).astype(np.int64)

@@ -37,7 +37,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from .sequence_acceptance import AcceptancePrior, SequenceAcceptance, expected_tokens, verified_and_accepted
+from .sequence_acceptance import AcceptancePrior, SequenceAcceptance, expected_tokens, reached_and_kept
 
 MIN_SAMPLES = 3  # steps of each arm measured in a bucket before choosing by throughput
 WINDOW = 16  # recent steps per arm that the estimate uses
@@ -69,9 +69,12 @@ class Acceptance:
     def record(self, counts: Union[int, Sequence[int]], accepted: Sequence[int]) -> None:
         """One step: counts[b] (or one k for all) drafts verified by sequence b, accepted[b] kept."""
         counts = np.broadcast_to(np.asarray(counts), (len(accepted),))
-        verified, kept = verified_and_accepted(counts, np.asarray(accepted), len(self.verified))
-        self.verified = DECAY * self.verified + verified
-        self.accepted = DECAY * self.accepted + kept
+        self.record_positions(*reached_and_kept(counts, np.asarray(accepted), len(self.verified)))
+
+    def record_positions(self, reached: np.ndarray, kept: np.ndarray) -> None:
+        """One step from reached_and_kept's [B, K] masks."""
+        self.verified = DECAY * self.verified + reached.sum(axis=0)
+        self.accepted = DECAY * self.accepted + kept.sum(axis=0)
 
     def alpha(self, unknown: float = 0.0) -> np.ndarray:
         """[max_k] rates; ``unknown`` at positions never verified."""
@@ -225,10 +228,11 @@ class AdaptiveSpeculation:
             b = self._bucket(len(counts))
             b.seconds[k].append(seconds)
             b.timed_at[k] = b.steps
+        reached, kept = reached_and_kept(counts, accepted, self.max_k)  # [B, K] each, for the pool and each sequence
         if k > 0:
-            self.acceptance.record(counts, accepted)
-        for seq_id, c, a in zip(seq_ids, counts.tolist(), accepted.tolist()):
-            self._sequence(seq_id).record(c, a)
+            self.acceptance.record_positions(reached, kept)
+        for seq_id, r, a in zip(seq_ids, reached, kept):
+            self._sequence(seq_id).record(r, a)
 
     def finish(self, seq_ids: Sequence[int]) -> None:
         """Sequences that ended: their acceptance joins the prior of the sequences to come."""

@@ -18,10 +18,10 @@ with k drafts runs the first k draft steps over every sequence: MTP Eagle's one 
 k > 0), MTP Vanilla's modules 0..k-1, so a sequence verifying fewer still has its caches
 written. Each module it skips falls behind by the tokens the step accepts; the next step that
 uses the module writes the missed entries first (the window of decode_inputs: ``last_accepted``
-is the deepest used module's lag). Module 0, which every
-speculative step uses, never falls more than CATCH_UP entries behind: then that sequence verifies
-at least the fewest drafts the controller allows, since entries never written would lower its
-acceptance for the rest of its life. Vanilla's later modules are not forced: at a large batch,
+is the deepest used module's lag). Module 0, which every speculative step uses, never falls more
+than CATCH_UP entries behind: then that sequence verifies at least the fewest drafts the
+controller allows, since entries never written would lower its acceptance for the rest of its
+life. Vanilla's later modules are not forced: at a large batch,
 where one draft per step pays and three do not, catching them up would cost two decoder layers
 per token. A later module more than CATCH_UP entries behind gives up its oldest missed entries
 (vLLM's speculative_disable_by_batch_size leaves a disabled request's draft cache stale for good);
@@ -39,6 +39,7 @@ import time
 import numpy as np
 import torch
 
+from mindspec.modeling.forward_metadata import token_positions
 from mindspec.modeling.loader import checkpoint_keys
 from mindspec.models.deepseekv2.config import DeepseekV2Config
 from mindspec.models.deepseekv2.weights import mtp_modules_in
@@ -170,9 +171,8 @@ class MtpPlugin(Plugin):
 
     def sample_preprocess(self, batch: StepBatch, inputs: StepInputs) -> StepInputs:
         if self._speculating(batch, inputs):  # one sampling row per verified position
-            rows = inputs.extra["mtp_counts"] + 1
-            inputs.row_seq = np.repeat(np.arange(len(rows), dtype=np.int64), rows)
-            inputs.row_offset = np.arange(int(rows.sum()), dtype=np.int64) - np.repeat(np.cumsum(rows) - rows, rows)
+            counts = inputs.extra["mtp_counts"]
+            inputs.row_seq, inputs.row_offset = token_positions(np.zeros_like(counts), counts + 1)
         return inputs
 
     def plugin_verify(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs) -> StepOutputs:

@@ -32,13 +32,14 @@ RETRY_AFTER = 8  # steps without drafts before a sequence that stopped drafting 
 RETRY_MAX = 32  # longest wait between two retries
 
 
-def verified_and_accepted(counts: np.ndarray, accepted: np.ndarray, max_k: int) -> tuple[np.ndarray, np.ndarray]:
-    """counts [B] drafts each sequence verified, accepted [B] drafts it kept -> per position j
-    (< max_k): sequences that reached draft j (every draft before it kept), and kept it."""
+def reached_and_kept(counts: np.ndarray, accepted: np.ndarray, max_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """counts [B] drafts each sequence verified, accepted [B] drafts it kept -> [B, max_k] bool
+    per position j: the sequence reached draft j (verified it, every draft before it kept), and
+    kept it."""
     j = np.arange(max_k)[None, :]
     counts, accepted = np.asarray(counts)[:, None], np.asarray(accepted)[:, None]
-    verified = (j < counts) & (j <= accepted)
-    return verified.sum(axis=0), (verified & (j < accepted)).sum(axis=0)
+    reached = (j < counts) & (j <= accepted)
+    return reached, reached & (j < accepted)
 
 
 def expected_tokens(alpha: np.ndarray) -> np.ndarray:
@@ -74,9 +75,10 @@ class SequenceAcceptance:
     def retry_due(self) -> bool:
         return self.steps_without_drafts >= self.retry_after
 
-    def record(self, drafts: int, kept: int) -> None:
-        """One step that verified ``drafts`` (0: a step without drafts) and kept ``kept`` of them."""
-        if drafts == 0:
+    def record(self, reached: np.ndarray, kept: np.ndarray) -> None:
+        """One step: [K] bool, the positions it reached and those it kept (reached_and_kept's row;
+        none reached: a step without drafts)."""
+        if not reached[0]:
             self.steps_without_drafts += 1
             return
         if self.prefers_drafts:
@@ -84,12 +86,10 @@ class SequenceAcceptance:
         elif self.retry_due():  # a retry: if its estimate still says no drafts, the next one waits longer
             self.retry_after = min(2 * self.retry_after, RETRY_MAX)
         self.steps_without_drafts = 0
-        verified, accepted = verified_and_accepted(np.array([drafts]), np.array([kept]), len(self.verified))
         # Only the positions reached decay: what a sequence learnt about a position it no longer
         # verifies stays until it verifies it again.
-        reached = verified > 0
-        self.verified = np.where(reached, SEQ_DECAY * self.verified + verified, self.verified)
-        self.accepted = np.where(reached, SEQ_DECAY * self.accepted + accepted, self.accepted)
+        self.verified = np.where(reached, SEQ_DECAY * self.verified + 1, self.verified)
+        self.accepted = np.where(reached, SEQ_DECAY * self.accepted + kept, self.accepted)
 
     def own_alpha(self) -> np.ndarray:
         """[K] the sequence's own rates, NaN at positions it never reached."""
@@ -104,15 +104,16 @@ class AcceptancePrior:
     def __init__(self, max_k: int):
         self.max_k = max_k
         self.finished: deque[np.ndarray] = deque(maxlen=PRIOR_SEQUENCES)
+        self.mean = np.full(max_k, np.nan)  # per position, NaN where no finished sequence reached it
 
     def add(self, seq: SequenceAcceptance) -> None:
+        """Computed here, once per finished sequence, not at every step that reads it."""
         if seq.verified[0] > 0:
             self.finished.append(seq.own_alpha())
+            rates = np.stack(self.finished)
+            seen = (~np.isnan(rates)).sum(axis=0)
+            with np.errstate(invalid="ignore"):
+                self.mean = np.where(seen > 0, np.nansum(rates, axis=0) / np.maximum(seen, 1), np.nan)
 
     def alpha(self, fallback: np.ndarray) -> np.ndarray:
-        if not self.finished:
-            return fallback
-        rates = np.stack(self.finished)
-        seen = ~np.isnan(rates)
-        mean = np.nansum(rates, axis=0) / np.maximum(seen.sum(axis=0), 1)
-        return np.where(seen.any(axis=0), mean, fallback)
+        return np.where(np.isnan(self.mean), fallback, self.mean)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from mindspec.config.plugin_params import PluginParamsError
-from mindspec.modeling.forward_metadata import build_model_inputs
+from mindspec.modeling.forward_metadata import build_model_inputs, token_positions
 from mindspec.plugins.plugin import Plugin
 from mindspec.text_generator.step import StepBatch, StepInputs, StepOutputs
 
@@ -68,8 +68,7 @@ class SuffixPlugin(Plugin):
             self.block_size, lm_head_indices=np.arange(int(counts.sum()) + len(rows), dtype=np.int64),
         )
         inputs.q_lens = inputs.model_inputs.q_lens
-        inputs.row_seq = np.repeat(np.arange(len(rows), dtype=np.int64), counts + 1)
-        inputs.row_offset = np.concatenate([np.arange(c + 1, dtype=np.int64) for c in counts])
+        inputs.row_seq, inputs.row_offset = token_positions(np.zeros_like(counts), counts + 1)
         inputs.extra["suffix_drafts"] = drafts
         prefix = np.full((len(drafts), int(counts.max())), -1, dtype=np.int64)  # row k's history: drafts before it
         for b, d in enumerate(drafts):
