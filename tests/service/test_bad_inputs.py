@@ -109,12 +109,15 @@ def test_bad_config_is_one_clear_error(tiny_model, tmp_path, overrides, message)
 
 def test_e2e_timeout_ends_a_long_request(tiny_model, tmp_path):
     ports = (free_port(), free_port(), free_port())
+    # 32000 tokens take the tiny model far longer than the 1 s timeout on any CPU (maxIterTimes,
+    # 512 by default, would cap the request at a length a fast machine finishes in time)
     cfg = write_config(tmp_path / "c.json", tiny_model, ports, **{"ServerConfig.e2eTimeout": 1,
-                                                                   "BackendConfig.ModelDeployConfig.maxSeqLen": 4096,
-                                                                   "BackendConfig.ScheduleConfig.numBlocks": 600})
+                                                                   "BackendConfig.ModelDeployConfig.maxSeqLen": 32768,
+                                                                   "BackendConfig.ScheduleConfig.maxIterTimes": 32000,
+                                                                   "BackendConfig.ScheduleConfig.numBlocks": 2100})
     srv = Server(cfg, ports)
     try:
-        body = {"prompt": "a", "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+        body = {"prompt": "a", "max_tokens": 32000, "temperature": 0, "ignore_eos": True}
         r = httpx.post(srv.base + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 408 and "e2eTimeout" in r.json()["error"]["message"]
         deadline = time.monotonic() + 60  # the abort frees the blocks on the engine's next pass
