@@ -1,11 +1,13 @@
 """Where a decode step's time goes on a GPU, through the engine (not the isolated step): wall time
 per step, tokens per step, the device's busy time per step (torch.profiler's kernel and copy
-events) and a cProfile of the host, for MTP off, Vanilla K=3 and Eagle K=3 at batch 1.
+events), the step accounting (ops outside graphs, host syncs, host-to-device copies) and a cProfile of
+the host, for MTP off, Vanilla K=3 and Eagle K=3 at batch 1.
 
     OUT=benchmarks/out/gpu bash scripts/gpu_check.sh py scripts/gpu_step_profile.py
 
 Writes OUT/step_profile.json, and per configuration OUT/<config>_cprofile.txt and
-OUT/<config>_kernels.txt. DTYPE (float32) and STEPS (120) come from the environment. The prompt
+OUT/<config>_kernels.txt. DTYPE (float32), STEPS (120) and CONFIGS (off,vanilla3,eagle3) come from
+the environment. The prompt
 is a fixed token range; a request that ends is replaced.
 """
 import cProfile
@@ -19,6 +21,7 @@ import torch
 
 from mindspec import LLM, SamplingParams
 from mindspec.config.defaults import default_model_dir
+from mindspec.modeling.step_accounting import account_decode_steps
 
 OUT = os.environ.get("OUT", "benchmarks/out/gpu")
 DTYPE = os.environ.get("DTYPE", "float32")
@@ -45,6 +48,7 @@ def timed_steps(engine, n: int) -> tuple[float, float]:
 def profile(name: str, plugin_params: dict) -> dict:
     llm = LLM(model=str(default_model_dir()), backend="cuda", dtype=DTYPE, progress=False, plugin_params=plugin_params)
     engine = llm.engine
+    accounting = account_decode_steps(engine, list(range(5, 40)), steps=8)  # also warms the graphs up
     timed_steps(engine, 30)
     wall, tokens = timed_steps(engine, STEPS)
     host = cProfile.Profile()
@@ -66,7 +70,7 @@ def profile(name: str, plugin_params: dict) -> dict:
     runner = engine.model_wrapper.graph_runner
     result = dict(config=name, dtype=DTYPE, ms_per_step=wall * 1e3, tokens_per_step=tokens, tokens_per_s=tokens / wall,
                   device_busy_ms_per_step=sum(e.time_range.elapsed_us() for e in device) / 20 / 1e3,
-                  device_events_per_step=len(device) / 20,
+                  device_events_per_step=len(device) / 20, step_accounting=accounting,
                   graphs=None if runner is None else sorted(map(str, runner.stats.by_key)))
     llm.close()
     print(json.dumps(result), flush=True)
@@ -75,6 +79,7 @@ def profile(name: str, plugin_params: dict) -> dict:
 
 if __name__ == "__main__":
     os.makedirs(OUT, exist_ok=True)
-    results = [profile(name, params) for name, params in CONFIGS.items()]
+    names = os.environ.get("CONFIGS", ",".join(CONFIGS)).split(",")
+    results = [profile(name, CONFIGS[name]) for name in names]
     with open(f"{OUT}/step_profile.json", "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
