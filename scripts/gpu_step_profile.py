@@ -8,7 +8,7 @@ the host, for MTP off, Vanilla K=3 and Eagle K=3 at batch 1.
 Writes OUT/step_profile.json, and per configuration OUT/<config>_cprofile.txt and
 OUT/<config>_kernels.txt. DTYPE (float32), STEPS (120) and CONFIGS (off,vanilla3,eagle3) come from
 the environment. The prompt
-is a fixed token range; a request that ends is replaced.
+is a fixed token range; each timed window runs on one request that does not end inside it.
 """
 import cProfile
 import io
@@ -27,15 +27,22 @@ OUT = os.environ.get("OUT", "benchmarks/out/gpu")
 DTYPE = os.environ.get("DTYPE", "float32")
 STEPS = int(os.environ.get("STEPS", 120))
 MTP = {"plugin_type": "mtp", "num_speculative_tokens": 3, "adaptive_speculation": False}
+MAX_TOKENS_PER_STEP = 4  # K + 1
 CONFIGS = {"off": {}, "vanilla3": {**MTP, "mtp_mode": "vanilla"}, "eagle3": {**MTP, "mtp_mode": "eagle"}}
 
 
 def timed_steps(engine, n: int) -> tuple[float, float]:
-    """(seconds per step, tokens per step) over n engine steps of one running request."""
-    if not engine.requests:
-        engine.add_request(list(range(5, 40)), SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True))
+    """(seconds per step, tokens per step) over n engine steps of one running request: a fresh one
+    (prefilled before the clock starts) whenever the current one could end inside the window."""
+    budget = engine.scheduler.config.max_iter_times  # a request's most output tokens
+    state = next(iter(engine.requests.values()), None)
+    if state is None or state.seq.num_output_tokens + MAX_TOKENS_PER_STEP * n > budget:
+        for request_id in list(engine.requests):
+            engine.abort(request_id)
+        engine.add_request(list(range(5, 40)), SamplingParams(temperature=0, max_tokens=budget, ignore_eos=True))
         engine.step()  # the prefill
-    seq = next(iter(engine.requests.values())).seq
+        state = next(iter(engine.requests.values()))
+    seq = state.seq
     before = seq.num_output_tokens
     torch.cuda.synchronize()
     start = time.perf_counter()
