@@ -90,6 +90,9 @@ def default_configs(ks: list[int], mtp_modules: int, bos: int, eos: int, compile
     out.append(Config(f"{best} K=3 relaxed", mtp(3, best, decoding_policy="relaxed", relaxed_topk=3, relaxed_delta=0.2,
                                                  think_start_token_id=bos, think_end_token_id=eos), lossless=False))
     out.append(Config("suffix K=8", SUFFIX))  # no draft weights: matches in the sequence's own tokens
+    # MTP with suffix drafts per sequence, where they promise more (up to 8)
+    out += [Config(f"{mode} K=3 adaptive +suffix", mtp(3, mode, adaptive=True, suffix_drafting=True))
+            for mode in dict.fromkeys([best, "eagle"])]
     if asynchronous:
         out += [Config("mtp off +async", async_scheduling=True),
                 Config(f"{best} K=3 +async", mtp(3, best), async_scheduling=True)]

@@ -1,5 +1,6 @@
 """``ModelConfig.plugin_params`` as MindIE reads it: a JSON string (or object) of at most 1024
-characters whose ``plugin_type`` names one or more plugins separated by commas."""
+characters whose ``plugin_type`` names one or more plugins separated by commas. ``"mtp,suffix"`` is
+the MTP plugin with suffix drafts (its ``suffix_drafting`` option): both draft, one verifies."""
 from __future__ import annotations
 
 import json
@@ -44,4 +45,10 @@ def parse_plugin_params(raw: Optional[Union[str, dict]]) -> PluginParams:
     types = tuple(t for t in re.split(r",\s*", plugin_type.strip()) if t)
     if len(set(types)) != len(types):
         raise PluginParamsError(f"plugin_params.plugin_type lists a plugin twice: {plugin_type!r}")
+    if "mtp" in types and "suffix" in types:  # MTP with suffix drafts per sequence: one drafter
+        if options.get("suffix_drafting", True) is not True:
+            raise PluginParamsError(f"plugin_params.suffix_drafting must be true with plugin_type {plugin_type!r}, "
+                                    f"got {options['suffix_drafting']!r}")
+        types = tuple(t for t in types if t != "suffix")
+        options["suffix_drafting"] = True
     return PluginParams(plugin_types=types, options=options)

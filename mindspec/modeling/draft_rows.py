@@ -54,15 +54,18 @@ def on_lm_rows(step: ModelInputs) -> ModelInputs:
     )
 
 
-def verify_source(q_lens: np.ndarray, k: int) -> Optional[np.ndarray]:
-    """[R] for a verification whose sequences verify fewer than the k drafts made (q_lens[b] =
-    k_b + 1 <= k + 1 rows): each row's token in the flat ``cat(input_ids [R], drafts [B * k])``:
-    a sequence's first row is its own fed token, its row j >= 1 is draft j of its k. None when
-    every sequence verifies all k (the model places the drafts by a view)."""
+def verify_source(q_lens: np.ndarray, k: int, drafts_in_inputs: Optional[np.ndarray] = None) -> Optional[np.ndarray]:
+    """[R] for a verification whose sequences do not all verify the k drafts made: each row's
+    token in the flat ``cat(input_ids [R], drafts [B * k])``. A sequence's first row is its own
+    fed token; its row j >= 1 is draft j of its k (q_lens[b] = k_b + 1 <= k + 1 rows), or, for a
+    sequence of ``drafts_in_inputs`` (drafts made on the host, any number), its own input row.
+    None when every sequence verifies all k MTP drafts (the model places them by a view)."""
     q = np.asarray(q_lens, dtype=np.int64)
-    if (q == k + 1).all():
+    host = np.zeros(len(q), dtype=bool) if drafts_in_inputs is None else np.asarray(drafts_in_inputs, dtype=bool)
+    if (q == k + 1).all() and not host.any():
         return None
-    if (q < 1).any() or (q > k + 1).any():
+    if (q < 1).any() or (q[~host] > k + 1).any():
         raise ValueError(f"verification rows per sequence must be 1..{k + 1}, got {q.tolist()}")
     seq, j = token_positions(np.zeros_like(q), q)  # j: row within its sequence
-    return np.where(j == 0, np.arange(len(j)), q.sum() + seq * k + j - 1).astype(np.int64)
+    own = (j == 0) | host[seq]
+    return np.where(own, np.arange(len(j)), q.sum() + seq * k + j - 1).astype(np.int64)

@@ -29,6 +29,9 @@ class ModelInputs:
     lm_head_indices: np.ndarray  # [N] int64 rows that need logits
     is_prefill: bool  # no sequence has cached context
     block_size: int = 0  # tokens per cache block the slots and tables refer to
+    # [B] bool, a verification's sequences whose draft rows carry their drafts in input_ids
+    # (drafted on the host, e.g. suffix drafts) instead of taking the MTP drafts of this forward
+    drafts_in_inputs: Optional[np.ndarray] = None
 
     @property
     def num_tokens(self) -> int:

@@ -294,6 +294,8 @@ class DecodeGraphRunner:
         max_q = int(inputs.q_lens.max())
         if max_q > self.max_verify_rows:
             return False
+        if inputs.drafts_in_inputs is not None and inputs.drafts_in_inputs.any():
+            return False  # host drafts: the captured step places MTP drafts only (run eagerly)
         ragged = bool((inputs.q_lens != max_q).any()) or len(inputs.lm_head_indices) % num_seqs != 0
         # A plain step feeds one token; more is a prompt's tail after a shared prefix (run eagerly)
         # unless every row feeds the lm_head: a verification.

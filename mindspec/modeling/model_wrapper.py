@@ -177,7 +177,7 @@ class ModelWrapper:
         lm = torch.from_numpy(np.ascontiguousarray(lm_head_local_dp, dtype=np.int64)).to(self.device)
         narrow = lm_rows_only_steps(sub_steps) if lm_rows_only is None else lm_rows_only
         steps = [to_device(on_lm_rows(s) if n else s, self.device) for s, n in zip(sub_steps, narrow)]
-        source = verify_source(inputs.q_lens, len(sub_steps))
+        source = verify_source(inputs.q_lens, len(sub_steps), inputs.drafts_in_inputs)
         if source is not None:
             source = torch.from_numpy(source).to(self.device)
         return self.forward_speculative(to_device(inputs, self.device), steps, mtp_modules, hidden_states, lm, narrow,

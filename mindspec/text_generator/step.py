@@ -63,10 +63,22 @@ class StepOutputs:
     accepted_rows: list[list[int]] = field(default_factory=list)  # logits rows of the accepted tokens
     # Prefill: prompt logprobs of the sequences that asked, by seq_id (prompt_logprobs.py)
     prompt_logprobs: dict = field(default_factory=dict)
+    # Sequences that verified drafts made on the host instead of draft_tokens' row: {b: drafts}
+    host_drafts: Optional[dict[int, list[int]]] = None
     _drafts_host: Optional[np.ndarray] = field(default=None, repr=False)
 
     def drafts_host(self) -> Optional[np.ndarray]:
-        """draft_tokens on the host [B, K], read back from the device once per step."""
+        """The drafts each sequence verified on the host [B, W]: draft_tokens read back from the
+        device once per step, with ``host_drafts``' rows in place (W: the most drafts of any;
+        token 0 past a sequence's own, which acceptance never reaches: it is capped at each
+        sequence's count)."""
         if self._drafts_host is None and self.draft_tokens is not None:
-            self._drafts_host = self.draft_tokens.cpu().numpy()
+            drafts = self.draft_tokens.cpu().numpy()
+            if self.host_drafts:
+                width = max(drafts.shape[1], *(len(d) for d in self.host_drafts.values()))
+                drafts = np.pad(drafts, ((0, 0), (0, width - drafts.shape[1])))
+                for b, d in self.host_drafts.items():
+                    drafts[b] = 0
+                    drafts[b, : len(d)] = d
+            self._drafts_host = drafts
         return self._drafts_host

@@ -219,7 +219,8 @@ class FlashCausalDeepseekV2:
         [last token, d1..dK] per sequence (seed 000: drafts fill input_ids.view(B, K+1)[:, 1:]).
         With ``verify_source``, sequence b verifies only its first k_b <= K drafts: its rows are
         [last token, d1..d_kb] (ragged q_lens) and each row takes its token from the flat
-        concatenation of input_ids and the [B * K] drafts (decode_inputs.verify_source)."""
+        concatenation of input_ids and the [B * K] drafts (draft_rows.verify_source); a sequence
+        whose drafts were made on the host (suffix drafts, any number) keeps its own input rows."""
         draft_tokens = self.draft(sub_input_ids, sub_hidden_states, lm_head_local_dp, steps, caches)
         num_seqs, k = draft_tokens.shape
         if verify_source is None:

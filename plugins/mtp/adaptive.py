@@ -165,10 +165,7 @@ class AdaptiveSpeculation:
         if timing is not None:
             return np.full(n, timing, dtype=np.int64)
         seconds = np.array([b.median_seconds(k) for k in self.arms])  # all > 0 once timed
-        fallback = self.acceptance.alpha(unknown=1.0)  # nothing measured: drafts pay until shown not to
-        seqs = [self._sequence(s, k) for s, k in zip(seq_ids, kinds or [None] * n)]
-        priors = {seq.kind: self.prior(seq.kind).alpha(fallback) for seq in seqs}
-        alpha = np.stack([s.alpha(priors[s.kind]) for s in seqs])  # [B, K]
+        seqs, alpha = self._alphas(seq_ids, kinds)  # [B, K]
         tokens = expected_tokens(alpha)  # [B, K + 1]
         useful = (np.cumprod(alpha, axis=1) >= ROW_YIELD).sum(axis=1)  # [B] drafts worth a verification row
         rows = np.arange(len(seqs))
@@ -188,6 +185,18 @@ class AdaptiveSpeculation:
         if retry.any() and (counts.max() > 0 or 2 * retry.sum() >= n):
             counts[retry] = min(a for a in self.arms if a)
         return counts
+
+    def expected(self, seq_ids: Sequence[int], kinds: Optional[Sequence[str]], counts: np.ndarray) -> np.ndarray:
+        """[B] tokens a step yields for sequence b verifying counts[b] drafts, by its estimate."""
+        _, alpha = self._alphas(seq_ids, kinds)
+        return expected_tokens(alpha)[np.arange(len(seq_ids)), np.asarray(counts, dtype=np.int64)]
+
+    def _alphas(self, seq_ids: Sequence[int], kinds: Optional[Sequence[str]]) -> tuple[list[SequenceAcceptance], np.ndarray]:
+        """The sequences' states and their per-position acceptance estimates [B, K]."""
+        fallback = self.acceptance.alpha(unknown=1.0)  # nothing measured: drafts pay until shown not to
+        seqs = [self._sequence(s, k) for s, k in zip(seq_ids, kinds or [None] * len(seq_ids))]
+        priors = {seq.kind: self.prior(seq.kind).alpha(fallback) for seq in seqs}
+        return seqs, np.stack([s.alpha(priors[s.kind]) for s in seqs])
 
     @functools.cached_property
     def _floor_arm(self) -> np.ndarray:
@@ -219,12 +228,11 @@ class AdaptiveSpeculation:
     def record(self, seq_ids: Sequence[int], counts: Sequence[int], accepted: Sequence[int],
                seconds: Optional[float]) -> None:
         """One finished step: the drafts each sequence verified and kept, and its wall time
-        (None: a step that is no sample of its arm's cost, e.g. one that caught MTP caches up)."""
-        if not self.enabled:
-            return
+        (None: a step that is no sample of its arm's cost, e.g. one that caught MTP caches up).
+        Disabled, it still keeps acceptance (``expected`` weighs MTP drafts against suffix drafts)."""
         counts, accepted = np.asarray(counts, dtype=np.int64), np.asarray(accepted, dtype=np.int64)
         k = int(counts.max()) if len(counts) else 0
-        if seconds is not None and seconds > 0 and k in self.arms:
+        if self.enabled and seconds is not None and seconds > 0 and k in self.arms:
             b = self._bucket(len(counts))
             b.seconds[k].append(seconds)
             b.timed_at[k] = b.steps

@@ -21,6 +21,7 @@ last step accepted: 1 after prefill; more after steps that ran without speculati
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -60,14 +61,22 @@ def decode_layout(
 
 
 def main_inputs(last_tokens: np.ndarray, num_tokens: np.ndarray, tables: np.ndarray, block_size: int,
-                counts: int | np.ndarray) -> ModelInputs:
+                counts: int | np.ndarray, host_drafts: Optional[dict[int, list[int]]] = None) -> ModelInputs:
     """Sequence b verifies counts[b] drafts (or ``counts`` each): rows [t(n-1), d1..d_counts[b]]
-    (ragged q_lens when the counts differ; the model places each draft by
-    ``draft_rows.verify_source``)."""
+    (ragged q_lens when the counts differ; the model places each MTP draft by
+    ``draft_rows.verify_source``). ``host_drafts`` {b: drafts}: sequences that verify drafts made
+    on the host instead (counts[b] = len(drafts)), written into their rows here."""
     q_lens = (np.broadcast_to(np.asarray(counts, dtype=np.int64), (len(num_tokens),)) + 1).astype(np.int32)
     seq_idx, positions = token_positions(num_tokens - 1, q_lens)
     ids = np.zeros(len(positions), dtype=np.int64)
-    ids[np.cumsum(q_lens) - q_lens] = last_tokens  # drafts go to the other rows inside the model
+    first = np.cumsum(q_lens) - q_lens
+    ids[first] = last_tokens  # MTP drafts go to the other rows inside the model
+    in_inputs = None
+    if host_drafts:
+        in_inputs = np.zeros(len(num_tokens), dtype=bool)
+        for b, drafts in host_drafts.items():
+            ids[first[b] + 1 : first[b] + 1 + len(drafts)] = drafts
+            in_inputs[b] = True
     return ModelInputs(
         input_ids=ids,
         positions=positions,
@@ -78,6 +87,7 @@ def main_inputs(last_tokens: np.ndarray, num_tokens: np.ndarray, tables: np.ndar
         lm_head_indices=np.arange(len(positions), dtype=np.int64),
         is_prefill=False,
         block_size=block_size,
+        drafts_in_inputs=in_inputs,
     )
 
 

@@ -43,14 +43,16 @@ from mindspec.modeling.forward_metadata import token_positions
 from mindspec.modeling.loader import checkpoint_keys
 from mindspec.models.deepseekv2.config import DeepseekV2Config
 from mindspec.models.deepseekv2.weights import mtp_modules_in
+from mindspec.config.plugin_params import PluginParamsError
 from mindspec.plugins.plugin import Plugin
+from mindspec.plugins.suffix.sequence_drafts import SuffixDrafts
 from mindspec.text_generator.sampling.sampler import penalised_logits, processed_probs
 from mindspec.text_generator.step import StepBatch, StepInputs, StepOutputs
 
 from . import async_fill
 from . import decode_inputs as di
 from . import decoding_policy as policy
-from .adaptive import AdaptiveSpeculation
+from .adaptive import ROW_YIELD, AdaptiveSpeculation
 from .hidden_history import HiddenHistory
 from .params import MtpParams, parse_mtp_params
 
@@ -85,7 +87,9 @@ class MtpPlugin(Plugin):
         self.modules = list(range(self.k)) if self.mode == "vanilla" else [0] * self.k
         self.block_size = cache_config.block_size
         self.dummy_block_id = cache_config.dummy_block_id
-        self.num_lookahead_tokens = self.k  # the main model writes K draft positions past the last token
+        self.suffix = self._suffix_drafts(generator)
+        # the main model writes a draft position past the last token per draft verified
+        self.num_lookahead_tokens = max(self.k, self.params.suffix_max_drafts if self.suffix else 0)
         self.keep_hidden = self.k + CATCH_UP  # vanilla's history (K-1) + the entries to catch up
         self.cache_modules = len(set(self.modules))  # MTP caches this plugin keeps: K (vanilla) or 1
         self.states: dict[int, MtpSeqState] = {}
@@ -106,11 +110,17 @@ class MtpPlugin(Plugin):
         behind = np.array([self.states[s.seq_id].lag[0] >= CATCH_UP for s in batch.seqs])
         if behind.any():  # no drafts now would leave an MTP entry unwritten for good
             counts[behind] = np.maximum(counts[behind], min(a for a in self.adaptive.arms if a))
-        k = int(counts.max())
+        host_drafts = self._suffix_choice(batch, inputs, kinds, counts) if self.suffix else {}
+        mtp = np.ones(len(counts), dtype=bool)
+        for b, drafts in host_drafts.items():
+            counts[b], mtp[b] = len(drafts), False
+        # The MTP draft steps run as far as the most MTP drafts verified; at least one when only
+        # suffix drafts are, so module 0's cache keeps up with every sequence.
+        k = max(int(counts[mtp].max()) if mtp.any() else 0, 1 if host_drafts else 0)
         inputs.extra["mtp_k"] = k
         if k == 0:  # a plain decode step: the base inputs as composed
             return inputs
-        inputs = self._speculative_inputs(batch, inputs, self._window(batch.seqs, k), k, counts)
+        inputs = self._speculative_inputs(batch, inputs, self._window(batch.seqs, k), k, counts, host_drafts)
         inputs.hidden_states = self._gather_hidden(batch.seqs, inputs.extra["mtp_layout"])
         return inputs
 
@@ -137,8 +147,9 @@ class MtpPlugin(Plugin):
         inputs.hidden_states = self._gather_hidden(batch.seqs, layout)
 
     def _speculative_inputs(self, batch: StepBatch, inputs: StepInputs, last_accepted: np.ndarray, k: int,
-                            counts: np.ndarray) -> StepInputs:
-        """A step that drafts k tokens per sequence; sequence b verifies the first counts[b] <= k."""
+                            counts: np.ndarray, host_drafts: Optional[dict[int, list[int]]] = None) -> StepInputs:
+        """A step that drafts k tokens per sequence; sequence b verifies the first counts[b] <= k,
+        or, in ``host_drafts``, its counts[b] suffix drafts."""
         seqs = batch.seqs
         num_tokens = np.array([s.num_tokens for s in seqs], dtype=np.int64)
         tables = di.block_tables([s.block_table for s in seqs])
@@ -146,7 +157,7 @@ class MtpPlugin(Plugin):
         hidden_from = np.array([getattr(self.states.get(s.seq_id), "hidden_from", 0) for s in seqs], dtype=np.int64)
         layout = di.decode_layout(num_tokens, last_accepted, k, self.mode, hidden_from)
         inputs.model_inputs = di.main_inputs(
-            np.array([s.last_token_id for s in seqs]), num_tokens, tables, self.block_size, counts
+            np.array([s.last_token_id for s in seqs]), num_tokens, tables, self.block_size, counts, host_drafts
         )
         inputs.sub_model_inputs = di.sub_inputs(
             [s.token_ids for s in seqs], layout, tables, self.block_size, k, self.mode,
@@ -156,6 +167,7 @@ class MtpPlugin(Plugin):
         inputs.extra["mtp_modules"] = self.modules[:k]
         inputs.extra["mtp_layout"] = layout
         inputs.extra["mtp_counts"] = np.asarray(counts, dtype=np.int64)
+        inputs.extra["host_drafts"] = host_drafts or None
         return inputs
 
     def forward(self, batch: StepBatch, inputs: StepInputs, generator):
@@ -179,7 +191,8 @@ class MtpPlugin(Plugin):
         if not self._speculating(batch, inputs):
             return outputs
         counts = inputs.extra["mtp_counts"]
-        grid = di.verify_grid(counts, self._drafts(batch, inputs))  # [B, k + 1] rows, a sequence's last repeated
+        width = max(self._drafts(batch, inputs), int(counts.max()))  # suffix drafts may outnumber MTP's
+        grid = di.verify_grid(counts, width)  # [B, width + 1] rows, a sequence's last repeated
         drafts = outputs.drafts_host()
         targets = outputs.sampled[grid]
         accepted = np.minimum(self._accept(batch, inputs, outputs, drafts, targets, grid), counts)
@@ -218,7 +231,14 @@ class MtpPlugin(Plugin):
         caught_up = speculated and int(inputs.extra["mtp_layout"].last_accepted.max()) > self.k + 1
         seconds = None if caught_up else time.perf_counter() - inputs.extra["mtp_started"]  # adaptive.py
         drafted = inputs.extra["mtp_counts"] if speculated else np.zeros(len(states), dtype=np.int64)
-        accepted = outputs.num_draft_accepted if speculated else drafted
+        accepted = np.asarray(outputs.num_draft_accepted if speculated else drafted, dtype=np.int64)
+        host_drafts = inputs.extra.get("host_drafts") or {}
+        if self.suffix:
+            self._record_suffix(batch, inputs.extra.get("suffix_proposals", {}), host_drafts, outputs)
+        if host_drafts:  # suffix drafts inform the suffix estimate, not MTP's, nor the MTP arm's step time
+            drafted, accepted, seconds = drafted.copy(), accepted.copy(), None
+            for b in host_drafts:
+                drafted[b] = accepted[b] = 0
         self.adaptive.record([seq.seq_id for seq in batch.seqs], drafted, accepted, seconds)
 
     def _prefilled(self, batch: StepBatch, inputs: StepInputs, hidden: torch.Tensor) -> None:
@@ -259,8 +279,56 @@ class MtpPlugin(Plugin):
             self.states.pop(seq_id, None)
             self.history.remove(seq_id)
         self.adaptive.finish(seq_ids)
+        if self.suffix:
+            self.suffix.clear(seq_ids)
 
     # ---- helpers -------------------------------------------------------------------------------
+    def _suffix_drafts(self, generator) -> Optional[SuffixDrafts]:
+        p = self.params
+        if not p.suffix_drafting:
+            return None
+        if generator.dp_size > 1:
+            raise PluginParamsError("plugin_params.suffix_drafting is not available with dp > 1 yet")
+        self.supports_async_scheduling = False  # the drafts depend on the previous step's tokens
+        return SuffixDrafts(p.suffix_max_drafts, p.suffix_min_match)
+
+    def _suffix_choice(self, batch: StepBatch, inputs: StepInputs, kinds: list[str],
+                       counts: np.ndarray) -> dict[int, list[int]]:
+        """{b: suffix drafts} for the sequences whose suffix drafts promise more tokens this step
+        than their counts[b] MTP drafts, each cut to the drafts worth a verification row. Every
+        sequence's proposal is kept (``suffix_proposals``) to be scored against what it emits."""
+        seqs = batch.seqs
+        mtp_tokens = self.adaptive.expected([s.seq_id for s in seqs], kinds, counts)  # [B]
+        proposals, chosen = {}, {}
+        for b, seq in enumerate(seqs):
+            drafts = self.suffix.draft(seq)  # also brings the sequence's automaton up to date
+            if not drafts:
+                continue
+            proposals[b] = drafts
+            n = self.suffix.useful(seq.seq_id, drafts, ROW_YIELD)
+            if n and self.suffix.expected(seq.seq_id, n) > mtp_tokens[b]:
+                chosen[b] = drafts[:n]
+        inputs.extra["suffix_proposals"] = proposals
+        return chosen
+
+    def _record_suffix(self, batch: StepBatch, proposals: dict[int, list[int]], verified: dict[int, list[int]],
+                       outputs: StepOutputs) -> None:
+        """Each sequence's suffix estimate learns from every step it had a proposal: drafts it
+        verified count as the policy kept them; a proposal not verified is scored against the
+        tokens the step emitted (its first len(emitted) drafts can be judged), so a sequence
+        whose text repeats is seen to repeat while MTP drafts it."""
+        for b, drafts in proposals.items():
+            seq_id = batch.seqs[b].seq_id
+            if b in verified:
+                self.suffix.record(seq_id, len(verified[b]), int(outputs.num_draft_accepted[b]))
+                continue
+            emitted = outputs.accepted[b]
+            judged = min(len(drafts), len(emitted))
+            matched = 0
+            while matched < judged and drafts[matched] == emitted[matched]:
+                matched += 1
+            self.suffix.record(seq_id, judged, matched)
+
     def _drafts(self, batch: StepBatch, inputs: StepInputs) -> int:
         """Drafts this step verifies per sequence (0: prefill or a plain step)."""
         return 0 if batch.is_prefill else inputs.extra.get("mtp_k", self.k)

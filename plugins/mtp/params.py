@@ -16,8 +16,9 @@ PD_ROLES = ("standard", "prefill", "decode")
 KNOWN_KEYS = {
     "num_speculative_tokens", "mtp_mode", "decoding_policy", "relaxed_topk", "relaxed_delta",
     "think_start_token_id", "think_end_token_id", "posterior_threshold", "posterior_alpha", "pd_role",
-    "adaptive_speculation", "simulated_acceptance",
+    "adaptive_speculation", "simulated_acceptance", "suffix_drafting", "suffix_max_drafts", "suffix_min_match",
 }
+MAX_SUFFIX_DRAFTS = 15  # the graph runner's verification rows per sequence less the fed token
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,12 @@ class MtpParams:
     # Benchmarking only (SGLang's SGLANG_SIMULATE_ACC_LEN): draft j is accepted with probability
     # simulated_acceptance[j - 1], whatever the target says; output is no longer the model's.
     simulated_acceptance: Optional[tuple[float, ...]] = None
+    # Per sequence and step, verify suffix drafts (the sequence's own repeats: plugins/suffix)
+    # instead of MTP's when they promise more tokens; up to suffix_max_drafts of them, drafted
+    # when the repeated suffix has >= suffix_min_match tokens.
+    suffix_drafting: bool = False
+    suffix_max_drafts: int = 8
+    suffix_min_match: int = 3
 
     def resolved_mode(self, modules_in_checkpoint: int) -> str:
         k = self.num_speculative_tokens
@@ -121,10 +128,16 @@ def parse_mtp_params(options: dict) -> MtpParams:
         posterior_alpha=_float(options, "posterior_alpha", 0.0, 1.0, 0.3),
         pd_role=_choice(options, "pd_role", PD_ROLES, "standard"),
         adaptive_speculation=_bool(options, "adaptive_speculation", True),
+        suffix_drafting=_bool(options, "suffix_drafting", False),
+        suffix_max_drafts=_int(options, "suffix_max_drafts", 1, MAX_SUFFIX_DRAFTS, 8),
+        suffix_min_match=_int(options, "suffix_min_match", 1, 1024, 3),
     )
     params = replace(params, simulated_acceptance=_rates(options, "simulated_acceptance", params.num_speculative_tokens))
     if params.decoding_policy == "relaxed" and (params.think_start_token_id is None or params.think_end_token_id is None):
         raise PluginParamsError(
             "plugin_params.think_start_token_id and think_end_token_id are required with decoding_policy 'relaxed'"
         )
+    if params.suffix_drafting and params.simulated_acceptance is not None:
+        raise PluginParamsError("plugin_params.simulated_acceptance cannot be combined with suffix_drafting "
+                                "(simulated rates are per MTP draft position)")
     return params

@@ -21,7 +21,7 @@ from mindspec.modeling.forward_metadata import build_model_inputs, token_positio
 from mindspec.plugins.plugin import Plugin
 from mindspec.text_generator.step import StepBatch, StepInputs, StepOutputs
 
-from .suffix_automaton import SuffixAutomaton
+from .sequence_drafts import SuffixDrafts
 
 MAX_DRAFTS = 15  # the graph runner's rows per sequence (MAX_VERIFY_ROWS) less the fed token
 KNOWN_KEYS = {"num_speculative_tokens", "min_match", "decoding_policy"}
@@ -48,17 +48,16 @@ class SuffixPlugin(Plugin):
                                     f"got {options['decoding_policy']!r}")
         if generator.dp_size > 1:
             raise PluginParamsError("plugin_type 'suffix' is not available with dp > 1 yet")
-        self.max_drafts = _int_option(options, "num_speculative_tokens", 1, MAX_DRAFTS, 4)
-        self.min_match = _int_option(options, "min_match", 1, 1024, 3)
-        self.num_lookahead_tokens = self.max_drafts
+        max_drafts = _int_option(options, "num_speculative_tokens", 1, MAX_DRAFTS, 4)
+        self.drafts = SuffixDrafts(max_drafts, _int_option(options, "min_match", 1, 1024, 3))
+        self.num_lookahead_tokens = max_drafts
         self.block_size = cache_config.block_size
-        self.automata: dict[int, SuffixAutomaton] = {}
 
     # ---- hooks ---------------------------------------------------------------------------------
     def model_inputs_update(self, batch: StepBatch, inputs: StepInputs) -> StepInputs:
         if batch.is_prefill:
             return inputs
-        drafts = [self._draft(seq) for seq in batch.seqs]
+        drafts = [self.drafts.draft(seq) for seq in batch.seqs]
         if not any(drafts):
             return inputs  # a plain decode step
         counts = np.array([len(d) for d in drafts], dtype=np.int64)
@@ -97,16 +96,4 @@ class SuffixPlugin(Plugin):
         return outputs
 
     def plugin_cache_clear(self, seq_ids: list[int]) -> None:
-        for seq_id in seq_ids:
-            self.automata.pop(seq_id, None)
-
-    # ---- helpers -------------------------------------------------------------------------------
-    def _draft(self, seq) -> list[int]:
-        """The sequence's drafts, its automaton first brought up to its tokens (a sequence only
-        ever grows; a preempted one keeps its tokens)."""
-        automaton = self.automata.setdefault(seq.seq_id, SuffixAutomaton())
-        prompt = seq.prompt_token_ids  # the new tokens only, not seq.token_ids' copy of the whole sequence
-        if len(automaton) < len(prompt):
-            automaton.extend(prompt[len(automaton):])
-        automaton.extend(seq.output_token_ids[len(automaton) - len(prompt):])
-        return automaton.draft(self.max_drafts, self.min_match)
+        self.drafts.clear(seq_ids)

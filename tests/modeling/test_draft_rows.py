@@ -115,3 +115,17 @@ def test_verify_source_places_each_sequences_own_drafts():
     assert verify_source(np.array([3, 3]), 2) is None  # uniform: the model's view places them
     with pytest.raises(ValueError, match="1..3"):
         verify_source(np.array([4, 1]), 2)
+
+
+def test_verify_source_keeps_host_drafts_in_their_input_rows():
+    from mindspec.modeling.draft_rows import verify_source
+
+    # k = 2 MTP drafts made; sequence 1 verifies 4 suffix drafts written into its rows on the host
+    q, host = np.array([3, 5, 1]), np.array([False, True, False])
+    src = verify_source(q, 2, host)
+    ids = np.array([10, 0, 0, 11, 50, 51, 52, 53, 12])
+    drafts = np.array([[20, 21], [30, 31], [40, 41]])
+    assert np.concatenate([ids, drafts.reshape(-1)])[src].tolist() == [10, 20, 21, 11, 50, 51, 52, 53, 12]
+    assert verify_source(np.array([3, 3]), 2, np.array([False, True])) is not None  # uniform, yet host rows
+    with pytest.raises(ValueError, match="1..3"):
+        verify_source(np.array([5, 1]), 2, np.array([False, True]))  # more rows than MTP drafts, not hosted

@@ -1,9 +1,10 @@
-"""Draft counts per verification step: recorded from the suffix plugin, or scripted for the MTP
-plugin in place of its adaptive controller."""
+"""Draft counts per verification step: recorded from the suffix plugin and from the MTP plugin's
+suffix drafts, or scripted for the MTP plugin in place of its adaptive controller."""
 from __future__ import annotations
 
 import numpy as np
 
+from mindspec.plugins.mtp.mtp_plugin import MtpPlugin
 from mindspec.plugins.suffix.suffix_plugin import SuffixPlugin
 
 
@@ -47,6 +48,10 @@ class ScriptedSpeculation:
         self.counts.append(counts)
         return np.array(counts, dtype=np.int64)
 
+    def expected(self, seq_ids, kinds, counts):
+        """No tokens expected from MTP drafts: a sequence with a suffix proposal verifies it."""
+        return np.zeros(len(seq_ids))
+
     def record(self, seq_ids, counts, accepted, seconds):
         if seconds is not None:
             self.recorded.append(int(max(counts)))
@@ -60,3 +65,18 @@ def script_mtp_counts(llm, pattern, k=None) -> ScriptedSpeculation:
     plugin = next(p for p in llm.engine.plugin_manager.plugins if p.name == "mtp")
     plugin.adaptive = ScriptedSpeculation(pattern, plugin.k if k is None else k)
     return plugin.adaptive
+
+
+def record_mtp_steps(monkeypatch) -> list[tuple[list[int], list[int]]]:
+    """Per speculative MTP step: (drafts each sequence verified, the sequences whose drafts were
+    suffix drafts)."""
+    steps: list[tuple[list[int], list[int]]] = []
+    verify = MtpPlugin.plugin_verify
+
+    def spy(self, batch, inputs, outputs):
+        if "mtp_counts" in inputs.extra and inputs.extra.get("mtp_k", 0) > 0 and not batch.is_prefill:
+            steps.append((inputs.extra["mtp_counts"].tolist(), sorted(inputs.extra.get("host_drafts") or {})))
+        return verify(self, batch, inputs, outputs)
+
+    monkeypatch.setattr(MtpPlugin, "plugin_verify", spy)
+    return steps

@@ -7,7 +7,7 @@ import pytest
 from mindspec import LLM, SamplingParams
 from mindspec.modeling.graph_runner import DecodeGraphRunner
 from tests.support.checkpoints import make_checkpoint, make_self_predicting_checkpoint, tiny_v2_config, tiny_v3_config
-from tests.support.draft_counts import record_draft_counts, script_mtp_counts
+from tests.support.draft_counts import record_draft_counts, record_mtp_steps, script_mtp_counts
 
 pytestmark = pytest.mark.slow  # about a minute under the interpreter on 2 cores
 
@@ -86,6 +86,30 @@ def test_suffix_drafting_with_unequal_draft_counts_equals_cpu(v3_checkpoint, dev
     expected = _tokens(_llm(path, "cpu"), prompts)
     assert _tokens(_llm(path, "cuda", device, plugin_params=params), prompts) == expected
     assert any(len(set(c)) > 1 for c in counts)
+
+
+def test_mtp_with_suffix_drafts_equals_cpu(v3_checkpoint, device, monkeypatch):
+    """Suffix drafts (more than K, on the host) and MTP drafts (0..K) in one MTP step: eagerly,
+    and with a graph runner, which replays the steps without suffix drafts."""
+    path, _ = v3_checkpoint
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40, 41, 42, 43, 44], [9, 10, 9, 10, 9]]
+    params = {"plugin_type": "mtp,suffix", "num_speculative_tokens": 2, "mtp_mode": "vanilla",
+              "suffix_min_match": 1, "suffix_max_drafts": 5}
+    pattern = [[2, 0, 1], [1, 2, 0], [0]]
+    steps = record_mtp_steps(monkeypatch)
+    expected = _tokens(_llm(path, "cpu"), prompts)
+    cpu = _llm(path, "cpu", plugin_params=params)
+    script_mtp_counts(cpu, pattern)
+    assert _tokens(cpu, prompts) == expected
+    assert any(host and len(host) < len(counts) for counts, host in steps)
+    llm = _llm(path, "cuda", device, plugin_params=params)
+    script_mtp_counts(llm, pattern)
+    assert _tokens(llm, prompts) == expected
+    wrapper = llm.engine.model_wrapper
+    runner = DecodeGraphRunner(wrapper, buckets=(4,), capture=wrapper.backend.supports_graph_capture)
+    wrapper.graph_runner = runner
+    script_mtp_counts(llm, pattern)
+    assert _tokens(llm, prompts) == expected
 
 
 def test_mtp_per_sequence_draft_counts_equal_cpu(v3_checkpoint, device):

@@ -15,7 +15,7 @@ from mindspec.modeling.forward_metadata import build_model_inputs, to_device
 from mindspec.modeling.model_wrapper import ModelWrapper
 from npu_cases import ascend_config
 from tests.support.checkpoints import make_checkpoint, make_self_predicting_checkpoint, tiny_v3_config
-from tests.support.draft_counts import record_draft_counts, script_mtp_counts
+from tests.support.draft_counts import record_draft_counts, record_mtp_steps, script_mtp_counts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 MTP_K3 = {"plugin_type": "mtp", "num_speculative_tokens": 3, "mtp_mode": "eagle", "adaptive_speculation": False}
@@ -120,3 +120,22 @@ def test_mtp_per_sequence_draft_counts_equal_cpu(ascend_checkpoint, npu_ref):
         return [o.token_ids for o in llm.generate(prompts, GREEDY)]
 
     assert tokens("npu", params, device="cpu") == tokens("cpu", {})
+
+
+def test_mtp_with_suffix_drafts_equals_cpu(ascend_checkpoint, npu_ref, monkeypatch):
+    """MTP steps in which some sequences verify suffix drafts (more than K, written into their
+    rows on the host) and others 0..K MTP drafts, through the npu backend."""
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40, 41, 42, 43, 44], [9, 10, 9, 10, 9]]
+    params = {"plugin_type": "mtp,suffix", "num_speculative_tokens": 2, "mtp_mode": "eagle",
+              "suffix_min_match": 1, "suffix_max_drafts": 5}
+    steps = record_mtp_steps(monkeypatch)
+
+    def tokens(backend, plugin_params, **kw):
+        llm = LLM(model=str(ascend_checkpoint), dtype="float16", cache_block_size=16, num_blocks=64, progress=False,
+                  plugin_params=plugin_params, backend=backend, **kw)
+        if plugin_params:
+            script_mtp_counts(llm, [[2, 0, 1], [1, 2, 0], [0]])
+        return [o.token_ids for o in llm.generate(prompts, GREEDY)]
+
+    assert tokens("npu", params, device="cpu") == tokens("cpu", {})
+    assert any(host and len(host) < len(counts) for counts, host in steps)  # suffix and MTP rows in one step

@@ -176,7 +176,10 @@ def test_buckets_are_independent_and_disabled_always_speculates():
     assert ctl.planned(64) == 3 and ctl.planned(1) == 3 and not ctl.buckets  # no bucket: K, none created
     off = AdaptiveSpeculation(range(4), enabled=False)
     assert set(_feed(off, 10, {3: 9.0}, [0] * 64)) == {3}
-    assert off.summary() == {} and not off.sequences
+    # disabled, it times nothing but keeps each sequence's acceptance (suffix drafting weighs it)
+    assert off.summary() == {} and off.sequences
+    ids = list(off.sequences)
+    assert set(off.expected(ids, None, [3] * len(ids)).tolist()) == {1.0}  # every draft missed: 1 token a step
     with pytest.raises(ValueError, match="draft counts"):
         AdaptiveSpeculation(())
 

@@ -9,7 +9,6 @@ import pytest
 from mindspec import LLM, SamplingParams
 from mindspec.config.plugin_params import PluginParamsError
 from mindspec.engine.errors import EngineError
-from mindspec.plugins.plugin import PluginError
 from tests.support.checkpoints import make_checkpoint, tiny_v3_config
 from tests.support.draft_counts import record_draft_counts
 
@@ -79,5 +78,3 @@ def test_bad_options_are_one_error_naming_the_key(checkpoint, options, key):
 def test_what_it_does_not_support_yet_is_refused_clearly(checkpoint):
     with pytest.raises(EngineError, match="asyncScheduling.*'suffix'"):
         _llm(checkpoint, SUFFIX, async_scheduling=True)
-    with pytest.raises(PluginError, match="mtp and suffix both draft"):
-        LLM(dtype="float32", progress=False, plugin_params={"plugin_type": "mtp,suffix", "num_speculative_tokens": 2})
