@@ -186,6 +186,11 @@ class AdaptiveSpeculation:
             counts[retry] = min(a for a in self.arms if a)
         return counts
 
+    def step_seconds(self, batch_size: int, k: int) -> float:
+        """Median time of a step with k drafts at this batch size; 0.0 until measured."""
+        b = self.buckets.get(batch_bucket(batch_size))
+        return b.median_seconds(k) if b is not None and len(b.seconds.get(k, ())) >= MIN_SAMPLES else 0.0
+
     def expected(self, seq_ids: Sequence[int], kinds: Optional[Sequence[str]], counts: np.ndarray) -> np.ndarray:
         """[B] tokens a step yields for sequence b verifying counts[b] drafts, by its estimate."""
         _, alpha = self._alphas(seq_ids, kinds)

@@ -34,7 +34,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import statistics
 import time
+from collections import deque
 
 import numpy as np
 import torch
@@ -88,6 +90,7 @@ class MtpPlugin(Plugin):
         self.block_size = cache_config.block_size
         self.dummy_block_id = cache_config.dummy_block_id
         self.suffix = self._suffix_drafts(generator)
+        self.suffix_seconds: deque = deque(maxlen=16)  # recent batch-1 steps of suffix drafts
         # the main model writes a draft position past the last token per draft verified
         self.num_lookahead_tokens = max(self.k, self.params.suffix_max_drafts if self.suffix else 0)
         self.keep_hidden = self.k + CATCH_UP  # vanilla's history (K-1) + the entries to catch up
@@ -236,6 +239,8 @@ class MtpPlugin(Plugin):
         if self.suffix:
             self._record_suffix(batch, inputs.extra.get("suffix_proposals", {}), host_drafts, outputs)
         if host_drafts:  # suffix drafts inform the suffix estimate, not MTP's, nor the MTP arm's step time
+            if len(batch.seqs) == 1:
+                self.suffix_seconds.append(time.perf_counter() - inputs.extra["mtp_started"])
             drafted, accepted, seconds = drafted.copy(), accepted.copy(), None
             for b in host_drafts:
                 drafted[b] = accepted[b] = 0
@@ -299,6 +304,7 @@ class MtpPlugin(Plugin):
         sequence's proposal is kept (``suffix_proposals``) to be scored against what it emits."""
         seqs = batch.seqs
         mtp_tokens = self.adaptive.expected([s.seq_id for s in seqs], kinds, counts)  # [B]
+        mtp_tokens = mtp_tokens * self._suffix_step_cost(len(seqs), counts)
         proposals, chosen = {}, {}
         for b, seq in enumerate(seqs):
             drafts = self.suffix.draft(seq)  # also brings the sequence's automaton up to date
@@ -310,6 +316,17 @@ class MtpPlugin(Plugin):
                 chosen[b] = drafts[:n]
         inputs.extra["suffix_proposals"] = proposals
         return chosen
+
+    def _suffix_step_cost(self, batch_size: int, counts: np.ndarray) -> float:
+        """A step of suffix drafts against the step of MTP drafts it replaces, by their measured
+        times: at batch 1 it runs one MTP draft step, not counts[0], so it may yield fewer tokens
+        and still pay. At larger batches other sequences set the step's MTP drafts: 1."""
+        if batch_size != 1:
+            return 1.0
+        suffix = statistics.median(self.suffix_seconds) if len(self.suffix_seconds) >= 3 \
+            else self.adaptive.step_seconds(1, 1)
+        mtp = self.adaptive.step_seconds(1, int(counts[0]))
+        return suffix / mtp if suffix > 0 and mtp > 0 else 1.0
 
     def _record_suffix(self, batch: StepBatch, proposals: dict[int, list[int]], verified: dict[int, list[int]],
                        outputs: StepOutputs) -> None:

@@ -68,9 +68,13 @@ class SuffixAutomaton:
         return self.length[state], self.first_end[state]
 
     def draft(self, max_tokens: int, min_match: int) -> list[int]:
-        """Up to ``max_tokens`` tokens that followed the first earlier occurrence of the longest
-        repeated suffix, if that suffix has at least ``min_match`` tokens."""
+        """``max_tokens`` tokens that followed the first earlier occurrence of the longest
+        repeated suffix, if that suffix has at least ``min_match`` tokens. Where that
+        continuation reaches the end of the sequence, it goes on with the drafted tokens
+        themselves: the match says the text repeats with period p = n - 1 - first_end, so
+        draft j is the token p before it (a loop such as ``#\n#\n`` drafts in full)."""
         length, end = self.match()
         if length < min_match:
             return []
-        return self.tokens[end + 1 : end + 1 + max_tokens]
+        period = self.tokens[end + 1 :]
+        return [period[j % len(period)] for j in range(max_tokens)]

@@ -32,7 +32,15 @@ def test_draft_is_what_followed_the_first_occurrence():
     assert automaton.match() == (3, 3)  # "1 2 3" first ends at index 3
     assert automaton.draft(4, min_match=3) == [4, 5, 9, 1]
     assert automaton.draft(2, min_match=3) == [4, 5]
+    assert automaton.draft(8, min_match=3) == [4, 5, 9, 1, 2, 3, 4, 5]  # past the end: the drafts repeat
     assert automaton.draft(4, min_match=4) == []  # the repeat is shorter than asked
     automaton.extend([8])
     assert automaton.match() == (0, -1) and automaton.draft(4, 1) == []
     assert SuffixAutomaton().draft(4, 1) == []
+
+
+def test_a_loop_drafts_in_full():
+    automaton = SuffixAutomaton()
+    automaton.extend([9, 1, 2, 1, 2, 1, 2])
+    assert automaton.match() == (4, 4)  # "1 2 1 2" first ends at index 4: the text repeats with period 2
+    assert automaton.draft(5, min_match=2) == [1, 2, 1, 2, 1]
