@@ -52,6 +52,9 @@ class ScriptedSpeculation:
         """No tokens expected from MTP drafts: a sequence with a suffix proposal verifies it."""
         return np.zeros(len(seq_ids))
 
+    def step_seconds(self, batch_size, k):
+        return 0.0  # nothing timed: suffix steps are weighed by tokens alone
+
     def record(self, seq_ids, counts, accepted, seconds):
         if seconds is not None:
             self.recorded.append(int(max(counts)))
