@@ -28,6 +28,10 @@ per token. A later module more than CATCH_UP entries behind gives up its oldest 
 verification keeps every choice lossless, a stale entry only weakens that module's drafts. For the
 same reason a vanilla prefill runs only the modules that the controller's choice at the coming
 batch size uses (all K until measured); the others start behind by the prompt.
+
+Suffix drafts (``suffix_drafting``, ``"plugin_type": "mtp,suffix"``): a sequence whose suffix
+drafts (plugins/suffix) promise more tokens than its MTP drafts verifies those instead, written
+into its rows on the host; the step still runs at least one MTP draft step (docs/mtp.md).
 """
 from __future__ import annotations
 
@@ -41,11 +45,11 @@ from collections import deque
 import numpy as np
 import torch
 
+from mindspec.config.plugin_params import PluginParamsError
 from mindspec.modeling.forward_metadata import token_positions
 from mindspec.modeling.loader import checkpoint_keys
 from mindspec.models.deepseekv2.config import DeepseekV2Config
 from mindspec.models.deepseekv2.weights import mtp_modules_in
-from mindspec.config.plugin_params import PluginParamsError
 from mindspec.plugins.plugin import Plugin
 from mindspec.plugins.suffix.sequence_drafts import SuffixDrafts
 from mindspec.text_generator.sampling.sampler import penalised_logits, processed_probs
@@ -235,15 +239,8 @@ class MtpPlugin(Plugin):
         seconds = None if caught_up else time.perf_counter() - inputs.extra["mtp_started"]  # adaptive.py
         drafted = inputs.extra["mtp_counts"] if speculated else np.zeros(len(states), dtype=np.int64)
         accepted = np.asarray(outputs.num_draft_accepted if speculated else drafted, dtype=np.int64)
-        host_drafts = inputs.extra.get("host_drafts") or {}
         if self.suffix:
-            self._record_suffix(batch, inputs.extra.get("suffix_proposals", {}), host_drafts, outputs)
-        if host_drafts:  # suffix drafts inform the suffix estimate, not MTP's, nor the MTP arm's step time
-            if len(batch.seqs) == 1:
-                self.suffix_seconds.append(time.perf_counter() - inputs.extra["mtp_started"])
-            drafted, accepted, seconds = drafted.copy(), accepted.copy(), None
-            for b in host_drafts:
-                drafted[b] = accepted[b] = 0
+            drafted, accepted, seconds = self._suffix_step_done(batch, inputs, outputs, drafted, accepted, seconds)
         self.adaptive.record([seq.seq_id for seq in batch.seqs], drafted, accepted, seconds)
 
     def _prefilled(self, batch: StepBatch, inputs: StepInputs, hidden: torch.Tensor) -> None:
@@ -300,11 +297,14 @@ class MtpPlugin(Plugin):
     def _suffix_choice(self, batch: StepBatch, inputs: StepInputs, kinds: list[str],
                        counts: np.ndarray) -> dict[int, list[int]]:
         """{b: suffix drafts} for the sequences whose suffix drafts promise more tokens this step
-        than their counts[b] MTP drafts, each cut to the drafts worth a verification row. Every
+        than their counts[b] MTP drafts, each cut to the drafts worth a verification row. In a
+        batch, where rows cost compute, each row is charged ROW_YIELD tokens (the yield at
+        which a row pays); at batch 1 the two steps' measured times are weighed instead. Every
         sequence's proposal is kept (``suffix_proposals``) to be scored against what it emits."""
         seqs = batch.seqs
-        mtp_tokens = self.adaptive.expected([s.seq_id for s in seqs], kinds, counts)  # [B]
-        mtp_tokens = mtp_tokens * self._suffix_step_cost(len(seqs), counts)
+        row_cost = ROW_YIELD if len(seqs) > 1 else 0.0
+        mtp_value = self.adaptive.expected([s.seq_id for s in seqs], kinds, counts)  # [B] tokens
+        mtp_value = mtp_value * self._suffix_step_cost(len(seqs), counts) - row_cost * counts
         proposals, chosen = {}, {}
         for b, seq in enumerate(seqs):
             drafts = self.suffix.draft(seq)  # also brings the sequence's automaton up to date
@@ -312,7 +312,7 @@ class MtpPlugin(Plugin):
                 continue
             proposals[b] = drafts
             n = self.suffix.useful(seq.seq_id, drafts, ROW_YIELD)
-            if n and self.suffix.expected(seq.seq_id, n) > mtp_tokens[b]:
+            if n and self.suffix.expected(seq.seq_id, n) - row_cost * n > mtp_value[b]:
                 chosen[b] = drafts[:n]
         inputs.extra["suffix_proposals"] = proposals
         return chosen
@@ -327,6 +327,21 @@ class MtpPlugin(Plugin):
             else self.adaptive.step_seconds(1, 1)
         mtp = self.adaptive.step_seconds(1, int(counts[0]))
         return suffix / mtp if suffix > 0 and mtp > 0 else 1.0
+
+    def _suffix_step_done(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs, drafted: np.ndarray,
+                          accepted: np.ndarray, seconds: Optional[float]):
+        """The suffix estimates learn from the step; what the MTP controller then records:
+        suffix drafts are no evidence of MTP acceptance, nor their step of an MTP arm's time."""
+        host_drafts = inputs.extra.get("host_drafts") or {}
+        self._record_suffix(batch, inputs.extra.get("suffix_proposals", {}), host_drafts, outputs)
+        if not host_drafts:
+            return drafted, accepted, seconds
+        if len(batch.seqs) == 1:
+            self.suffix_seconds.append(time.perf_counter() - inputs.extra["mtp_started"])
+        drafted, accepted = drafted.copy(), accepted.copy()
+        for b in host_drafts:
+            drafted[b] = accepted[b] = 0
+        return drafted, accepted, None
 
     def _record_suffix(self, batch: StepBatch, proposals: dict[int, list[int]], verified: dict[int, list[int]],
                        outputs: StepOutputs) -> None:

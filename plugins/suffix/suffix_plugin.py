@@ -9,8 +9,8 @@ per sequence). Acceptance is strict: the longest draft prefix equal to the sampl
 the target after it, so greedy output is token for token what decoding without drafts gives, and
 sampled output has the target's distribution. Works on any checkpoint (no MTP modules needed).
 
-Not yet: combined with MTP in one step, async scheduling, dp > 1 (each refused with a clear
-error), other decoding policies.
+Not yet: async scheduling, dp > 1 (each refused with a clear error), other decoding policies.
+With MTP, suffix drafts are the MTP plugin's ``suffix_drafting`` option (``"mtp,suffix"``).
 """
 from __future__ import annotations
 
