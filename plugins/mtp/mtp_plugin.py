@@ -63,6 +63,10 @@ from .hidden_history import HiddenHistory
 from .params import MtpParams, parse_mtp_params
 
 CATCH_UP = 32  # most MTP entries a module may lack: module 0 is then caught up, later ones give up the oldest
+# Largest batch whose sequences verify suffix drafts (above it they only propose, and learn): at
+# batch 32 on 2 cores suffix rows cost more than they gave (0.72-0.88x of MTP off, against 1.21x
+# for MTP alone), at 16 they paid (1.18x against 1.01x); benchmarks/README.md, "MTP with suffix drafts".
+SUFFIX_MAX_BATCH = 16
 
 
 @dataclass
@@ -311,7 +315,7 @@ class MtpPlugin(Plugin):
             if not drafts:
                 continue
             proposals[b] = drafts
-            n = self.suffix.useful(seq.seq_id, drafts, ROW_YIELD)
+            n = self.suffix.useful(seq.seq_id, drafts, ROW_YIELD) if len(seqs) <= SUFFIX_MAX_BATCH else 0
             if n and self.suffix.expected(seq.seq_id, n) - row_cost * n > mtp_value[b]:
                 chosen[b] = drafts[:n]
         inputs.extra["suffix_proposals"] = proposals
@@ -331,7 +335,10 @@ class MtpPlugin(Plugin):
     def _suffix_step_done(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs, drafted: np.ndarray,
                           accepted: np.ndarray, seconds: Optional[float]):
         """The suffix estimates learn from the step; what the MTP controller then records:
-        suffix drafts are no evidence of MTP acceptance, nor their step of an MTP arm's time."""
+        suffix drafts are no evidence of MTP acceptance. The step's time counts for the MTP arm
+        whose draft steps it ran (suffix rows included: in a batch where suffix drafts are
+        common they are part of every step's cost, and an arm never timed would be explored
+        for good), not when only suffix drafts set how far it drafted."""
         host_drafts = inputs.extra.get("host_drafts") or {}
         self._record_suffix(batch, inputs.extra.get("suffix_proposals", {}), host_drafts, outputs)
         if not host_drafts:
@@ -341,7 +348,7 @@ class MtpPlugin(Plugin):
         drafted, accepted = drafted.copy(), accepted.copy()
         for b in host_drafts:
             drafted[b] = accepted[b] = 0
-        return drafted, accepted, None
+        return drafted, accepted, seconds if int(drafted.max()) == inputs.extra["mtp_k"] else None
 
     def _record_suffix(self, batch: StepBatch, proposals: dict[int, list[int]], verified: dict[int, list[int]],
                        outputs: StepOutputs) -> None:

@@ -135,3 +135,26 @@ def test_host_drafts_sit_in_the_inputs_and_the_graph_runner_leaves_them_eager():
     assert hosted.q_lens.tolist() == [3, 6] and hosted.seq_lens.tolist() == [7, 11]
     runner = DecodeGraphRunner(_llm({}).engine.model_wrapper, buckets=(2,), capture=False)
     assert runner.accepts(plain) and not runner.accepts(hosted)
+
+
+def test_a_step_with_suffix_drafts_times_the_mtp_arm_it_ran():
+    """What the MTP controller records after a step: suffix rows are no MTP acceptance; the
+    step's time counts for its MTP arm when MTP drafts set how far it drafted, not when only
+    suffix drafts made it draft (a plain step's arm is not a step with a draft stage)."""
+    import time
+    from types import SimpleNamespace
+
+    plugin = _llm(_mtp_suffix()).engine.plugin_manager.plugins[0]
+    batch = SimpleNamespace(seqs=[SimpleNamespace(seq_id=1), SimpleNamespace(seq_id=2)])
+    outputs = SimpleNamespace(accepted=[[1, 2, 3], [5, 6, 7, 8, 9, 4]], num_draft_accepted=[2, 5])
+    extra = {"host_drafts": {1: [5, 6, 7, 8, 9]}, "suffix_proposals": {1: [5, 6, 7, 8, 9]},
+             "mtp_k": 2, "mtp_started": time.perf_counter()}
+    before = plugin.suffix.expected(2, 5)
+    drafted, accepted, seconds = plugin._suffix_step_done(batch, SimpleNamespace(extra=extra), outputs,
+                                                          np.array([2, 5]), np.array([2, 5]), 0.01)
+    assert drafted.tolist() == [2, 0] and accepted.tolist() == [2, 0] and seconds == 0.01
+    assert plugin.suffix.expected(2, 5) > before  # all five kept
+    extra["mtp_k"] = 1  # sequence 0 verified no MTP draft: the suffix drafts alone made the step draft
+    _, _, seconds = plugin._suffix_step_done(batch, SimpleNamespace(extra=extra), outputs,
+                                             np.array([0, 5]), np.array([0, 5]), 0.01)
+    assert seconds is None
