@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from .suffix_automaton import SuffixAutomaton
 
 # A sequence's suffix acceptance starts at PRIOR_RATE with PRIOR_WEIGHT pseudo-drafts and follows
-# its own verified drafts, each step's counts decayed by DECAY. A repeated suffix of >= min_match
+# its own drafts (verified, or scored against the tokens a step emitted), each step's counts
+# decayed by DECAY. A repeated suffix of >= min_match
 # tokens usually continues as before in text that copies its prompt (code edits, quotes), and
 # rarely in free text; a few steps tell which.
 PRIOR_RATE = 0.7
