@@ -189,4 +189,7 @@ def test_a_package_runs_through_its_library_with_the_gil_released(checkpoint, ca
         stop.set()
         thread.join()
         sys.setswitchinterval(interval)
-    assert free > 5 * max(held, 100), (held, free)  # measured: 47-55 thousand against 2.8-2.9 million
+    # measured: held 47-55 thousand against 2.8-2.9 million free; on a loaded machine 0.52 against
+    # 2.34 million (the loader's Python parts, where the spinner may run, take longer there);
+    # a runner that kept the GIL would spin about as much as torch's loader
+    assert free > 2 * max(held, 100), (held, free)
