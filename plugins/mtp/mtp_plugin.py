@@ -303,8 +303,9 @@ class MtpPlugin(Plugin):
         """{b: suffix drafts} for the sequences whose suffix drafts promise more tokens this step
         than their counts[b] MTP drafts, each cut to the drafts worth a verification row. In a
         batch, where rows cost compute, each row is charged ROW_YIELD tokens (the yield at
-        which a row pays); at batch 1 the two steps' measured times are weighed instead. Every
-        sequence's proposal is kept (``suffix_proposals``) to be scored against what it emits."""
+        which a row pays); at batch 1 the two steps' measured times are weighed instead; above
+        SUFFIX_MAX_BATCH none verifies suffix drafts. Every sequence's proposal is kept
+        (``suffix_proposals``) to be scored against what it emits."""
         seqs = batch.seqs
         row_cost = ROW_YIELD if len(seqs) > 1 else 0.0
         mtp_value = self.adaptive.expected([s.seq_id for s in seqs], kinds, counts)  # [B] tokens
