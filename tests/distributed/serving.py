@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from tests.support.ports import free_port
 
 
 def served_model(directory: Path, seed: int) -> Path:
@@ -23,12 +24,6 @@ def served_model(directory: Path, seed: int) -> Path:
     path = make_self_predicting_checkpoint(directory, cfg, seed=seed, residual_scale=0.005)
     make_tokenizer(path, vocab_size=256)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_config(path: Path, model_dir, *, server=None, model=None, schedule=None) -> tuple[Path, tuple[int, int, int]]:

@@ -2,7 +2,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -11,13 +10,8 @@ import httpx
 import pytest
 
 from tests.support.checkpoints import make_checkpoint, tiny_v3_config
+from tests.support.ports import free_port  # noqa: F401  (the tests import it from here)
 from tests.support.tokenizers import make_tokenizer
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
