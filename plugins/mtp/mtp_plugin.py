@@ -51,7 +51,7 @@ from mindspec.modeling.loader import checkpoint_keys
 from mindspec.models.deepseekv2.config import DeepseekV2Config
 from mindspec.models.deepseekv2.weights import mtp_modules_in
 from mindspec.plugins.plugin import Plugin
-from mindspec.plugins.suffix.sequence_drafts import SuffixDrafts
+from mindspec.plugins.suffix.sequence_drafts import SuffixDrafts, matched_prefix
 from mindspec.text_generator.sampling.sampler import penalised_logits, processed_probs
 from mindspec.text_generator.step import StepBatch, StepInputs, StepOutputs
 
@@ -307,19 +307,23 @@ class MtpPlugin(Plugin):
         SUFFIX_MAX_BATCH none verifies suffix drafts. Every sequence's proposal is kept
         (``suffix_proposals``) to be scored against what it emits."""
         seqs = batch.seqs
+        proposals = {}
+        for b, seq in enumerate(seqs):
+            drafts = self.suffix.draft(seq)  # also brings the sequence's automaton up to date
+            if drafts:
+                proposals[b] = drafts
+        inputs.extra["suffix_proposals"] = proposals
+        if not proposals or len(seqs) > SUFFIX_MAX_BATCH:
+            return {}
         row_cost = ROW_YIELD if len(seqs) > 1 else 0.0
         mtp_value = self.adaptive.expected([s.seq_id for s in seqs], kinds, counts)  # [B] tokens
         mtp_value = mtp_value * self._suffix_step_cost(len(seqs), counts) - row_cost * counts
-        proposals, chosen = {}, {}
-        for b, seq in enumerate(seqs):
-            drafts = self.suffix.draft(seq)  # also brings the sequence's automaton up to date
-            if not drafts:
-                continue
-            proposals[b] = drafts
-            n = self.suffix.useful(seq.seq_id, drafts, ROW_YIELD) if len(seqs) <= SUFFIX_MAX_BATCH else 0
-            if n and self.suffix.expected(seq.seq_id, n) - row_cost * n > mtp_value[b]:
+        chosen = {}
+        for b, drafts in proposals.items():
+            seq_id = seqs[b].seq_id
+            n = self.suffix.useful(seq_id, drafts, ROW_YIELD)
+            if n and self.suffix.expected(seq_id, n) - row_cost * n > mtp_value[b]:
                 chosen[b] = drafts[:n]
-        inputs.extra["suffix_proposals"] = proposals
         return chosen
 
     def _suffix_step_cost(self, batch_size: int, counts: np.ndarray) -> float:
@@ -363,11 +367,7 @@ class MtpPlugin(Plugin):
                 self.suffix.record(seq_id, len(verified[b]), int(outputs.num_draft_accepted[b]))
                 continue
             emitted = outputs.accepted[b]
-            judged = min(len(drafts), len(emitted))
-            matched = 0
-            while matched < judged and drafts[matched] == emitted[matched]:
-                matched += 1
-            self.suffix.record(seq_id, judged, matched)
+            self.suffix.record(seq_id, min(len(drafts), len(emitted)), matched_prefix(drafts, emitted))
 
     def _drafts(self, batch: StepBatch, inputs: StepInputs) -> int:
         """Drafts this step verifies per sequence (0: prefill or a plain step)."""

@@ -13,12 +13,19 @@ from .suffix_automaton import SuffixAutomaton
 
 # A sequence's suffix acceptance starts at PRIOR_RATE with PRIOR_WEIGHT pseudo-drafts and follows
 # its own drafts (verified, or scored against the tokens a step emitted), each step's counts
-# decayed by DECAY. A repeated suffix of >= min_match
-# tokens usually continues as before in text that copies its prompt (code edits, quotes), and
-# rarely in free text; a few steps tell which.
+# decayed by DECAY. A repeated suffix of >= min_match tokens usually continues as before in text
+# that copies its prompt (code edits, quotes), and rarely in free text; a few steps tell which.
 PRIOR_RATE = 0.7
 PRIOR_WEIGHT = 2.0
 DECAY = 0.9
+
+
+def matched_prefix(drafts, tokens) -> int:
+    """How many leading drafts equal the tokens at their positions."""
+    n, limit = 0, min(len(drafts), len(tokens))
+    while n < limit and drafts[n] == tokens[n]:
+        n += 1
+    return n
 
 
 @dataclass

@@ -21,7 +21,7 @@ from mindspec.modeling.forward_metadata import build_model_inputs, token_positio
 from mindspec.plugins.plugin import Plugin
 from mindspec.text_generator.step import StepBatch, StepInputs, StepOutputs
 
-from .sequence_drafts import SuffixDrafts
+from .sequence_drafts import SuffixDrafts, matched_prefix
 
 MAX_DRAFTS = 15  # the graph runner's rows per sequence (MAX_VERIFY_ROWS) less the fed token
 KNOWN_KEYS = {"num_speculative_tokens", "min_match", "decoding_policy"}
@@ -83,9 +83,7 @@ class SuffixPlugin(Plugin):
         start = 0
         for d in drafts:
             targets = outputs.sampled[start : start + len(d) + 1]
-            n = 0
-            while n < len(d) and d[n] == targets[n]:
-                n += 1
+            n = matched_prefix(d, targets)
             accepted.append([int(t) for t in targets[: n + 1]])
             accepted_rows.append(list(range(start, start + n + 1)))
             num_accepted.append(n)

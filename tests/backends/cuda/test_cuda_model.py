@@ -88,6 +88,19 @@ def test_suffix_drafting_with_unequal_draft_counts_equals_cpu(v3_checkpoint, dev
     assert any(len(set(c)) > 1 for c in counts)
 
 
+def _cuda_eager_and_graphed(path, device, params, pattern, prompts):
+    """The cuda backend's tokens with the MTP counts scripted: eagerly, then through a graph
+    runner (bucket 4; captured on a GPU); and that runner."""
+    llm = _llm(path, "cuda", device, plugin_params=params)
+    script_mtp_counts(llm, pattern)
+    eager = _tokens(llm, prompts)
+    wrapper = llm.engine.model_wrapper
+    runner = DecodeGraphRunner(wrapper, buckets=(4,), capture=wrapper.backend.supports_graph_capture)
+    wrapper.graph_runner = runner
+    script_mtp_counts(llm, pattern)
+    return eager, _tokens(llm, prompts), runner
+
+
 def test_mtp_with_suffix_drafts_equals_cpu(v3_checkpoint, device, monkeypatch):
     """Suffix drafts (more than K, on the host) and MTP drafts (0..K) in one MTP step: eagerly,
     and with a graph runner, which replays the steps without suffix drafts."""
@@ -102,14 +115,8 @@ def test_mtp_with_suffix_drafts_equals_cpu(v3_checkpoint, device, monkeypatch):
     script_mtp_counts(cpu, pattern)
     assert _tokens(cpu, prompts) == expected
     assert any(host and len(host) < len(counts) for counts, host in steps)
-    llm = _llm(path, "cuda", device, plugin_params=params)
-    script_mtp_counts(llm, pattern)
-    assert _tokens(llm, prompts) == expected
-    wrapper = llm.engine.model_wrapper
-    runner = DecodeGraphRunner(wrapper, buckets=(4,), capture=wrapper.backend.supports_graph_capture)
-    wrapper.graph_runner = runner
-    script_mtp_counts(llm, pattern)
-    assert _tokens(llm, prompts) == expected
+    eager, graphed, _ = _cuda_eager_and_graphed(path, device, params, pattern, prompts)
+    assert eager == graphed == expected
 
 
 def test_mtp_per_sequence_draft_counts_equal_cpu(v3_checkpoint, device):
@@ -123,12 +130,6 @@ def test_mtp_per_sequence_draft_counts_equal_cpu(v3_checkpoint, device):
     script_mtp_counts(cpu, pattern)
     expected = _tokens(cpu, prompts)
     assert expected == _tokens(_llm(path, "cpu"), prompts)
-    llm = _llm(path, "cuda", device, plugin_params=params)
-    script_mtp_counts(llm, pattern)
-    assert _tokens(llm, prompts) == expected
-    wrapper = llm.engine.model_wrapper
-    runner = DecodeGraphRunner(wrapper, buckets=(4,), capture=wrapper.backend.supports_graph_capture)
-    wrapper.graph_runner = runner
-    script_mtp_counts(llm, pattern)
-    assert _tokens(llm, prompts) == expected
+    eager, graphed, runner = _cuda_eager_and_graphed(path, device, params, pattern, prompts)
+    assert eager == graphed == expected
     assert runner.stats.replays > 0
