@@ -157,6 +157,8 @@ class AdaptiveSpeculation:
         tokens per second over the batch, sequence b verifying min(useful[b], k). A sequence
         with no useful draft retries one when due."""
         n = len(seq_ids)
+        for seq_id, kind in zip(seq_ids, kinds or [None] * n):  # a new sequence starts from its kind's prior
+            self._sequence(seq_id, kind)
         if not self.enabled or len(self.arms) == 1:
             return np.full(n, self.max_k, dtype=np.int64)
         b = self._bucket(n)

@@ -491,3 +491,12 @@ def test_greedy_and_sampled_requests_start_from_their_own_prior():
     assert ctl.draft_counts([100], ["sampled"]).tolist() == [0]
     assert ctl.draft_counts([101], ["greedy"]).tolist() == [3]
     assert set(ctl.priors) == {None, "greedy", "sampled"}
+
+
+def test_a_sequence_first_seen_while_arms_are_timed_keeps_its_kind():
+    ctl = AdaptiveSpeculation(range(4))
+    assert ctl.draft_counts([7], ["sampled"]).tolist() == [3]  # a fresh bucket: timing every arm
+    ctl.record([7], [3], [0], 0.01)
+    assert ctl.sequences[7].kind == "sampled"
+    ctl.finish([7])
+    assert set(ctl.priors) == {"sampled"}  # its acceptance joins the sampled requests' prior
