@@ -82,3 +82,12 @@ class StepOutputs:
                     drafts[b, : len(d)] = d
             self._drafts_host = drafts
         return self._drafts_host
+
+
+def draft_grid(drafts: list[list[int]]) -> np.ndarray:
+    """[B, W] the drafts each sequence verifies, made on the host (W: the most of any; token 0
+    past a sequence's own, which acceptance and penalty histories never read)."""
+    grid = np.zeros((len(drafts), max((len(d) for d in drafts), default=0)), dtype=np.int64)
+    for b, d in enumerate(drafts):
+        grid[b, : len(d)] = d
+    return grid

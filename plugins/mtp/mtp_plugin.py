@@ -31,7 +31,8 @@ batch size uses (all K until measured); the others start behind by the prompt.
 
 Suffix drafts (``suffix_drafting``, ``"plugin_type": "mtp,suffix"``): a sequence whose suffix
 drafts (plugins/suffix) promise more tokens than its MTP drafts verifies those instead, written
-into its rows on the host; the step still runs at least one MTP draft step (docs/mtp.md).
+into its rows on the host. A step whose sequences all verify suffix drafts (or none) runs no
+MTP draft step while module 0 may fall behind by it; the next step that drafts catches up (docs/mtp.md).
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ from mindspec.models.deepseekv2.weights import mtp_modules_in
 from mindspec.plugins.plugin import Plugin
 from mindspec.plugins.suffix.sequence_drafts import SuffixDrafts, matched_prefix
 from mindspec.text_generator.sampling.sampler import penalised_logits, processed_probs
-from mindspec.text_generator.step import StepBatch, StepInputs, StepOutputs
+from mindspec.text_generator.step import StepBatch, StepInputs, StepOutputs, draft_grid
 
 from . import async_fill
 from . import decode_inputs as di
@@ -125,12 +126,14 @@ class MtpPlugin(Plugin):
         mtp = np.ones(len(counts), dtype=bool)
         for b, drafts in host_drafts.items():
             counts[b], mtp[b] = len(drafts), False
-        # The MTP draft steps run as far as the most MTP drafts verified; at least one when only
-        # suffix drafts are, so module 0's cache keeps up with every sequence.
-        k = max(int(counts[mtp].max()) if mtp.any() else 0, 1 if host_drafts else 0)
+        # The MTP draft steps run as far as the most MTP drafts verified (none when only suffix
+        # drafts are, while module 0 may fall behind by the step: _suffix_draft_steps).
+        k = max(int(counts[mtp].max()) if mtp.any() else 0, self._suffix_draft_steps(batch, counts, host_drafts))
         inputs.extra["mtp_k"] = k
-        if k == 0:  # a plain decode step: the base inputs as composed
+        if k == 0 and not host_drafts:  # a plain decode step: the base inputs as composed
             return inputs
+        if k == 0:
+            return self._suffix_inputs(batch, inputs, counts, host_drafts)
         inputs = self._speculative_inputs(batch, inputs, self._window(batch.seqs, k), k, counts, host_drafts)
         inputs.hidden_states = self._gather_hidden(batch.seqs, inputs.extra["mtp_layout"])
         return inputs
@@ -181,6 +184,22 @@ class MtpPlugin(Plugin):
         inputs.extra["host_drafts"] = host_drafts or None
         return inputs
 
+    def _suffix_inputs(self, batch: StepBatch, inputs: StepInputs, counts: np.ndarray,
+                       host_drafts: dict[int, list[int]]) -> StepInputs:
+        """A step without MTP draft steps: the main model verifies the suffix drafts (written into
+        their rows) in a plain forward, every row an lm_head row; the others feed their token."""
+        seqs = batch.seqs
+        model_inputs = di.main_inputs(np.array([s.last_token_id for s in seqs]),
+                                      np.array([s.num_tokens for s in seqs], dtype=np.int64),
+                                      di.block_tables([s.block_table for s in seqs]), self.block_size, counts,
+                                      host_drafts)
+        model_inputs.drafts_in_inputs = None  # no MTP drafts to place: any row's token is its input
+        inputs.model_inputs, inputs.q_lens = model_inputs, model_inputs.q_lens
+        inputs.extra["mtp_counts"] = np.asarray(counts, dtype=np.int64)
+        inputs.extra["host_drafts"] = host_drafts
+        inputs.extra["draft_prefix"] = draft_grid([host_drafts.get(b, []) for b in range(len(seqs))])
+        return inputs
+
     def forward(self, batch: StepBatch, inputs: StepInputs, generator):
         if not self._speculating(batch, inputs):
             return generator.forward(inputs.model_inputs, mtp_modules=inputs.extra.get("mtp_modules"))
@@ -193,18 +212,18 @@ class MtpPlugin(Plugin):
         )
 
     def sample_preprocess(self, batch: StepBatch, inputs: StepInputs) -> StepInputs:
-        if self._speculating(batch, inputs):  # one sampling row per verified position
+        if self._verifying(batch, inputs):  # one sampling row per verified position
             counts = inputs.extra["mtp_counts"]
             inputs.row_seq, inputs.row_offset = token_positions(np.zeros_like(counts), counts + 1)
         return inputs
 
     def plugin_verify(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs) -> StepOutputs:
-        if not self._speculating(batch, inputs):
+        if not self._verifying(batch, inputs):
             return outputs
         counts = inputs.extra["mtp_counts"]
         width = max(self._drafts(batch, inputs), int(counts.max()))  # suffix drafts may outnumber MTP's
         grid = di.verify_grid(counts, width)  # [B, width + 1] rows, a sequence's last repeated
-        drafts = outputs.drafts_host()
+        drafts = outputs.drafts_host() if self._speculating(batch, inputs) else inputs.extra["draft_prefix"]
         targets = outputs.sampled[grid]
         accepted = np.minimum(self._accept(batch, inputs, outputs, drafts, targets, grid), counts)
         outputs.accepted = policy.emitted_tokens(drafts, targets, accepted)
@@ -219,11 +238,11 @@ class MtpPlugin(Plugin):
             self._prefilled(batch, inputs, hidden)
             return
         k = self._drafts(batch, inputs)
-        speculated = k > 0
+        speculated, verified = k > 0, self._verifying(batch, inputs)
         used = self._modules_used(k)
         counts = np.array([len(a) for a in outputs.accepted], dtype=np.int64)
         states = [self.states[seq.seq_id] for seq in batch.seqs]
-        rows = inputs.extra["mtp_counts"] + 1 if speculated else np.ones(len(states), dtype=np.int64)
+        rows = inputs.extra["mtp_counts"] + 1 if verified else np.ones(len(states), dtype=np.int64)
         # Sequence b's accepted rows first_row[b] + 0..count-1 hold positions n-1 .. n-2+count.
         self.history.write(np.array([st.slot for st in states], dtype=np.int64),
                            np.array([st.hidden_end for st in states], dtype=np.int64), counts,
@@ -241,8 +260,8 @@ class MtpPlugin(Plugin):
         # More entries than a speculative step leaves (K+1): plain steps came before, not fewer drafts.
         caught_up = speculated and int(inputs.extra["mtp_layout"].last_accepted.max()) > self.k + 1
         seconds = None if caught_up else time.perf_counter() - inputs.extra["mtp_started"]  # adaptive.py
-        drafted = inputs.extra["mtp_counts"] if speculated else np.zeros(len(states), dtype=np.int64)
-        accepted = np.asarray(outputs.num_draft_accepted if speculated else drafted, dtype=np.int64)
+        drafted = inputs.extra["mtp_counts"] if verified else np.zeros(len(states), dtype=np.int64)
+        accepted = np.asarray(outputs.num_draft_accepted if verified else drafted, dtype=np.int64)
         if self.suffix:
             drafted, accepted, seconds = self._suffix_step_done(batch, inputs, outputs, drafted, accepted, seconds)
         self.adaptive.record([seq.seq_id for seq in batch.seqs], drafted, accepted, seconds)
@@ -326,6 +345,15 @@ class MtpPlugin(Plugin):
                 chosen[b] = drafts[:n]
         return chosen
 
+    def _suffix_draft_steps(self, batch: StepBatch, counts: np.ndarray, host_drafts: dict[int, list[int]]) -> int:
+        """MTP draft steps a step needs for its suffix drafts alone: none while every sequence's
+        module 0 can fall behind by this step's tokens and stay within CATCH_UP (the next step
+        that drafts writes the missed entries); else one, which catches module 0 up."""
+        if not host_drafts:
+            return 0
+        lag = np.array([self.states[s.seq_id].lag[0] for s in batch.seqs], dtype=np.int64)
+        return 0 if (lag + counts + 1 <= CATCH_UP).all() else 1
+
     def _suffix_step_cost(self, batch_size: int, counts: np.ndarray) -> float:
         """A step of suffix drafts against the step of MTP drafts it replaces, by their measured
         times: at batch 1 it runs one MTP draft step, not counts[0], so it may yield fewer tokens
@@ -353,7 +381,8 @@ class MtpPlugin(Plugin):
         drafted, accepted = drafted.copy(), accepted.copy()
         for b in host_drafts:
             drafted[b] = accepted[b] = 0
-        return drafted, accepted, seconds if int(drafted.max()) == inputs.extra["mtp_k"] else None
+        k = inputs.extra["mtp_k"]
+        return drafted, accepted, seconds if k and int(drafted.max()) == k else None
 
     def _record_suffix(self, batch: StepBatch, proposals: dict[int, list[int]], verified: dict[int, list[int]],
                        outputs: StepOutputs) -> None:
@@ -392,7 +421,12 @@ class MtpPlugin(Plugin):
         return np.array([self.states[s.seq_id].lag[deepest] for s in seqs], dtype=np.int64)
 
     def _speculating(self, batch: StepBatch, inputs: StepInputs) -> bool:
+        """The step runs MTP draft steps."""
         return self._drafts(batch, inputs) > 0
+
+    def _verifying(self, batch: StepBatch, inputs: StepInputs) -> bool:
+        """The step verifies drafts: MTP's, or suffix drafts alone (without draft steps)."""
+        return not batch.is_prefill and "mtp_counts" in inputs.extra
 
     def _gather_hidden(self, seqs, layout: di.DecodeLayout) -> torch.Tensor:
         """[sub rows, hidden]: each window row's main hidden state; padding rows zero."""

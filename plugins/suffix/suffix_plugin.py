@@ -19,7 +19,7 @@ import numpy as np
 from mindspec.config.plugin_params import PluginParamsError
 from mindspec.modeling.forward_metadata import build_model_inputs, token_positions
 from mindspec.plugins.plugin import Plugin
-from mindspec.text_generator.step import StepBatch, StepInputs, StepOutputs
+from mindspec.text_generator.step import StepBatch, StepInputs, StepOutputs, draft_grid
 
 from .sequence_drafts import SuffixDrafts, matched_prefix
 
@@ -69,10 +69,7 @@ class SuffixPlugin(Plugin):
         inputs.q_lens = inputs.model_inputs.q_lens
         inputs.row_seq, inputs.row_offset = token_positions(np.zeros_like(counts), counts + 1)
         inputs.extra["suffix_drafts"] = drafts
-        prefix = np.full((len(drafts), int(counts.max())), -1, dtype=np.int64)  # row k's history: drafts before it
-        for b, d in enumerate(drafts):
-            prefix[b, : len(d)] = d
-        inputs.extra["draft_prefix"] = prefix
+        inputs.extra["draft_prefix"] = draft_grid(drafts)  # row k's penalty history: the drafts before it
         return inputs
 
     def plugin_verify(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs) -> StepOutputs:

@@ -70,15 +70,17 @@ def script_mtp_counts(llm, pattern, k=None) -> ScriptedSpeculation:
     return plugin.adaptive
 
 
-def record_mtp_steps(monkeypatch) -> list[tuple[list[int], list[int]]]:
-    """Per speculative MTP step: (drafts each sequence verified, the sequences whose drafts were
-    suffix drafts)."""
+def record_mtp_steps(monkeypatch, draft_steps: list[int] | None = None) -> list[tuple[list[int], list[int]]]:
+    """Per MTP verification step: (drafts each sequence verified, the sequences whose drafts were
+    suffix drafts); ``draft_steps`` gets each such step's MTP draft steps (0: suffix drafts alone)."""
     steps: list[tuple[list[int], list[int]]] = []
     verify = MtpPlugin.plugin_verify
 
     def spy(self, batch, inputs, outputs):
-        if "mtp_counts" in inputs.extra and inputs.extra.get("mtp_k", 0) > 0 and not batch.is_prefill:
+        if "mtp_counts" in inputs.extra and not batch.is_prefill:
             steps.append((inputs.extra["mtp_counts"].tolist(), sorted(inputs.extra.get("host_drafts") or {})))
+            if draft_steps is not None:
+                draft_steps.append(inputs.extra["mtp_k"])
         return verify(self, batch, inputs, outputs)
 
     monkeypatch.setattr(MtpPlugin, "plugin_verify", spy)

@@ -9,6 +9,7 @@ import pytest
 from mindspec import LLM, SamplingParams
 from mindspec.config.plugin_params import PluginParamsError, parse_plugin_params
 from mindspec.engine.errors import EngineError
+from mindspec.plugins.mtp.mtp_plugin import CATCH_UP, MtpPlugin
 from mindspec.plugins.suffix.sequence_drafts import SuffixDrafts
 from tests.support.draft_counts import record_mtp_steps, script_mtp_counts
 
@@ -61,6 +62,33 @@ def test_suffix_and_mtp_drafts_of_unequal_counts_in_one_step(mtp_off, mode, monk
     mixed = [(c, h) for c, h in steps if h and any(c[b] > 0 for b in range(len(c)) if b not in h)]
     assert mixed, steps
     assert any(0 in [c[b] for b in range(len(c)) if b not in h] for c, h in mixed)  # an MTP sequence verifying none
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "eagle"])
+def test_suffix_drafts_alone_run_no_draft_step_and_module_0_catches_up_after(mode, monkeypatch):
+    """At batch 1 a step that verifies suffix drafts runs no MTP draft step while module 0 may
+    fall behind by it (at most CATCH_UP entries); a later step with a draft step writes every
+    missed entry (its window is the lag). Token for token MTP off."""
+    params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+    expected = _llm({}).generate(PROMPTS[:1], params)[0].token_ids
+    draft_steps, log = [], []
+    record_mtp_steps(monkeypatch, draft_steps)
+    update = MtpPlugin.plugin_cache_update
+
+    def spy(self, batch, inputs, outputs):
+        lag = self.states[batch.seqs[0].seq_id].lag[0] if not batch.is_prefill else None
+        layout = inputs.extra.get("mtp_layout") if inputs.extra.get("mtp_k") else None
+        update(self, batch, inputs, outputs)
+        if lag is not None:
+            log.append((lag, inputs.extra.get("mtp_k"), None if layout is None else int(layout.last_accepted[0]),
+                        int(self.states[batch.seqs[0].seq_id].lag[0])))
+
+    monkeypatch.setattr(MtpPlugin, "plugin_cache_update", spy)
+    assert _llm(_mtp_suffix(mode)).generate(PROMPTS[:1], params)[0].token_ids == expected
+    assert 0 in draft_steps and max(draft_steps) > 0
+    assert max(after for *_, after in log) <= CATCH_UP
+    caught_up = [(lag, window) for lag, k, window, _ in log if k and lag > K + 1]
+    assert caught_up and all(window >= lag for lag, window in caught_up)
 
 
 def test_relaxed_outside_its_span_is_strict_on_suffix_rows(mtp_off, monkeypatch):
