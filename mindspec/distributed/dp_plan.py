@@ -72,7 +72,9 @@ def local_inputs(inputs: ModelInputs, rows: RankRows) -> ModelInputs:
     """The rank's real sequences only; lm_head_indices re-based to its rows."""
     local_row = np.full(inputs.num_tokens, -1, dtype=np.int64)
     local_row[rows.token_rows] = np.arange(len(rows.token_rows))
+    own = inputs.drafts_in_inputs
     return inputs.with_(
+        drafts_in_inputs=None if own is None else own[rows.seqs],
         input_ids=inputs.input_ids[rows.token_rows],
         positions=inputs.positions[rows.token_rows],
         slots=inputs.slots[rows.token_rows],
@@ -89,10 +91,12 @@ def lm_head_local_dp(sub_inputs: ModelInputs, owners: np.ndarray, rank: int) -> 
 
 
 def dummy_inputs(
-    q_lens: list[int], lm: list[str], dummy_block: int, block_size: int, is_prefill: bool, min_width: int = 1
+    q_lens: list[int], lm: list[str], dummy_block: int, block_size: int, is_prefill: bool, min_width: int = 1,
+    own_rows: Optional[list[bool]] = None,
 ) -> ModelInputs:
     """Dummy sequences on the reserved block: token 0 at positions 0..q-1, writing only there
-    (every entry of their block tables is the reserved block)."""
+    (every entry of their block tables is the reserved block). ``own_rows``: per dummy, whether a
+    verification feeds its rows their own token (drafts_in_inputs) rather than MTP drafts."""
     q = np.asarray(q_lens, dtype=np.int64)
     starts = np.cumsum(q) - q
     positions = np.arange(int(q.sum())) - np.repeat(starts, q)
@@ -110,6 +114,7 @@ def dummy_inputs(
         lm_head_indices=np.asarray(lm_rows, dtype=np.int64),
         is_prefill=is_prefill,
         block_size=block_size,
+        drafts_in_inputs=None if own_rows is None else np.asarray(own_rows, dtype=bool),
     )
 
 
@@ -120,7 +125,11 @@ def concat(a: ModelInputs, b: ModelInputs) -> ModelInputs:
     def widen(t: np.ndarray) -> np.ndarray:
         return np.pad(t, ((0, 0), (0, width - t.shape[1])))
 
+    own = None
+    if a.drafts_in_inputs is not None or b.drafts_in_inputs is not None:
+        own = np.concatenate([_own_rows(a), _own_rows(b)])
     return a.with_(
+        drafts_in_inputs=own,
         input_ids=np.concatenate([a.input_ids, b.input_ids]),
         positions=np.concatenate([a.positions, b.positions]),
         slots=np.concatenate([a.slots, b.slots]),
@@ -131,6 +140,11 @@ def concat(a: ModelInputs, b: ModelInputs) -> ModelInputs:
     )
 
 
+def _own_rows(inputs: ModelInputs) -> np.ndarray:
+    own = inputs.drafts_in_inputs
+    return np.zeros(inputs.num_seqs, dtype=bool) if own is None else own
+
+
 @dataclass
 class Padding:
     """Dummy sequences appended to one rank's share: main inputs, and drafter inputs (decode)."""
@@ -139,6 +153,7 @@ class Padding:
     main_lm: list[str]
     sub_q_lens: list[int]
     sub_lm: list[str]
+    main_own_rows: Optional[list[bool]] = None  # per main dummy: its rows feed their own token
 
 
 def plain_padding(num_tokens: list[int]) -> list[Padding]:
@@ -148,28 +163,44 @@ def plain_padding(num_tokens: list[int]) -> list[Padding]:
     return [Padding([target - t] if t < target else [], [LM_LAST] if t < target else [], [], []) for t in num_tokens]
 
 
-def speculative_padding(num_seqs: list[int], num_sub_tokens: list[int], rows_per_seq: int) -> list[Padding]:
-    """MTP decode: main inputs have ``rows_per_seq`` (K+1) rows per sequence, so ranks are equalised
-    in whole dummy sequences, each with a drafter entry (its lm row first); a last drafter-only
-    dummy (no lm row) equalises the drafter rows."""
+def speculative_padding(num_seqs: list[int], num_sub_tokens: list[int], rows_per_seq: int,
+                        num_main_tokens: Optional[list[int]] = None) -> list[Padding]:
+    """MTP decode: ranks are equalised in whole dummy sequences of ``rows_per_seq`` (K+1) main
+    rows, each with a drafter entry (its lm row first), so every rank's drafter has one lm row per
+    sequence; a last drafter-only dummy (no lm row) equalises the drafter rows. ``num_main_tokens``:
+    the ranks' main rows where sequences verify unequal numbers of drafts (ragged rows, suffix
+    drafts); a last main-only dummy (no drafter entry, no logits row, its rows feed their own
+    token) then equalises the main rows."""
     target = max(max(num_seqs), 1)
     out = []
     for b, ts in zip(num_seqs, num_sub_tokens):
         extra = target - b
         out.append(Padding([rows_per_seq] * extra, [LM_ALL] * extra, [rows_per_seq] * extra, [LM_FIRST] * extra))
-    sub_totals = [ts + (target - b) * rows_per_seq for b, ts in zip(num_seqs, num_sub_tokens)]
-    sub_target = max(sub_totals)
-    for pad, total in zip(out, sub_totals):
-        if total < sub_target:
-            pad.sub_q_lens.append(sub_target - total)
-            pad.sub_lm.append(LM_NONE)
+    _equalise(out, [ts + (target - b) * rows_per_seq for b, ts in zip(num_seqs, num_sub_tokens)], "sub")
+    if num_main_tokens is not None:
+        for pad in out:
+            pad.main_own_rows = [False] * len(pad.main_q_lens)
+        _equalise(out, [t + (target - b) * rows_per_seq for b, t in zip(num_seqs, num_main_tokens)], "main")
     return out
 
 
-def padded(inputs: ModelInputs, q_lens: list[int], lm: list[str], dummy_block: int, block_size: int) -> ModelInputs:
+def _equalise(pads: list[Padding], totals: list[int], part: str) -> None:
+    """One more dummy without logits rows brings each rank's ``part`` rows to the largest count."""
+    most = max(totals)
+    for pad, total in zip(pads, totals):
+        if total < most:
+            getattr(pad, f"{part}_q_lens").append(most - total)
+            getattr(pad, f"{part}_lm").append(LM_NONE)
+            if part == "main":
+                pad.main_own_rows.append(True)
+
+
+def padded(inputs: ModelInputs, q_lens: list[int], lm: list[str], dummy_block: int, block_size: int,
+           own_rows: Optional[list[bool]] = None) -> ModelInputs:
     if not q_lens:
         return inputs
-    dummies = dummy_inputs(q_lens, lm, dummy_block, block_size, inputs.is_prefill, inputs.block_tables.shape[1])
+    dummies = dummy_inputs(q_lens, lm, dummy_block, block_size, inputs.is_prefill, inputs.block_tables.shape[1],
+                           own_rows)
     return concat(inputs, dummies)
 
 
@@ -199,12 +230,14 @@ def shard(
         pad = plain_padding([len(r.token_rows) for r in rows])[rank]
         return DpShard(padded(local, pad.main_q_lens, pad.main_lm, dummy_block, block_size), None, None, 0, rows)
     sub_rows = [rank_rows(subs[0], owners, r) for r in range(dp_size)]
-    pad = speculative_padding([len(r.seqs) for r in rows], [len(r.token_rows) for r in sub_rows],
-                              int(main.q_lens[0]))[rank]
+    ragged = main.drafts_in_inputs is not None or bool((main.q_lens != main.q_lens[0]).any())
+    rows_per_seq = len(subs) + 1 if ragged else int(main.q_lens[0])  # K + 1: a dummy verifies its K drafts
+    pad = speculative_padding([len(r.seqs) for r in rows], [len(r.token_rows) for r in sub_rows], rows_per_seq,
+                              [len(r.token_rows) for r in rows] if ragged else None)[rank]
     local_subs = [padded(local_inputs(s, sub_rows[rank]), pad.sub_q_lens, pad.sub_lm, dummy_block, block_size)
                   for s in subs]
     return DpShard(
-        main=padded(local, pad.main_q_lens, pad.main_lm, dummy_block, block_size),
+        main=padded(local, pad.main_q_lens, pad.main_lm, dummy_block, block_size, pad.main_own_rows),
         subs=local_subs,
         hidden_rows=sub_rows[rank].token_rows,
         num_sub_pad=int(sum(pad.sub_q_lens)),

@@ -279,6 +279,12 @@ class DecodeGraphRunner:
         """Steps captured (or, after a failed capture, set up eagerly) so far: one per shape key."""
         return len(self._entries)
 
+    @property
+    def shape_keys(self) -> list[tuple]:
+        """The shape key of each step set up so far: ("decode", seqs, rows per sequence, lm_head
+        rows per sequence) or ("speculative", ...)."""
+        return list(self._entries)
+
     # ---- routing ---------------------------------------------------------------------------
     def bucket(self, num_seqs: int) -> Optional[int]:
         return next((b for b in self.buckets if b >= num_seqs), None)

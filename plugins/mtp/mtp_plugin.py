@@ -46,7 +46,6 @@ from collections import deque
 import numpy as np
 import torch
 
-from mindspec.config.plugin_params import PluginParamsError
 from mindspec.modeling.forward_metadata import token_positions
 from mindspec.modeling.loader import checkpoint_keys
 from mindspec.models.deepseekv2.config import DeepseekV2Config
@@ -312,8 +311,6 @@ class MtpPlugin(Plugin):
         p = self.params
         if not p.suffix_drafting:
             return None
-        if generator.dp_size > 1:
-            raise PluginParamsError("plugin_params.suffix_drafting is not available with dp > 1 yet")
         self.supports_async_scheduling = False  # the drafts depend on the previous step's tokens
         return SuffixDrafts(p.suffix_max_drafts, p.suffix_min_match)
 
@@ -358,7 +355,7 @@ class MtpPlugin(Plugin):
         """A step of suffix drafts against the step of MTP drafts it replaces, by their measured
         times: at batch 1 it runs one MTP draft step, not counts[0], so it may yield fewer tokens
         and still pay. At larger batches other sequences set the step's MTP drafts: 1."""
-        if batch_size != 1:
+        if batch_size != 1 or not self.adaptive.enabled:  # dp > 1: every rank must choose alike, by no clock
             return 1.0
         suffix = statistics.median(self.suffix_seconds) if len(self.suffix_seconds) >= 3 \
             else self.adaptive.step_seconds(1, 1)

@@ -9,7 +9,7 @@ per sequence). Acceptance is strict: the longest draft prefix equal to the sampl
 the target after it, so greedy output is token for token what decoding without drafts gives, and
 sampled output has the target's distribution. Works on any checkpoint (no MTP modules needed).
 
-Not yet: async scheduling, dp > 1 (each refused with a clear error), other decoding policies.
+Not yet: async scheduling (refused with a clear error), other decoding policies.
 With MTP, suffix drafts are the MTP plugin's ``suffix_drafting`` option (``"mtp,suffix"``).
 """
 from __future__ import annotations
@@ -46,8 +46,6 @@ class SuffixPlugin(Plugin):
         if options.get("decoding_policy", "strict") != "strict":
             raise PluginParamsError(f"plugin_params.decoding_policy must be 'strict' for plugin_type 'suffix', "
                                     f"got {options['decoding_policy']!r}")
-        if generator.dp_size > 1:
-            raise PluginParamsError("plugin_type 'suffix' is not available with dp > 1 yet")
         max_drafts = _int_option(options, "num_speculative_tokens", 1, MAX_DRAFTS, 4)
         self.drafts = SuffixDrafts(max_drafts, _int_option(options, "min_match", 1, 1024, 3))
         self.num_lookahead_tokens = max_drafts

@@ -1,12 +1,14 @@
 """dp = 2 with gloo in two local processes (this one and a spawned rank) gives the same outputs as
-dp = 1: greedy with MTP (vanilla K = 2, eagle K = 3 with expert parallel), without MTP, seeded
-sampling, and steps where one rank has no sequence (it runs a dummy)."""
+dp = 1: greedy with MTP (vanilla K = 2, eagle K = 3 with expert parallel), without MTP, with
+suffix drafts (alone, and with MTP), seeded sampling, and steps where one rank has no sequence
+(it runs a dummy)."""
 import numpy as np
 import pytest
 
 from mindspec import LLM, SamplingParams
 from mindspec.config.mindie_config import ConfigError
 from tests.support.checkpoints import make_self_predicting_checkpoint, tiny_v3_config
+from tests.support.draft_counts import record_draft_counts, record_mtp_steps
 
 NUM_PROMPTS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -30,7 +32,7 @@ def prompts():
 
 
 def _llm(path, dp=1, moe_ep=1, plugin_params=None, **kw):
-    if plugin_params is not None:  # dp needs every rank to take the same speculate decision
+    if plugin_params is not None and "mtp" in plugin_params["plugin_type"]:  # every rank must decide alike
         plugin_params = {**plugin_params, "adaptive_speculation": False}
     return LLM(model=str(path), dtype="float32", cache_block_size=4, num_blocks=400, progress=False,
                plugin_params=plugin_params, dp=dp, moe_ep=moe_ep, dist_timeout=60, **kw)
@@ -63,6 +65,38 @@ def test_dp2_equals_dp1(checkpoint, prompts, case):
         assert all(s.padded_tokens > 0 for s in stats)
         bm = llm.engine.block_manager
         assert bm.num_free_blocks == bm.num_usable_blocks
+
+
+SUFFIX_CASES = {
+    "mtp-suffix-vanilla-k2": dict(moe_ep=1, plugin_params={
+        "plugin_type": "mtp,suffix", "num_speculative_tokens": 2, "mtp_mode": "vanilla", "suffix_min_match": 1,
+        "suffix_max_drafts": 6}),
+    "suffix-k5-ep2": dict(moe_ep=2, plugin_params={"plugin_type": "suffix", "num_speculative_tokens": 5, "min_match": 1}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(SUFFIX_CASES))
+def test_dp2_with_suffix_drafts_equals_no_speculation(checkpoint, prompts, case, monkeypatch):
+    """Suffix drafts under dp = 2: sequences verify unequal numbers of drafts, so the ranks'
+    main rows differ and a dummy of its own rows equalises them; with MTP, steps of suffix
+    drafts alone (no draft step) too. Rank 0 (this process) records the steps."""
+    opts = SUFFIX_CASES[case]
+    off = _llm(checkpoint)
+    expected = [o.token_ids for o in off.generate(prompts, GREEDY)]
+    expected_alone = off.generate(prompts[5], GREEDY)[0].token_ids
+    draft_steps = []
+    mtp_steps, suffix_counts = record_mtp_steps(monkeypatch, draft_steps), record_draft_counts(monkeypatch)
+    with _llm(checkpoint, dp=2, **opts) as llm:
+        got = llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in got] == expected
+        assert sum(o.spec_decode.num_accepted_tokens for o in got) > 0
+        assert llm.generate(prompts[5], GREEDY)[0].token_ids == expected_alone
+        assert all(s.sequences > 0 for s in llm.engine.dp_stats())
+    if opts["plugin_params"]["plugin_type"] == "suffix":
+        assert any(len(set(c)) > 1 for c in suffix_counts)
+    else:
+        assert any(host and len(host) < len(counts) for counts, host in mtp_steps) and 0 in draft_steps
 
 
 @pytest.mark.slow

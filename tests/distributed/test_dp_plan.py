@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from mindspec.distributed import dp_plan
+from mindspec.modeling.draft_rows import verify_source
 from mindspec.modeling.forward_metadata import ModelInputs, build_model_inputs
 
 BLOCK = 4
@@ -123,6 +124,43 @@ def test_speculative_shard_equalises_main_and_drafter_rows():
     one = shards[1]
     assert one.main.num_seqs == 3 and (one.main.slots[2 * (k + 1):] // BLOCK == DUMMY).all()
     assert one.subs[0].lm_head_indices[2] == sum(sub_q[b] for b in (3, 4))
+
+
+def test_speculative_shard_with_ragged_rows_equalises_main_rows_with_a_dummy_of_its_own_rows():
+    """Sequences verifying unequal numbers of drafts (suffix drafts on the host, fewer MTP drafts):
+    ranks get equal drafter lm rows as before, then a main-only dummy (rows feeding their own
+    token, no logits row, no drafter entry) brings the main rows to one count."""
+    k = 2
+    q = [3, 9, 1, 3, 2]  # sequence 1 verifies 8 suffix drafts, 2 none, 4 one
+    cached = [10, 7, 21, 4, 15]
+    main = _batch(q, cached, lm_head_indices=np.arange(sum(q)))
+    main.drafts_in_inputs = np.array([False, True, False, False, False])
+    sub_q = [3, 3, 4, 3, 3]
+    subs = [_batch(sub_q, [c - 3 for c in cached], lm_head_indices=np.cumsum(sub_q) - 1) for _ in range(k)]
+    owners = np.array([0, 0, 0, 1, 1])
+    shards = [dp_plan.shard(main, subs, owners, r, 2, DUMMY, BLOCK) for r in range(2)]
+    assert [s.main.num_tokens for s in shards] == [3 + 9 + 1] * 2
+    assert len({s.subs[0].num_tokens for s in shards}) == 1
+    zero, one = shards[0].main, shards[1].main
+    assert zero.q_lens.tolist() == [3, 9, 1] and zero.drafts_in_inputs.tolist() == [False, True, False]
+    # rank 1: its two sequences, a dummy of K + 1 rows with a drafter entry, then 13 - 8 own rows
+    assert one.q_lens.tolist() == [3, 2, k + 1, 5] and one.drafts_in_inputs.tolist() == [False, False, False, True]
+    assert len(shards[1].subs[0].lm_head_indices) == 3  # drafter lm rows: real sequences and the dummy
+    assert one.lm_head_indices.tolist() == list(range(3 + 2 + k + 1))  # the main-only dummy has no logits row
+    assert (one.slots[5:] // BLOCK == DUMMY).all()
+    source = verify_source(one.q_lens, k, one.drafts_in_inputs)
+    assert source[-5:].tolist() == list(range(8, 13))  # its own rows
+    assert source[:8].max() < one.num_tokens + 3 * k  # the rest read the three drafter sequences' drafts
+
+
+def test_uniform_speculative_shards_keep_the_drafts_view():
+    """K + 1 rows everywhere: no flags, no main-only dummy (the model places drafts by a view)."""
+    k = 2
+    main = _batch([k + 1] * 3, [5, 6, 7], lm_head_indices=np.arange(3 * (k + 1)))
+    subs = [_batch([3, 3, 3], [2, 3, 4], lm_head_indices=np.array([2, 5, 8])) for _ in range(k)]
+    shards = [dp_plan.shard(main, subs, np.array([0, 0, 1]), r, 2, DUMMY, BLOCK) for r in range(2)]
+    assert all(s.main.drafts_in_inputs is None for s in shards)
+    assert all(verify_source(s.main.q_lens, k, s.main.drafts_in_inputs) is None for s in shards)
 
 
 # ---- ownership -----------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ class ScriptedSpeculation:
 
     def __init__(self, pattern, k, planned=None):
         self.arms = tuple(range(k + 1))  # the plugin's arms in both modes
+        self.enabled = True
         self.k, self.i = k, 0
         self.pattern = [k if p is True else p for p in pattern]
         self.log: list[int] = []  # per step: the most drafts a sequence verified

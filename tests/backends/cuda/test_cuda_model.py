@@ -103,7 +103,8 @@ def _cuda_eager_and_graphed(path, device, params, pattern, prompts):
 
 def test_mtp_with_suffix_drafts_equals_cpu(v3_checkpoint, device, monkeypatch):
     """Suffix drafts (more than K, on the host) and MTP drafts (0..K) in one MTP step: eagerly,
-    and with a graph runner, which replays the steps without suffix drafts."""
+    and with a graph runner, which replays the steps without suffix drafts and those of suffix
+    drafts alone (a plain forward over the verification rows)."""
     path, _ = v3_checkpoint
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40, 41, 42, 43, 44], [9, 10, 9, 10, 9]]
     params = {"plugin_type": "mtp,suffix", "num_speculative_tokens": 2, "mtp_mode": "vanilla",
@@ -117,6 +118,10 @@ def test_mtp_with_suffix_drafts_equals_cpu(v3_checkpoint, device, monkeypatch):
     assert any(host and len(host) < len(counts) for counts, host in steps)
     eager, graphed, _ = _cuda_eager_and_graphed(path, device, params, pattern, prompts)
     assert eager == graphed == expected
+    # Alone, with no MTP drafts scripted: steps of suffix drafts alone, plain forwards the runner pads
+    eager, graphed, runner = _cuda_eager_and_graphed(path, device, params, [0], prompts[:1])
+    assert eager == graphed == _tokens(_llm(path, "cpu"), prompts[:1])
+    assert any(kind == "decode" and q > 1 for kind, _, q, *_ in runner.shape_keys)
 
 
 def test_mtp_per_sequence_draft_counts_equal_cpu(v3_checkpoint, device):

@@ -7,6 +7,7 @@ import torch
 from mindspec import LLM, SamplingParams
 from mindspec.engine.errors import EngineError
 from tests.support.checkpoints import make_self_predicting_checkpoint, tiny_v3_config
+from tests.support.draft_counts import record_mtp_steps
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -27,14 +28,36 @@ def test_decode_node_matches_a_single_engine(checkpoint, mode):
     rng = np.random.default_rng(2)
     prompts = [rng.integers(2, 250, int(n)).tolist() for n in (3, 11, 6, 17)]
     expected = [o.token_ids for o in _llm(checkpoint, mtp_mode=mode).generate(prompts, GREEDY)]
+    outs = _decode_after_handoff(checkpoint, prompts, mtp_mode=mode)
+    assert [o.token_ids for o in outs] == expected
+    assert sum(o.spec_decode.num_accepted_tokens for o in outs) > 0
 
-    prefill_node = _llm(checkpoint, mtp_mode=mode, pd_role="prefill")
-    decode_node = _llm(checkpoint, mtp_mode=mode, pd_role="decode")
+
+@pytest.mark.parametrize("mode", ["eagle", "vanilla"])
+def test_decode_node_with_suffix_drafts_matches_mtp_off(checkpoint, mode, monkeypatch):
+    """MTP with suffix drafts on the decode node: steps of suffix drafts alone (no MTP draft
+    step) and mixed ones, starting from adopted sequences whose hidden states are zeros."""
+    rng = np.random.default_rng(3)
+    prompts = [[5, 6, 7, 8] * 3 + [5, 6], [9, 10] * 4, rng.integers(2, 250, 11).tolist()]
+    off = LLM(model=str(checkpoint), dtype="float32", cache_block_size=4, num_blocks=128, progress=False,
+              plugin_params={})
+    draft_steps = []
+    steps = record_mtp_steps(monkeypatch, draft_steps)
+    for batch in (prompts, prompts[:1]):  # alone, the sequence's steps of suffix drafts run no draft step
+        outs = _decode_after_handoff(checkpoint, batch, mtp_mode=mode, suffix_drafting=True, suffix_min_match=1)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in off.generate(batch, GREEDY)]
+    assert any(host and len(host) < len(counts) for counts, host in steps) and 0 in draft_steps
+
+
+def _decode_after_handoff(checkpoint, prompts, **mtp):
+    """The prompts prefilled on one node and decoded on another; the MTP KV received from the
+    prefill node is intact after the first decode step."""
+    prefill_node = _llm(checkpoint, pd_role="prefill", **mtp)
+    decode_node = _llm(checkpoint, pd_role="decode", **mtp)
     handoffs = [prefill_node.engine.prefill_for_handoff(p, GREEDY) for p in prompts]
     assert len(handoffs[0].kv) == decode_node.engine.model_wrapper.model.num_cache_layers
     states = [decode_node.engine.add_prefilled_request(h, GREEDY) for h in handoffs]
 
-    # After the first decode step the MTP KV received from the prefill node is intact.
     engine = decode_node.engine
     mtp_cache = engine.model_wrapper.caches[engine.model_wrapper.model.cfg.num_hidden_layers]
     bs = engine.block_manager.block_size
@@ -46,11 +69,9 @@ def test_decode_node_matches_a_single_engine(checkpoint, mode):
     before = [mtp_rows(s) for s in states]
     engine.step()
     assert all(torch.equal(b, mtp_rows(s)) for b, s in zip(before, states))
-
     outs = engine.run(states)
-    assert [o.token_ids for o in outs] == expected
-    assert sum(o.spec_decode.num_accepted_tokens for o in outs) > 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+    return outs
 
 
 def test_adopting_needs_the_decode_role(checkpoint):
