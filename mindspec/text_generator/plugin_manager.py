@@ -89,7 +89,12 @@ class PluginManager:
     def fill_in_model_result(self, batch: StepBatch, inputs: StepInputs, pending: np.ndarray,
                              accepted: list[list[int]]) -> None:
         """Device, before the step runs: replace the placeholders with the previous step's
-        accepted tokens (``accepted[b]``: 1..pending[b] tokens of sequence b)."""
+        accepted tokens (``accepted[b]``: 1..pending[b] tokens of sequence b). The sequences'
+        views hold the real tokens first, so plugins may draft from them."""
+        for seq, n, toks in zip(batch.seqs, pending, accepted):
+            if n:  # the view's n placeholders become the len(toks) real tokens (history and positions)
+                seq.output_token_ids[-n:] = toks
+                seq.num_cached_tokens -= int(n) - len(toks)
         for plugin in self.plugins:
             plugin.fill_in_model_result(batch, inputs, pending, accepted)
         ids = inputs.model_inputs.input_ids
@@ -97,10 +102,6 @@ class PluginManager:
         if len(rows):  # the fed last token of a sequence: its newest accepted token
             owner = np.repeat(np.arange(len(batch)), inputs.model_inputs.q_lens)[rows]
             ids[rows] = [accepted[b][-1] for b in owner]
-        for seq, n, toks in zip(batch.seqs, pending, accepted):
-            if n:  # the sequence's view now holds the real tokens (sampling history and positions)
-                seq.output_token_ids[-n:] = toks
-                seq.num_cached_tokens -= int(n) - len(toks)
 
     def clear(self, seq_ids: list[int]) -> None:
         for plugin in self.plugins:

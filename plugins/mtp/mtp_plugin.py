@@ -116,7 +116,7 @@ class MtpPlugin(Plugin):
         if batch.is_prefill:
             inputs.extra["mtp_modules"] = self.modules[: self._prefill_modules(batch)]
             return inputs
-        kinds = ["greedy" if _greedy(s.sampling_params) else "sampled" for s in batch.seqs]
+        kinds = _kinds(batch)
         counts = np.asarray(self.adaptive.draft_counts([s.seq_id for s in batch.seqs], kinds), dtype=np.int64)
         behind = np.array([self.states[s.seq_id].lag[0] >= CATCH_UP for s in batch.seqs])
         if behind.any():  # no drafts now would leave an MTP entry unwritten for good
@@ -158,6 +158,23 @@ class MtpPlugin(Plugin):
         layout = async_fill.fill(inputs, pending, accepted, self.k, self.mode)
         inputs.extra["mtp_layout"] = layout
         inputs.hidden_states = self._gather_hidden(batch.seqs, layout)
+        if self.suffix:
+            self._fill_suffix_drafts(batch, inputs)
+
+    def _fill_suffix_drafts(self, batch: StepBatch, inputs: StepInputs) -> None:
+        """Async scheduling: suffix drafts follow the previous step's tokens, known only now (the
+        views hold them); sequences whose suffix drafts promise more than their K MTP drafts
+        verify those, in main rows laid out again (the draft steps stay as prepared)."""
+        counts = inputs.extra["mtp_counts"].copy()
+        host_drafts = self._suffix_choice(batch, inputs, _kinds(batch), counts)
+        if not host_drafts:
+            return
+        for b, drafts in host_drafts.items():
+            counts[b] = len(drafts)
+        inputs.model_inputs = self._main_inputs(batch.seqs, counts, host_drafts)
+        inputs.q_lens = inputs.model_inputs.q_lens
+        inputs.extra["mtp_counts"] = counts
+        inputs.extra["host_drafts"] = host_drafts
 
     def _speculative_inputs(self, batch: StepBatch, inputs: StepInputs, last_accepted: np.ndarray, k: int,
                             counts: np.ndarray, host_drafts: Optional[dict[int, list[int]]] = None) -> StepInputs:
@@ -169,9 +186,7 @@ class MtpPlugin(Plugin):
         # A sequence whose prefill is still running has no state yet: it was prefilled here.
         hidden_from = np.array([getattr(self.states.get(s.seq_id), "hidden_from", 0) for s in seqs], dtype=np.int64)
         layout = di.decode_layout(num_tokens, last_accepted, k, self.mode, hidden_from)
-        inputs.model_inputs = di.main_inputs(
-            np.array([s.last_token_id for s in seqs]), num_tokens, tables, self.block_size, counts, host_drafts
-        )
+        inputs.model_inputs = self._main_inputs(seqs, counts, host_drafts)
         inputs.sub_model_inputs = di.sub_inputs(
             [s.token_ids for s in seqs], layout, tables, self.block_size, k, self.mode,
             hidden_from, self.dummy_block_id,
@@ -188,16 +203,19 @@ class MtpPlugin(Plugin):
         """A step without MTP draft steps: the main model verifies the suffix drafts (written into
         their rows) in a plain forward, every row an lm_head row; the others feed their token."""
         seqs = batch.seqs
-        model_inputs = di.main_inputs(np.array([s.last_token_id for s in seqs]),
-                                      np.array([s.num_tokens for s in seqs], dtype=np.int64),
-                                      di.block_tables([s.block_table for s in seqs]), self.block_size, counts,
-                                      host_drafts)
+        model_inputs = self._main_inputs(seqs, counts, host_drafts)
         model_inputs.drafts_in_inputs = None  # no MTP drafts to place: any row's token is its input
         inputs.model_inputs, inputs.q_lens = model_inputs, model_inputs.q_lens
         inputs.extra["mtp_counts"] = np.asarray(counts, dtype=np.int64)
         inputs.extra["host_drafts"] = host_drafts
         inputs.extra["draft_prefix"] = draft_grid([host_drafts.get(b, []) for b in range(len(seqs))])
         return inputs
+
+    def _main_inputs(self, seqs, counts: np.ndarray, host_drafts: Optional[dict[int, list[int]]]):
+        """The verification rows (decode_inputs.main_inputs) of the sequences as they are now."""
+        return di.main_inputs(np.array([s.last_token_id for s in seqs]),
+                              np.array([s.num_tokens for s in seqs], dtype=np.int64),
+                              di.block_tables([s.block_table for s in seqs]), self.block_size, counts, host_drafts)
 
     def forward(self, batch: StepBatch, inputs: StepInputs, generator):
         if not self._speculating(batch, inputs):
@@ -311,7 +329,6 @@ class MtpPlugin(Plugin):
         p = self.params
         if not p.suffix_drafting:
             return None
-        self.supports_async_scheduling = False  # the drafts depend on the previous step's tokens
         return SuffixDrafts(p.suffix_max_drafts, p.suffix_min_match)
 
     def _suffix_choice(self, batch: StepBatch, inputs: StepInputs, kinds: list[str],
@@ -459,6 +476,10 @@ def _on_grid(probs: torch.Tensor, grid: np.ndarray) -> torch.Tensor:
     """[rows, V] -> [B, k + 1, V] on the host: the rows of each sequence's verified positions."""
     index = torch.from_numpy(grid.reshape(-1)).to(probs.device)
     return probs.index_select(0, index).view(*grid.shape, -1).cpu()
+
+
+def _kinds(batch: StepBatch) -> list[str]:
+    return ["greedy" if _greedy(s.sampling_params) else "sampled" for s in batch.seqs]
 
 
 def _greedy(params) -> bool:

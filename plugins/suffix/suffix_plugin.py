@@ -9,7 +9,8 @@ per sequence). Acceptance is strict: the longest draft prefix equal to the sampl
 the target after it, so greedy output is token for token what decoding without drafts gives, and
 sampled output has the target's distribution. Works on any checkpoint (no MTP modules needed).
 
-Not yet: async scheduling (refused with a clear error), other decoding policies.
+Under async scheduling the drafts are made when the previous step's tokens are known, right
+before the step runs (fill_in_model_result). Not yet: other decoding policies.
 With MTP, suffix drafts are the MTP plugin's ``suffix_drafting`` option (``"mtp,suffix"``).
 """
 from __future__ import annotations
@@ -37,7 +38,6 @@ def _int_option(options: dict, key: str, lo: int, hi: int, default: int) -> int:
 
 class SuffixPlugin(Plugin):
     name = "suffix"
-    supports_async_scheduling = False
 
     def __init__(self, generator, cache_config, **options):
         unknown = sorted(set(options) - KNOWN_KEYS)
@@ -58,6 +58,23 @@ class SuffixPlugin(Plugin):
         drafts = [self.drafts.draft(seq) for seq in batch.seqs]
         if not any(drafts):
             return inputs  # a plain decode step
+        return self._verify_inputs(batch, inputs, drafts)
+
+    def prepare_masks_for_filling(self, batch: StepBatch, inputs: StepInputs, pending: np.ndarray) -> StepInputs:
+        """Async scheduling: the drafts follow the tokens of the step still running, so they are
+        made in fill_in_model_result; nothing is drafted from placeholders."""
+        return inputs
+
+    def fill_in_model_result(self, batch: StepBatch, inputs: StepInputs, pending: np.ndarray,
+                             accepted: list[list[int]]) -> None:
+        """The views hold the real tokens now: draft, and lay the step out from them (rows and
+        positions, whatever the previous step accepted)."""
+        if batch.is_prefill:
+            return
+        self._verify_inputs(batch, inputs, [self.drafts.draft(seq) for seq in batch.seqs])
+
+    def _verify_inputs(self, batch: StepBatch, inputs: StepInputs, drafts: list[list[int]]) -> StepInputs:
+        """Rows [last token, d1..dk] per sequence (k = 0 included), every row an lm_head row."""
         counts = np.array([len(d) for d in drafts], dtype=np.int64)
         rows = [[seq.last_token_id, *d] for seq, d in zip(batch.seqs, drafts)]
         inputs.model_inputs = build_model_inputs(

@@ -1,6 +1,7 @@
 """Async scheduling (ScheduleConfig.asyncScheduling) equals synchronous scheduling token for
-token: MTP off, vanilla and eagle with K = 1..3, 16 prompts arriving at different steps, with
-stops and max_tokens that end sequences while their next step is already running."""
+token: MTP off, vanilla and eagle with K = 1..3, suffix drafts (alone and with MTP), 16 prompts
+arriving at different steps, with stops and max_tokens that end sequences while their next step
+is already running."""
 import numpy as np
 import pytest
 
@@ -11,6 +12,7 @@ from mindspec.distributed.parallel_config import ParallelConfig
 from mindspec.engine.args import EngineArgs
 from mindspec.engine.scheduler import SchedulerConfig
 from tests.support.checkpoints import make_self_predicting_checkpoint, tiny_v3_config
+from tests.support.draft_counts import record_draft_counts, record_mtp_steps
 
 NUM_PROMPTS = 16
 
@@ -88,6 +90,32 @@ def test_async_equals_sync_greedy(case, expected, plugin):
     _settled(llm)
 
 
+SUFFIX = {
+    "suffix-k4": {"plugin_type": "suffix", "num_speculative_tokens": 4, "min_match": 1},
+    "mtp-suffix-vanilla-k2": {"plugin_type": "mtp,suffix", "num_speculative_tokens": 2, "mtp_mode": "vanilla",
+                              "suffix_min_match": 1, "suffix_max_drafts": 5},
+    "mtp-suffix-eagle-k3": {"plugin_type": "mtp,suffix", "num_speculative_tokens": 3, "mtp_mode": "eagle",
+                            "suffix_min_match": 1},
+}
+
+
+@pytest.mark.parametrize("name", list(SUFFIX))
+def test_async_with_suffix_drafts_equals_sync(case, expected, name, monkeypatch):
+    """Suffix drafts follow the tokens of the step still running: they are made when it is
+    done, right before the next step runs, from the views then holding the real tokens."""
+    path, prompts, arrivals, params = case
+    mtp_steps, suffix_counts = record_mtp_steps(monkeypatch), record_draft_counts(monkeypatch)
+    llm = _llm(path, SUFFIX[name], True)
+    outs = _serve(llm, prompts, arrivals, params)
+    assert [o.token_ids for o in outs] == expected
+    assert llm.engine.async_stepper.stats.ahead_steps > llm.engine.async_stepper.stats.steps // 2
+    if name.startswith("suffix"):
+        assert any(len(set(c)) > 1 for c in suffix_counts)
+    else:
+        assert any(host and len(host) < len(counts) for counts, host in mtp_steps)
+    _settled(llm)
+
+
 def test_async_with_preemption_waits_and_stays_lossless(case, expected):
     path, prompts, arrivals, params = case
     llm = _llm(path, _mtp("eagle", 3), True, num_blocks=48)
@@ -104,11 +132,11 @@ def test_seeded_sampling_with_penalties_equals_sync(case):
     path, prompts, arrivals, _ = case
     params = [SamplingParams(temperature=0.9, top_k=20, seed=i, repetition_penalty=1.3, frequency_penalty=0.2,
                              max_tokens=12, ignore_eos=True) for i in range(NUM_PROMPTS)]
-    plugin = _mtp("eagle", 2)
-    sync = _serve(_llm(path, plugin, False), prompts, arrivals, params)
-    asynced = _serve(_llm(path, plugin, True), prompts, arrivals, params)
-    assert [o.token_ids for o in asynced] == [o.token_ids for o in sync]
-    assert [o.logprobs for o in asynced] == [o.logprobs for o in sync]
+    for plugin in (_mtp("eagle", 2), SUFFIX["mtp-suffix-vanilla-k2"]):
+        sync = _serve(_llm(path, plugin, False), prompts, arrivals, params)
+        asynced = _serve(_llm(path, plugin, True), prompts, arrivals, params)
+        assert [o.token_ids for o in asynced] == [o.token_ids for o in sync]
+        assert [o.logprobs for o in asynced] == [o.logprobs for o in sync]
 
 
 def test_abort_while_the_next_step_runs(case, expected):

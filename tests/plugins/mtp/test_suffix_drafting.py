@@ -8,7 +8,6 @@ import pytest
 
 from mindspec import LLM, SamplingParams
 from mindspec.config.plugin_params import PluginParamsError, parse_plugin_params
-from mindspec.engine.errors import EngineError
 from mindspec.plugins.mtp.mtp_plugin import CATCH_UP, MtpPlugin
 from mindspec.plugins.suffix.sequence_drafts import SuffixDrafts
 from tests.support.draft_counts import record_mtp_steps, script_mtp_counts
@@ -141,11 +140,6 @@ def test_mtp_suffix_options():
 def test_bad_suffix_options_are_one_error_naming_the_key(options, key):
     with pytest.raises(PluginParamsError, match=f"plugin_params.{key}"):
         _llm({"plugin_type": "mtp", "num_speculative_tokens": K, "suffix_drafting": True, **options})
-
-
-def test_async_scheduling_is_refused_clearly():
-    with pytest.raises(EngineError, match="asyncScheduling.*'mtp'"):
-        _llm(_mtp_suffix(), async_scheduling=True)
 
 
 def test_host_drafts_sit_in_the_inputs_and_the_graph_runner_leaves_them_eager():

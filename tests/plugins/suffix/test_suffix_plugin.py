@@ -8,7 +8,6 @@ import pytest
 
 from mindspec import LLM, SamplingParams
 from mindspec.config.plugin_params import PluginParamsError
-from mindspec.engine.errors import EngineError
 from tests.support.checkpoints import make_checkpoint, tiny_v3_config
 from tests.support.draft_counts import record_draft_counts
 
@@ -73,8 +72,3 @@ def test_a_checkpoint_without_mtp_modules_one_request_at_a_time(checkpoint):
 def test_bad_options_are_one_error_naming_the_key(checkpoint, options, key):
     with pytest.raises(PluginParamsError, match=f"plugin_params.{key}"):
         _llm(checkpoint, {"plugin_type": "suffix", **options})
-
-
-def test_what_it_does_not_support_yet_is_refused_clearly(checkpoint):
-    with pytest.raises(EngineError, match="asyncScheduling.*'suffix'"):
-        _llm(checkpoint, SUFFIX, async_scheduling=True)
