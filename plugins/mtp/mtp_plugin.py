@@ -97,7 +97,7 @@ class MtpPlugin(Plugin):
         self.modules = list(range(self.k)) if self.mode == "vanilla" else [0] * self.k
         self.block_size = cache_config.block_size
         self.dummy_block_id = cache_config.dummy_block_id
-        self.suffix = self._suffix_drafts(generator)
+        self.suffix = self._suffix_drafts()
         self.suffix_seconds: deque = deque(maxlen=16)  # recent batch-1 steps of suffix drafts
         # the main model writes a draft position past the last token per draft verified
         self.num_lookahead_tokens = max(self.k, self.params.suffix_max_drafts if self.suffix else 0)
@@ -325,7 +325,7 @@ class MtpPlugin(Plugin):
             self.suffix.clear(seq_ids)
 
     # ---- helpers -------------------------------------------------------------------------------
-    def _suffix_drafts(self, generator) -> Optional[SuffixDrafts]:
+    def _suffix_drafts(self) -> Optional[SuffixDrafts]:
         p = self.params
         if not p.suffix_drafting:
             return None
@@ -370,8 +370,9 @@ class MtpPlugin(Plugin):
 
     def _suffix_step_cost(self, batch_size: int, counts: np.ndarray) -> float:
         """A step of suffix drafts against the step of MTP drafts it replaces, by their measured
-        times: at batch 1 it runs one MTP draft step, not counts[0], so it may yield fewer tokens
-        and still pay. At larger batches other sequences set the step's MTP drafts: 1."""
+        times: at batch 1 it runs no MTP draft step, or one, not counts[0], so it may yield fewer
+        tokens and still pay (until three are timed, a one-draft step's time stands in for it). At
+        larger batches other sequences set the step's MTP drafts, and without a clock: 1."""
         if batch_size != 1 or not self.adaptive.enabled:  # dp > 1: every rank must choose alike, by no clock
             return 1.0
         suffix = statistics.median(self.suffix_seconds) if len(self.suffix_seconds) >= 3 \
