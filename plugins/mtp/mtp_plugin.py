@@ -63,10 +63,11 @@ from .hidden_history import HiddenHistory
 from .params import MtpParams, parse_mtp_params
 
 CATCH_UP = 32  # most MTP entries a module may lack: module 0 is then caught up, later ones give up the oldest
-# Largest batch whose sequences verify suffix drafts (above it they only propose, and learn): at
-# batch 32 on 2 cores suffix rows cost more than they gave (0.72-0.88x of MTP off, against 1.21x
-# for MTP alone), at 16 they paid (1.18x against 1.01x); benchmarks/README.md, "MTP with suffix drafts".
-SUFFIX_MAX_BATCH = 16
+# Largest batch whose sequences draft from suffixes (above it, MTP drafts alone). On
+# 2 cores, against eagle K=3 adaptive in the same runs: at batch 8 they pay (1.42x of MTP off
+# against 1.28x); verified at 16 they cost more than they gave (1.14x against 1.23x), with this
+# cap 16 is even (1.28x against 1.23x); benchmarks/README.md, "no draft step for suffix drafts alone".
+SUFFIX_MAX_BATCH = 8
 
 
 @dataclass
@@ -336,17 +337,19 @@ class MtpPlugin(Plugin):
         """{b: suffix drafts} for the sequences whose suffix drafts promise more tokens this step
         than their counts[b] MTP drafts, each cut to the drafts worth a verification row. In a
         batch, where rows cost compute, each row is charged ROW_YIELD tokens (the yield at
-        which a row pays); at batch 1 the two steps' measured times are weighed instead; above
-        SUFFIX_MAX_BATCH none verifies suffix drafts. Every sequence's proposal is kept
-        (``suffix_proposals``) to be scored against what it emits."""
+        which a row pays); at batch 1 the two steps' measured times are weighed instead. Every
+        sequence's proposal is kept (``suffix_proposals``) to be scored against what it emits.
+        Above SUFFIX_MAX_BATCH nothing is drafted (the automata catch up when the batch shrinks)."""
         seqs = batch.seqs
         proposals = {}
+        inputs.extra["suffix_proposals"] = proposals
+        if len(seqs) > SUFFIX_MAX_BATCH:
+            return {}
         for b, seq in enumerate(seqs):
             drafts = self.suffix.draft(seq)  # also brings the sequence's automaton up to date
             if drafts:
                 proposals[b] = drafts
-        inputs.extra["suffix_proposals"] = proposals
-        if not proposals or len(seqs) > SUFFIX_MAX_BATCH:
+        if not proposals:
             return {}
         row_cost = ROW_YIELD if len(seqs) > 1 else 0.0
         mtp_value = self.adaptive.expected([s.seq_id for s in seqs], kinds, counts)  # [B] tokens

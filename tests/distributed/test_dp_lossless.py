@@ -7,6 +7,7 @@ import pytest
 
 from mindspec import LLM, SamplingParams
 from mindspec.config.mindie_config import ConfigError
+from mindspec.plugins.mtp.mtp_plugin import SUFFIX_MAX_BATCH
 from tests.support.checkpoints import make_self_predicting_checkpoint, tiny_v3_config
 from tests.support.draft_counts import record_draft_counts, record_mtp_steps
 
@@ -82,13 +83,14 @@ def test_dp2_with_suffix_drafts_equals_no_speculation(checkpoint, prompts, case,
     main rows differ and a dummy of its own rows equalises them; with MTP, steps of suffix
     drafts alone (no draft step) too. Rank 0 (this process) records the steps."""
     opts = SUFFIX_CASES[case]
+    batch = prompts[:SUFFIX_MAX_BATCH]  # larger batches of MTP+suffix only propose suffix drafts
     off = _llm(checkpoint)
-    expected = [o.token_ids for o in off.generate(prompts, GREEDY)]
+    expected = [o.token_ids for o in off.generate(batch, GREEDY)]
     expected_alone = off.generate(prompts[5], GREEDY)[0].token_ids
     draft_steps = []
     mtp_steps, suffix_counts = record_mtp_steps(monkeypatch, draft_steps), record_draft_counts(monkeypatch)
     with _llm(checkpoint, dp=2, **opts) as llm:
-        got = llm.generate(prompts, GREEDY)
+        got = llm.generate(batch, GREEDY)
         assert [o.token_ids for o in got] == expected
         assert sum(o.spec_decode.num_accepted_tokens for o in got) > 0
         assert llm.generate(prompts[5], GREEDY)[0].token_ids == expected_alone
