@@ -16,7 +16,10 @@ def checkpoint(tmp_path_factory):
 
 
 def _run(path, prompts, **policy):
-    pp = {"plugin_type": "mtp", "num_speculative_tokens": 2, "mtp_mode": "eagle", **policy}
+    # Fixed K: adaptive speculation picks draft counts from measured step times, so accepted
+    # counts would vary with the machine's load, not only with the policy.
+    pp = {"plugin_type": "mtp", "num_speculative_tokens": 2, "mtp_mode": "eagle", "adaptive_speculation": False,
+          **policy}
     llm = LLM(model=str(path), dtype="float32", cache_block_size=4, num_blocks=256, progress=False, plugin_params=pp)
     return llm.generate(prompts, GREEDY)
 
