@@ -176,23 +176,25 @@ def speculative_padding(num_seqs: list[int], num_sub_tokens: list[int], rows_per
     for b, ts in zip(num_seqs, num_sub_tokens):
         extra = target - b
         out.append(Padding([rows_per_seq] * extra, [LM_ALL] * extra, [rows_per_seq] * extra, [LM_FIRST] * extra))
-    _equalise(out, [ts + (target - b) * rows_per_seq for b, ts in zip(num_seqs, num_sub_tokens)], "sub")
+    sub_totals = [ts + (target - b) * rows_per_seq for b, ts in zip(num_seqs, num_sub_tokens)]
+    for pad, gap in zip(out, _shortfalls(sub_totals)):
+        if gap:
+            pad.sub_q_lens.append(gap)
+            pad.sub_lm.append(LM_NONE)
     if num_main_tokens is not None:
-        for pad in out:
-            pad.main_own_rows = [False] * len(pad.main_q_lens)
-        _equalise(out, [t + (target - b) * rows_per_seq for b, t in zip(num_seqs, num_main_tokens)], "main")
+        main_totals = [t + (target - b) * rows_per_seq for b, t in zip(num_seqs, num_main_tokens)]
+        for pad, gap in zip(out, _shortfalls(main_totals)):
+            pad.main_own_rows = [False] * len(pad.main_q_lens) + ([True] if gap else [])
+            if gap:
+                pad.main_q_lens.append(gap)
+                pad.main_lm.append(LM_NONE)
     return out
 
 
-def _equalise(pads: list[Padding], totals: list[int], part: str) -> None:
-    """One more dummy without logits rows brings each rank's ``part`` rows to the largest count."""
+def _shortfalls(totals: list[int]) -> list[int]:
+    """Rows each rank lacks to the largest count."""
     most = max(totals)
-    for pad, total in zip(pads, totals):
-        if total < most:
-            getattr(pad, f"{part}_q_lens").append(most - total)
-            getattr(pad, f"{part}_lm").append(LM_NONE)
-            if part == "main":
-                pad.main_own_rows.append(True)
+    return [most - t for t in totals]
 
 
 def padded(inputs: ModelInputs, q_lens: list[int], lm: list[str], dummy_block: int, block_size: int,

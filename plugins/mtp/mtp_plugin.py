@@ -187,7 +187,9 @@ class MtpPlugin(Plugin):
         # A sequence whose prefill is still running has no state yet: it was prefilled here.
         hidden_from = np.array([getattr(self.states.get(s.seq_id), "hidden_from", 0) for s in seqs], dtype=np.int64)
         layout = di.decode_layout(num_tokens, last_accepted, k, self.mode, hidden_from)
-        inputs.model_inputs = self._main_inputs(seqs, counts, host_drafts)
+        inputs.model_inputs = di.main_inputs(
+            np.array([s.last_token_id for s in seqs]), num_tokens, tables, self.block_size, counts, host_drafts
+        )
         inputs.sub_model_inputs = di.sub_inputs(
             [s.token_ids for s in seqs], layout, tables, self.block_size, k, self.mode,
             hidden_from, self.dummy_block_id,
