@@ -45,6 +45,7 @@ class LLM:
         dist_timeout: float = 600.0,
         decode_graphs: Optional[bool] = None,
         cpu_threads: Optional[int] = None,
+        enable_prefix_caching: Optional[bool] = None,
         **scheduler_limits,
     ):
         if model is not None and config is not None:
@@ -52,7 +53,8 @@ class LLM:
         # None means "the model's own default" (EngineArgs' for model=, the shipped model's or the
         # config's otherwise); a value given always replaces it, never silently ignored.
         given = dict(backend=backend, dtype=dtype, plugin_params=plugin_params, cache_block_size=cache_block_size,
-                     num_blocks=num_blocks, kv_cache_gb=kv_cache_gb, device=device, decode_graphs=decode_graphs)
+                     num_blocks=num_blocks, kv_cache_gb=kv_cache_gb, device=device, decode_graphs=decode_graphs,
+                     enable_prefix_caching=enable_prefix_caching)
         # dp ranks (attention data parallel) with moe_ep-way expert parallel: dp - 1 more processes
         parallel, where = ParallelConfig(world_size=dp, dp=dp, moe_ep=moe_ep, timeout_s=dist_timeout), ""
         if model is None and config is None:  # the shipped default model, MTP on (K = 3)

@@ -48,6 +48,16 @@ class Plugin(ABC):
     def plugin_cache_clear(self, seq_ids: list[int]) -> None:
         pass
 
+    # ---- prefix caching ---------------------------------------------------------------------------
+    def enable_prefix_caching(self) -> None:
+        """Cached KV blocks will be shared between sequences: make the caches this plugin writes
+        complete enough to be worth sharing."""
+
+    def final_cache_positions(self, seq) -> "int | None":
+        """Leading positions of ``seq`` whose entries in this plugin's own KV caches are final
+        (never written again); None: the plugin keeps no KV cache of its own."""
+        return None
+
     # ---- async scheduling (MindIE's prepare_masks_for_filling / fill_in_model_result) -----------
     def prepare_masks_for_filling(self, batch: "StepBatch", inputs: "StepInputs", pending: "np.ndarray") -> "StepInputs":
         """Host, while the previous step still runs: this step's inputs. ``pending[b] > 0``:

@@ -1,6 +1,8 @@
 """``ModelConfig.plugin_params`` as MindIE reads it: a JSON string (or object) of at most 1024
 characters whose ``plugin_type`` names one or more plugins separated by commas. ``"mtp,suffix"`` is
-the MTP plugin with suffix drafts (its ``suffix_drafting`` option): both draft, one verifies."""
+the MTP plugin with suffix drafts (its ``suffix_drafting`` option): both draft, one verifies.
+``prefix_cache`` (MindIE's name; alone or with others) turns on the engine's prefix caching: in
+mindspec it is a block-manager feature, not a plugin of its own."""
 from __future__ import annotations
 
 import json
@@ -19,6 +21,7 @@ class PluginParamsError(ValueError):
 class PluginParams:
     plugin_types: tuple[str, ...] = ()
     options: dict[str, Any] = field(default_factory=dict)  # every key except plugin_type
+    prefix_cache: bool = False  # "prefix_cache" in plugin_type
 
     @property
     def enabled(self) -> bool:
@@ -51,4 +54,6 @@ def parse_plugin_params(raw: Optional[Union[str, dict]]) -> PluginParams:
                                     f"got {options['suffix_drafting']!r}")
         types = tuple(t for t in types if t != "suffix")
         options["suffix_drafting"] = True
-    return PluginParams(plugin_types=types, options=options)
+    prefix_cache = "prefix_cache" in types
+    types = tuple(t for t in types if t != "prefix_cache")
+    return PluginParams(plugin_types=types, options=options, prefix_cache=prefix_cache)

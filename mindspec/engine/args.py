@@ -37,6 +37,8 @@ class EngineArgs:
     # cpuThreads); None: $MINDSPEC_CPU_THREADS, else the default policy of
     # mindspec.backends.cpu.backend.set_cpu_threads.
     cpu_threads: Optional[int] = None
+    # Automatic prefix caching (engine/prefix_cache.py); also on with plugin_type "prefix_cache".
+    enable_prefix_caching: bool = False
 
     def __post_init__(self):
         self.validate()
@@ -52,6 +54,8 @@ class EngineArgs:
         gb = self.kv_cache_gb
         if gb is not None and (isinstance(gb, bool) or not isinstance(gb, (int, float)) or not gb > 0):
             raise ValueError(f"kv_cache_gb: must be a number > 0 (GB), got {self.kv_cache_gb!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching: must be true or false, got {self.enable_prefix_caching!r}")
         if self.cpu_threads is not None:
             from mindspec.backends.cpu.backend import check_cpu_threads
 

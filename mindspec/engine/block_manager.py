@@ -10,6 +10,11 @@ back to the free list when its last owner frees it, so preempting, aborting or f
 owner never takes blocks from the other. Only blocks that no owner writes again are shared (the
 scheduler picks them: positions before the last prompt tokens and drafts).
 
+With a ``PrefixCache`` (prefix_cache.py), full blocks whose KV is final are registered under a
+key of their content (``publish``) and found again by later sequences (``cached_prefix``,
+``take_cached``); when their last holder releases them they stay cached, idle, and are evicted
+least recently used first, only once no never-cached block is free.
+
 Coverage rule used by every method: a block table "covers" ``n`` token positions when
 ``len(block_table) * block_size >= n``; positions are 0-based, so covering ``n`` means positions
 0..n-1 have slots.
@@ -17,15 +22,18 @@ Coverage rule used by every method: a block table "covers" ``n`` token positions
 from __future__ import annotations
 
 from collections import deque
+from typing import Optional
 
 import numpy as np
 
 from .errors import EngineError
+from .prefix_cache import PrefixCache
 from .sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, reserve_dummy_block: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, reserve_dummy_block: bool = True,
+                 prefix_cache: Optional[PrefixCache] = None):
         if block_size < 1:
             raise EngineError(f"block_size must be >= 1, got {block_size}")
         need = 2 if reserve_dummy_block else 1
@@ -41,6 +49,9 @@ class BlockManager:
         # Freed blocks go to the front and are reused first (their cache lines are likely warm).
         self._free: deque[int] = deque(range(usable))
         self._refs: dict[int, int] = {}  # owners of every used block
+        if prefix_cache is not None and prefix_cache.block_size != block_size:
+            raise EngineError(f"the prefix cache keys {prefix_cache.block_size}-token blocks, the KV cache has {block_size}")
+        self.prefix_cache = prefix_cache
 
     @classmethod
     def from_memory_budget(cls, mem_bytes: int, bytes_per_token: int, block_size: int, **kw) -> "BlockManager":
@@ -60,11 +71,17 @@ class BlockManager:
     @property
     def num_usable_blocks(self) -> int:
         """Blocks that sequences may own (all but the dummy block)."""
-        return len(self._free) + len(self._refs)
+        return self.num_free_blocks + len(self._refs)
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a sequence can be given now: never-cached ones and idle cached ones."""
+        return len(self._free) + self.num_idle_blocks
+
+    @property
+    def num_idle_blocks(self) -> int:
+        """Cached blocks nobody holds (evicted when needed)."""
+        return len(self.prefix_cache.idle) if self.prefix_cache is not None else 0
 
     @property
     def num_used_blocks(self) -> int:
@@ -83,14 +100,14 @@ class BlockManager:
 
     # ---- allocation ------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_lookahead: int = 0) -> bool:
-        return self.blocks_missing(seq, seq.num_tokens + num_lookahead) <= len(self._free)
+        return self.blocks_missing(seq, seq.num_tokens + num_lookahead) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_lookahead: int = 0) -> None:
         """Cover all of seq's tokens plus ``num_lookahead`` positions (prefill)."""
         self.ensure(seq, seq.num_tokens + num_lookahead)
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.blocks_missing(seq, seq.num_tokens + num_new_tokens) <= len(self._free)
+        return self.blocks_missing(seq, seq.num_tokens + num_new_tokens) <= self.num_free_blocks
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow the table so it covers ``seq.num_tokens + num_new_tokens`` positions.
@@ -104,13 +121,13 @@ class BlockManager:
     def ensure(self, seq: Sequence, num_tokens: int) -> None:
         """Cover ``num_tokens`` positions; never shrinks. All or nothing."""
         missing = self.blocks_missing(seq, num_tokens)
-        if missing > len(self._free):
+        if missing > self.num_free_blocks:
             raise EngineError(
                 f"sequence {seq.seq_id} needs {missing} more block(s) for {num_tokens} tokens, "
-                f"{len(self._free)} free"
+                f"{self.num_free_blocks} free"
             )
         for _ in range(missing):
-            block = self._free.popleft()
+            block = self._free.popleft() if self._free else self.prefix_cache.evict()
             self._refs[block] = 1
             seq.block_table.append(block)
 
@@ -129,6 +146,68 @@ class BlockManager:
             self._refs[block] += 1
         seq.block_table = list(blocks)
 
+    # ---- prefix cache ----------------------------------------------------------------------------
+    def cached_prefix(self, seq: Sequence, max_tokens: int) -> tuple[list[bytes], list[int]]:
+        """(keys, blocks): the cached blocks that hold ``seq``'s first positions, at most
+        ``max_tokens`` of them, and the keys of its whole blocks up to there. Takes nothing."""
+        cache = self.prefix_cache
+        if cache is None:
+            return [], []
+        n = min(cache.full_blocks(seq.num_tokens), max(0, max_tokens) // self.block_size)
+        keys = cache.keys(seq.token_ids, n, seq.block_keys)
+        if len(keys) > len(seq.block_keys):
+            seq.block_keys = keys  # content keys: computed once while the sequence waits
+        return keys, cache.lookup(keys)
+
+    def num_idle_among(self, blocks: list[int]) -> int:
+        """How many of ``blocks`` are idle (taking them uses up free blocks)."""
+        return sum(1 for b in blocks if b not in self._refs)
+
+    def take_cached(self, seq: Sequence, keys: list[bytes], blocks: list[int]) -> None:
+        """Start ``seq``'s empty table with cached ``blocks`` (its first positions' KV, final)."""
+        if seq.block_table:
+            raise EngineError(f"sequence {seq.seq_id} already holds blocks; only an empty table takes cached ones")
+        for block in blocks:
+            if block in self._refs:
+                self._refs[block] += 1
+            else:
+                self.prefix_cache.revive(block)
+                self._refs[block] = 1
+        seq.block_table = list(blocks)
+        seq.block_keys = list(keys)
+
+    def publish(self, seq: Sequence, num_final_tokens: int) -> None:
+        """Register ``seq``'s whole blocks below position ``num_final_tokens`` (KV final in every
+        cache) so later sequences find them. A block is registered only under a registered
+        parent that is ``seq``'s own block before it: a chain's blocks are then all held by
+        sequences that start with the chain's first block (with dp, on that block's rank)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        n = min(cache.full_blocks(seq.num_tokens), num_final_tokens // self.block_size, len(seq.block_table))
+        if n <= seq.published_blocks:
+            return
+        keys = seq.block_keys = cache.keys(seq.token_ids, n, seq.block_keys)
+        table = seq.block_table
+        for j in range(seq.published_blocks, n):
+            if cache.block_for(keys[j]) == table[j]:
+                continue  # found in the cache at admission, or registered before
+            if j and cache.block_for(keys[j - 1]) != table[j - 1]:
+                break  # the chain through this sequence's blocks ended
+            if not cache.register(table[j], keys[j]):
+                break
+        seq.published_blocks = n
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (held ones stay with their holders); returns how many were
+        registered."""
+        cache = self.prefix_cache
+        if cache is None:
+            return 0
+        registered = cache.num_registered
+        self._free.extendleft(cache.clear())
+        return registered
+
     # ---- release -----------------------------------------------------------------------------
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Free trailing blocks not needed for ``num_tokens`` positions (KV rollback of
@@ -138,6 +217,7 @@ class BlockManager:
         keep = self.blocks_for_tokens(num_tokens)
         # Rolled-back positions hold stale KV even when no block is released.
         seq.num_cached_tokens = min(seq.num_cached_tokens, num_tokens)
+        seq.published_blocks = min(seq.published_blocks, keep)
         if len(seq.block_table) <= keep:
             return
         tail = seq.block_table[keep:]
@@ -153,6 +233,7 @@ class BlockManager:
             self._release(block)
         seq.block_table = []
         seq.num_cached_tokens = 0
+        seq.published_blocks = 0
 
     def _check_owned(self, seq: Sequence, blocks: list[int]) -> None:
         # Checked before releasing anything, so a bad table never leaves the free list half-updated.
@@ -172,7 +253,8 @@ class BlockManager:
             self._refs[block] = left
             return
         del self._refs[block]
-        self._free.appendleft(block)
+        if self.prefix_cache is None or not self.prefix_cache.release(block):
+            self._free.appendleft(block)
 
     # ---- addressing ------------------------------------------------------------------------
     def slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:

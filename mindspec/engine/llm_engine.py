@@ -29,6 +29,7 @@ from .args import GiB, EngineArgs
 from .async_scheduling import AsyncStepper
 from .block_manager import BlockManager
 from .errors import EngineError, RequestRejected
+from .prefix_cache import PrefixCache
 from .outputs import PrefillHandoff, RequestOutput, SpecDecodeStats
 from .request_state import RequestState
 from .scheduler import ScheduledBatch, Scheduler, SeqUpdate
@@ -60,8 +61,14 @@ class LLMEngine:
         ]
         self.plugin_manager = PluginManager(generator, plugins=plugins, eos_token_ids=sorted(self.eos_token_ids))
         args.scheduler.num_lookahead_tokens = self.plugin_manager.num_lookahead_tokens
-        self.block_manager = BlockManager(cache.num_blocks, cache.block_size, reserve_dummy_block=True)
+        self.prefix_caching = args.enable_prefix_caching or plugin_params.prefix_cache
+        prefix_cache = PrefixCache(cache.block_size, self.plugin_manager.num_lookahead_tokens) if self.prefix_caching else None
+        self.block_manager = BlockManager(cache.num_blocks, cache.block_size, reserve_dummy_block=True,
+                                          prefix_cache=prefix_cache)
         self.scheduler = Scheduler(args.scheduler, self.block_manager)
+        if self.prefix_caching:
+            self.plugin_manager.enable_prefix_caching()
+            self.scheduler.final_kv_tokens = self.plugin_manager.final_kv_tokens
         self.requests: dict[int, RequestState] = {}
         # Engine-wide speculative counters (all requests since start), for metrics and benchmarks.
         self.spec_stats = SpecDecodeStats.for_drafts(max(1, self.plugin_manager.num_lookahead_tokens))
@@ -189,6 +196,11 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block (vLLM's reset_prefix_cache); blocks that running
+        sequences hold stay theirs. Returns how many blocks were registered."""
+        return self.block_manager.reset_prefix_cache()
 
     def warmup_decode(self, batch_sizes: Seq[int] = (1,)) -> None:
         """Run a few decode steps at each batch size so that compiled decode steps (speculative

@@ -84,6 +84,20 @@ class SchedulerConfig:
 
 
 @dataclass
+class _Admission:
+    """A waiting sequence the next prefill batch takes, with the KV it does not compute."""
+
+    seq: Sequence
+    shared: int  # blocks of its n > 1 parent
+    cached_keys: list[bytes]
+    cached_blocks: list[int]  # blocks of the prefix cache
+
+    @property
+    def reused(self) -> int:
+        return self.shared + len(self.cached_blocks)
+
+
+@dataclass
 class ScheduledBatch:
     seqs: list[Sequence]
     is_prefill: bool
@@ -111,6 +125,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.decode_steps_since_prefill = 0
+        # Prefix caching: the positions of a sequence whose KV is final in every cache (the main
+        # model's: the cached tokens; the engine adds its plugins' caches). Read after each step.
+        self.final_kv_tokens: Callable[[Sequence], int] = lambda seq: seq.num_cached_tokens
 
     # ---- admission ---------------------------------------------------------------------------
     @property
@@ -223,29 +240,43 @@ class Scheduler:
         admitted = self._admissible()
         if not admitted or self._holds_prefill(len(admitted)):
             return None
-        seqs = []
-        for seq, shared in admitted:
-            if shared:  # the parent's final prompt blocks: only the rest of the prompt is computed
-                self.block_manager.share(seq, seq.share_parent, shared)
-                seq.num_cached_tokens = seq.shared_prefix_tokens = shared * self.block_manager.block_size
+        bm, bs = self.block_manager, self.block_manager.block_size
+        # Every sequence takes its shared and cached blocks before any allocates new ones, so no
+        # allocation evicts an idle cached block another admitted sequence is about to take.
+        for a in admitted:
+            seq = a.seq
+            if a.shared:  # the parent's final prompt blocks: only the rest of the prompt is computed
+                bm.share(seq, seq.share_parent, a.shared)
+                seq.num_cached_tokens = seq.shared_prefix_tokens = a.shared * bs
+            elif a.cached_blocks:
+                bm.take_cached(seq, a.cached_keys, a.cached_blocks)
+                seq.num_cached_tokens = len(a.cached_blocks) * bs
+            if not seq.num_preemptions:  # a first admission: what usage and the hit rate report
+                seq.prefix_cached_tokens = seq.num_cached_tokens
+                if bm.prefix_cache is not None:
+                    bm.prefix_cache.record_query(seq.num_prompt_tokens, len(a.cached_keys), len(a.cached_blocks))
             seq.share_parent = None  # decided: shared now or never (a recompute runs in full)
+        seqs = []
+        for a in admitted:
             # Room for the first decode's drafts too, so a fresh sequence is not preempted at once.
-            self.block_manager.allocate(seq, self.config.num_lookahead_tokens)
+            bm.allocate(a.seq, self.config.num_lookahead_tokens)
             self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            seqs.append(seq)
+            a.seq.status = SequenceStatus.RUNNING
+            seqs.append(a.seq)
         self.running.extend(seqs)
         self.decode_steps_since_prefill = 0
         return ScheduledBatch(seqs, is_prefill=True)
 
-    def _admissible(self) -> list[tuple[Sequence, int]]:
+    def _admissible(self) -> list[_Admission]:
         """The head of the queue that can start now, each with the parent blocks it will share
-        (FCFS: the head blocks the rest, so a long prompt is never starved; a child whose parent's
-        prefill has not run yet waits, and its parent is ahead of it); nothing is allocated."""
+        or the cached blocks it will take (FCFS: the head blocks the rest, so a long prompt is
+        never starved; a child whose parent's prefill has not run yet waits, and its parent is
+        ahead of it); nothing is allocated."""
         cfg, bm = self.config, self.block_manager
         free_seats = min(cfg.max_prefill_batch_size, cfg.max_batch_size - len(self.running))
         free_blocks = bm.num_free_blocks
-        admitted: list[tuple[Sequence, int]] = []
+        admitted: list[_Admission] = []
+        taken: set[int] = set()  # idle cached blocks this batch takes
         tokens = 0
         for seq in self.waiting:
             if len(admitted) >= free_seats:
@@ -253,21 +284,37 @@ class Scheduler:
             shared = self._shareable_blocks(seq)
             if shared is None:
                 break
-            # Tails after a shared prefix attend cached KV, which makes the whole forward a
-            # non-prefill one; fresh prompts keep the prefill kernels by going in another batch.
-            if admitted and bool(shared) != bool(admitted[0][1]):
+            keys, cached = ([], []) if shared else self._cached_prefix(seq)
+            reused = shared + len(cached)
+            # Tails after a shared or cached prefix attend cached KV, which makes the whole
+            # forward a non-prefill one; fresh prompts keep the prefill kernels by going in
+            # another batch.
+            if admitted and bool(reused) != bool(admitted[0].reused):
                 break
-            fed = seq.num_tokens - shared * bm.block_size
+            fed = seq.num_tokens - reused * bm.block_size
             # A prompt longer than maxPrefillTokens still runs, alone.
             if admitted and tokens + fed > cfg.max_prefill_tokens:
                 break
-            need = bm.blocks_missing(seq, seq.num_tokens + cfg.num_lookahead_tokens) - shared
+            revived = {b for b in cached if b not in taken and bm.num_idle_among([b])}
+            need = bm.blocks_missing(seq, seq.num_tokens + cfg.num_lookahead_tokens) - reused + len(revived)
             if need > free_blocks:
                 break
             free_blocks -= need
-            admitted.append((seq, shared))
+            taken |= revived
+            admitted.append(_Admission(seq, shared, keys, cached))
             tokens += fed
         return admitted
+
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[bytes], list[int]]:
+        """The prefix cache's blocks for ``seq``: whole blocks before its last token (fed for the
+        next token's logits), none for a prompt whose prompt logprobs are asked for (every
+        position must be computed). Block keys include the lookahead tokens after a block
+        (prefix_cache.py), which keeps the MTP entries of positions paired with generated tokens
+        out, as ``_shareable_blocks`` does."""
+        if self.block_manager.prefix_cache is None or getattr(seq.sampling_params, "prompt_logprobs", None) is not None:
+            return [], []
+        keys, blocks = self.block_manager.cached_prefix(seq, seq.num_tokens - 1)
+        return keys, blocks
 
     def _shareable_blocks(self, seq: Sequence) -> Optional[int]:
         """Blocks of ``seq.share_parent`` (same prompt) that ``seq`` can take instead of computing
@@ -376,6 +423,7 @@ class Scheduler:
             # accepted drafts); the newest token is fed, and cached, next step.
             seq.num_cached_tokens = seq.num_tokens if batch.is_prefill else seq.num_cached_tokens + len(tokens)
             if seq.max_tokens == 0:  # scored the prompt only: the prefill's token is dropped
+                self._publish(seq)
                 self._finish(seq, FinishReason.LENGTH)
                 updates.append(SeqUpdate(seq, [], True))
                 continue
@@ -387,10 +435,17 @@ class Scheduler:
                 if reason is None and seq.num_output_tokens >= seq.max_tokens:
                     reason = FinishReason.LENGTH
                 if reason is not None:
+                    self._publish(seq)
                     self._finish(seq, FinishReason(reason))
                     break
+            if not seq.is_finished:
+                self._publish(seq)
             updates.append(SeqUpdate(seq, appended, seq.is_finished))
         return updates
+
+    def _publish(self, seq: Sequence) -> None:
+        if self.block_manager.prefix_cache is not None:
+            self.block_manager.publish(seq, self.final_kv_tokens(seq))
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.status = SequenceStatus.FINISHED

@@ -38,6 +38,12 @@ class Sequence:
     # it has decided. shared_prefix_tokens: the prompt tokens it took that way.
     share_parent: Optional["Sequence"] = field(default=None, repr=False)
     shared_prefix_tokens: int = 0
+    # Prefix caching: keys of its whole blocks (prefix_cache.py; content only, so they survive a
+    # preemption), how many leading blocks were offered to the cache, and the prompt tokens its
+    # first admission found cached (usage.prompt_tokens_details.cached_tokens).
+    block_keys: list = field(default_factory=list, repr=False)
+    published_blocks: int = 0
+    prefix_cached_tokens: int = 0
     prompt_only: bool = False  # max_tokens 0 allowed: the prefill scores the prompt, nothing is generated
 
     @property

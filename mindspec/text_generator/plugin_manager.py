@@ -103,6 +103,21 @@ class PluginManager:
             owner = np.repeat(np.arange(len(batch)), inputs.model_inputs.q_lens)[rows]
             ids[rows] = [accepted[b][-1] for b in owner]
 
+    # ---- prefix caching ---------------------------------------------------------------------------
+    def enable_prefix_caching(self) -> None:
+        for plugin in self.plugins:
+            plugin.enable_prefix_caching()
+
+    def final_kv_tokens(self, seq) -> int:
+        """Leading positions of ``seq`` whose KV is final in the main cache and in every plugin's
+        caches (what the prefix cache may keep)."""
+        final = seq.num_cached_tokens
+        for plugin in self.plugins:
+            own = plugin.final_cache_positions(seq)
+            if own is not None:
+                final = min(final, own)
+        return final
+
     def clear(self, seq_ids: list[int]) -> None:
         for plugin in self.plugins:
             plugin.plugin_cache_clear(seq_ids)

@@ -77,6 +77,9 @@ class MtpSeqState:
     lag: np.ndarray  # [modules] int64: tokens without an entry in each MTP module's cache (1 after prefill)
     in_think: bool = False
     hidden_from: int = 0  # first position with a real hidden state (> 0 after a PD hand-off or a shared prefix)
+    # Every module's entries before this position were written (or came final from elsewhere):
+    # later, a module more than CATCH_UP entries behind gave up entries (prefix caching reads it).
+    complete_until: float = float("inf")
 
 
 class MtpPlugin(Plugin):
@@ -105,6 +108,7 @@ class MtpPlugin(Plugin):
         self.keep_hidden = self.k + CATCH_UP  # vanilla's history (K-1) + the entries to catch up
         self.cache_modules = len(set(self.modules))  # MTP caches this plugin keeps: K (vanilla) or 1
         self.states: dict[int, MtpSeqState] = {}
+        self.complete_prefill = False  # prefix caching: every prefill writes every MTP cache
         self.history = HiddenHistory(self.keep_hidden)
         self.adaptive = AdaptiveSpeculation(range(self.k + 1), self.params.adaptive_speculation)
         self.simulation_rng = np.random.default_rng(0)  # simulated_acceptance's draws: the same every run
@@ -268,6 +272,8 @@ class MtpPlugin(Plugin):
                            np.array([st.hidden_end for st in states], dtype=np.int64), counts,
                            hidden, np.cumsum(rows) - rows)
         for b, (state, count) in enumerate(zip(states, counts.tolist())):
+            if (state.lag[used:] + count > CATCH_UP).any():  # the oldest missed entries are given up
+                state.complete_until = min(state.complete_until, state.hidden_end - 1 - int(state.lag.max()))
             state.hidden_end += count
             # The modules this step ran wrote the entries of the tokens before it; the others did not.
             state.lag[:used] = count
@@ -296,6 +302,7 @@ class MtpPlugin(Plugin):
         for b, (seq, q, end) in enumerate(zip(batch.seqs, q_lens.tolist(), ends.tolist())):
             lag = self._fresh_lag()
             lag[prefilled:] = min(q, CATCH_UP)  # this prefill's entries, as far as its hidden states reach
+            gave_up = prefilled < self.cache_modules and q > CATCH_UP
             slots[b] = self.history.add(seq.seq_id, hidden)
             # A prefill after a shared prompt prefix (n > 1) starts past position 0: the hidden
             # states before it are another sequence's, and its MTP entries there are shared blocks
@@ -303,6 +310,7 @@ class MtpPlugin(Plugin):
             self.states[seq.seq_id] = MtpSeqState(
                 slot=int(slots[b]), hidden_end=end, lag=lag, in_think=self._prompt_in_think(seq.token_ids),
                 hidden_from=seq.num_cached_tokens,
+                complete_until=seq.num_cached_tokens if gave_up else float("inf"),
             )
         self.history.write(slots, ends - keeps, keeps, hidden, np.cumsum(q_lens) - keeps)  # each prompt's last rows
 
@@ -428,8 +436,25 @@ class MtpPlugin(Plugin):
 
     def _prefill_modules(self, batch: StepBatch) -> int:
         """MTP modules a prefill runs: those the next decode steps will use, judged by the batch
-        size they will run at (every tracked sequence plus these). At least module 0."""
+        size they will run at (every tracked sequence plus these), at least module 0; all of them
+        with prefix caching, whose cached blocks serve later sequences at any batch size."""
+        if self.complete_prefill:
+            return self.cache_modules
         return max(1, self._modules_used(self.adaptive.planned(len(self.states) + len(batch))))
+
+    # ---- prefix caching ---------------------------------------------------------------------------
+    def enable_prefix_caching(self) -> None:
+        self.complete_prefill = True
+
+    def final_cache_positions(self, seq) -> Optional[int]:
+        """Positions before the entries a coming step may still write: each module's missing
+        entries (lag), vanilla's rewritten history (K-1) and, under async scheduling, the steps
+        already built (up to K+1 tokens each); 3(K+1) covers them all. Nothing past a gap."""
+        state = self.states.get(seq.seq_id)
+        if state is None:
+            return 0
+        end = state.hidden_end - int(state.lag.max()) - 3 * (self.k + 1)
+        return max(0, int(min(end, state.complete_until)))
 
     def _fresh_lag(self) -> np.ndarray:
         return np.ones(self.cache_modules, dtype=np.int64)  # the prompt's entries; the new token's is missing
