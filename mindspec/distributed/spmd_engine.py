@@ -82,6 +82,12 @@ class SpmdEngine(LLMEngine):
             self._ops.append(("abort", (request_id,), {}))
         return out
 
+    def reset_prefix_cache(self) -> int:
+        forgotten = super().reset_prefix_cache()  # every rank's block manager is the same one
+        if self._replicating and self.failure is None:
+            self._ops.append(("reset_prefix_cache", (), {}))
+        return forgotten
+
     def add_prefilled_request(self, handoff, params=None, request_id=None):
         if not self._replicating:
             return super().add_prefilled_request(handoff, params, request_id)

@@ -66,6 +66,9 @@ class RequestOutput:
     prompt_top_logprobs: Optional[list[Optional[dict[int, float]]]] = None
     # share_prefix_with: prompt tokens whose KV came from the other request instead of a prefill
     num_shared_prompt_tokens: int = 0
+    # prompt tokens not computed at the first admission: found in the prefix cache or shared with
+    # the request named by share_prefix_with (OpenAI's usage.prompt_tokens_details.cached_tokens)
+    num_cached_tokens: int = 0
 
 
 @dataclass

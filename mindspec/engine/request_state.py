@@ -100,6 +100,7 @@ class RequestState:
             prompt_logprobs=self.prompt_logprobs,
             prompt_top_logprobs=self.prompt_top_logprobs,
             num_shared_prompt_tokens=seq.shared_prefix_tokens,
+            num_cached_tokens=seq.prefix_cached_tokens,
         )
         self.pending_text = ""
         return out

@@ -126,8 +126,25 @@ def business_app(state: ServiceState) -> FastAPI:
 def management_app(state: ServiceState) -> FastAPI:
     app = FastAPI(docs_url=None, redoc_url=None)
     _add_health_routes(app, state)
+    _add_cache_routes(app, state)
     _install_error_handlers(app)
     return app
+
+
+def _add_cache_routes(app: FastAPI, state: ServiceState) -> None:
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """Forget every cached prefix block (vLLM's route; here on the management port)."""
+        if not state.engine.engine.prefix_caching:
+            return error_response(400, "prefix caching is off: enable it with plugin_type \"prefix_cache\" "
+                                       "in ModelConfig.plugin_params (or LLM(enable_prefix_caching=True))")
+        def reset(engine) -> int:  # on the engine thread, between steps
+            blocks = engine.reset_prefix_cache()
+            if state.metrics is not None:
+                state.metrics.observe_engine(engine)
+            return blocks
+
+        return {"status": "ok", "forgotten_blocks": await state.engine.call(reset)}
 
 
 def _add_health_routes(app: FastAPI, state: ServiceState) -> None:

@@ -107,6 +107,15 @@ class AsyncEngine:
         self._commands.put(("abort", request_id))
         self._wake.set()
 
+    async def call(self, fn: Callable[[LLMEngine], object]):
+        """Run ``fn(engine)`` on the engine thread between steps (management calls such as
+        reset_prefix_cache); its result, or its exception raised here."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._commands.put(("call", (fn, loop, done)))
+        self._wake.set()
+        return await done
+
     # ---- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
         if self.metrics is not None:  # gauges of the idle engine (KV blocks, warm-up's step accounting) from the start
@@ -145,6 +154,16 @@ class AsyncEngine:
                 self._add(payload)
             elif kind == "abort":
                 self._abort(payload)
+            elif kind == "call":
+                self._call(*payload)
+
+    def _call(self, fn, loop: asyncio.AbstractEventLoop, done: asyncio.Future) -> None:
+        try:
+            result = fn(self.engine)
+        except Exception as exc:  # reported to the caller; the loop goes on
+            loop.call_soon_threadsafe(done.set_exception, exc)
+        else:
+            loop.call_soon_threadsafe(done.set_result, result)
 
     def _add(self, pending: _Pending) -> None:
         try:

@@ -33,8 +33,18 @@ class ServiceMetrics:
         self.step_host_work = Gauge("mindspec_decode_step_host_work",
                                     "Per batch-1 decode step, measured after warm-up: ops launched outside compiled "
                                     "steps or graphs, host synchronisations, host-to-device copies", ["kind"], registry=r)
+        self.cache_queries = Counter("mindspec_prefix_cache_queries", "Prefix cache lookups at admission: prompt "
+                                     "tokens (unit=tokens) and whole prompt blocks (unit=blocks) asked for",
+                                     ["unit"], registry=r)
+        self.cache_hits = Counter("mindspec_prefix_cache_hits", "Prefix cache lookups: tokens and blocks found cached",
+                                  ["unit"], registry=r)
+        self.cache_hit_rate = Gauge("mindspec_prefix_cache_hit_rate", "Found / asked for since start", ["unit"],
+                                    registry=r)
+        self.blocks_cached_idle = Gauge("mindspec_kv_blocks_cached_idle",
+                                        "Cached KV blocks no request holds (counted as free; evicted LRU)", registry=r)
         self._lock = threading.Lock()
         self._seen = (0, 0, ())
+        self._seen_cache = (0, 0, 0, 0)
 
     def observe_engine(self, engine) -> None:
         """Called by the engine thread after each step."""
@@ -54,6 +64,8 @@ class ServiceMetrics:
             self._seen = (s.num_draft_tokens, s.num_accepted_tokens, tuple(s.accepted_per_position))
         if s.num_steps:
             self.mean_accepted.set(s.mean_accepted_length)
+        if bm.prefix_cache is not None:
+            self._observe_prefix_cache(bm)
         compiled = engine.model_wrapper.compiled
         if compiled is not None:
             st = compiled.stats
@@ -63,6 +75,20 @@ class ServiceMetrics:
         for kind, value in (engine.step_accounting or {}).items():
             if kind != "steps":
                 self.step_host_work.labels(kind=kind).set(value)
+
+    def _observe_prefix_cache(self, bm) -> None:
+        st = bm.prefix_cache.stats
+        now = (st.query_tokens, st.hit_tokens, st.query_blocks, st.hit_blocks)
+        with self._lock:
+            q_tok, h_tok, q_blk, h_blk = (a - b for a, b in zip(now, self._seen_cache))
+            self._seen_cache = now
+        self.cache_queries.labels(unit="tokens").inc(q_tok)
+        self.cache_hits.labels(unit="tokens").inc(h_tok)
+        self.cache_queries.labels(unit="blocks").inc(q_blk)
+        self.cache_hits.labels(unit="blocks").inc(h_blk)
+        self.cache_hit_rate.labels(unit="tokens").set(st.token_hit_rate)
+        self.cache_hit_rate.labels(unit="blocks").set(st.block_hit_rate)
+        self.blocks_cached_idle.set(bm.num_idle_blocks)
 
     def request_finished(self, status: str, prompt_tokens: int = 0, output_tokens: int = 0,
                          ttft: float | None = None, total: float | None = None) -> None:

@@ -31,7 +31,9 @@ def summed_usage(outs: Sequence[RequestOutput], n: int) -> dict:
     """OpenAI counts each prompt once and every choice's completion: siblings share a prompt."""
     p = sum(len(out.prompt_token_ids) for out in outs[::n])
     c = sum(len(out.token_ids) for out in outs)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    cached = sum(out.num_cached_tokens for out in outs[::n])
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class NewTokens:
