@@ -27,6 +27,11 @@ class PluginParams:
     def enabled(self) -> bool:
         return bool(self.plugin_types)
 
+    def as_dict(self, **changes) -> dict:
+        """plugin_params that parse back to these (with option ``changes``)."""
+        types = self.plugin_types + (("prefix_cache",) if self.prefix_cache else ())
+        return {"plugin_type": ",".join(types), **self.options, **changes}
+
 
 def parse_plugin_params(raw: Optional[Union[str, dict]]) -> PluginParams:
     if raw is None or raw == "" or raw == {}:

@@ -73,7 +73,7 @@ def _without_adaptive(raw, prefix: str):
             f"{prefix}plugin_params.adaptive_speculation: must be false with dp > 1 (each rank would "
             f"decide from its own timings; every rank must take the same decision)"
         )
-    return {"plugin_type": ",".join(params.plugin_types), **params.options, "adaptive_speculation": False}
+    return params.as_dict(adaptive_speculation=False)
 
 
 # ---- local launch (rank 0 here) ------------------------------------------------------------------

@@ -266,11 +266,13 @@ class LLMEngine:
         return [torch.cat([c.c_kv[blocks, offsets], c.k_pe[blocks, offsets]], dim=-1).cpu() for c in self.model_wrapper.caches]
 
     def _write_kv(self, seq: Sequence, kv: list[torch.Tensor]) -> None:
-        slots = torch.from_numpy(self.block_manager.slots(seq, 0, seq.num_prompt_tokens)).to(self.model_wrapper.device)
+        """The handed-off prompt KV, after the positions its cached blocks hold (never written)."""
+        start = seq.prefix_cached_tokens
+        slots = torch.from_numpy(self.block_manager.slots(seq, start, seq.num_prompt_tokens)).to(self.model_wrapper.device)
         rank = self.model_wrapper.config.kv_lora_rank
         backend = self.model_wrapper.backend
         for cache, layer_kv in zip(self.model_wrapper.caches, kv):
-            layer_kv = layer_kv.to(self.model_wrapper.device, cache.c_kv.dtype)
+            layer_kv = layer_kv[start:].to(self.model_wrapper.device, cache.c_kv.dtype)
             backend.write_latent_cache(cache, layer_kv[:, :rank], layer_kv[:, rank:], slots)
 
     # ---- one step ---------------------------------------------------------------------------------

@@ -184,7 +184,8 @@ class Scheduler:
         and runs from the next decode step. Its blocks are allocated now, since the caller writes
         the handed-off KV into them at once; so it cannot wait: when the batch is full
         (maxBatchSize) or blocks are short it raises CapacityExceeded and nothing changes. The
-        prompt is never truncated here: the KV handed off is that of the whole prompt."""
+        prompt is never truncated here: the KV handed off is that of the whole prompt. With prefix
+        caching its first blocks may be cached ones (``prefix_cached_tokens``), not to be written."""
         self._validate(seq, allow_truncation=False)
         cfg, bm = self.config, self.block_manager
         if len(self.running) >= cfg.max_batch_size:
@@ -192,13 +193,21 @@ class Scheduler:
                 f"cannot adopt a prefilled request: {len(self.running)} sequences already run "
                 f"(maxBatchSize={cfg.max_batch_size})"
             )
+        # With prefix caching, cached blocks of its prompt are taken instead of written again.
+        keys, cached = self._cached_prefix(seq)
         # Its tokens only: the drafts' positions are added by the first decode (which may preempt).
-        if not bm.can_allocate(seq):
+        need = bm.blocks_missing(seq, seq.num_tokens) - len(cached) + bm.num_idle_among(cached)
+        if need > bm.num_free_blocks:
             raise CapacityExceeded(
                 f"cannot adopt a prefilled request of {seq.num_tokens} tokens: it needs "
-                f"{bm.blocks_for_tokens(seq.num_tokens)} KV blocks, {bm.num_free_blocks} free"
+                f"{need} more KV blocks, {bm.num_free_blocks} free"
             )
+        if cached:
+            bm.take_cached(seq, keys, cached)
+        if bm.prefix_cache is not None:
+            bm.prefix_cache.record_query(seq.num_prompt_tokens, len(keys), len(cached))
         bm.allocate(seq)
+        seq.prefix_cached_tokens = len(cached) * bm.block_size  # the caller writes the KV after them
         seq.num_cached_tokens = seq.num_prompt_tokens
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)

@@ -40,4 +40,4 @@ def pd_plugin_params(raw, role: str):
     if given != want:
         raise ConfigError(f"{MODEL_CONFIG_PATH}plugin_params.pd_role: {given!r} on a {role} node "
                           f"(ServerConfig.pdRole); use {want!r} or leave it out")
-    return {"plugin_type": ",".join(params.plugin_types), **params.options, "pd_role": want}
+    return params.as_dict(pd_role=want)

@@ -121,3 +121,23 @@ def test_bad_parallel_settings_are_one_config_error(checkpoint):
     with pytest.raises(ConfigError, match=r"plugin_params.adaptive_speculation: must be false with dp > 1"):
         LLM(model=str(checkpoint), dtype="float32", num_blocks=64, progress=False, dp=2,
             plugin_params={"plugin_type": "mtp", "num_speculative_tokens": 1, "adaptive_speculation": True})
+
+
+@pytest.mark.slow
+def test_dp2_with_prefix_caching_equals_dp1_without(checkpoint, prompts):
+    """Per-rank caches: a cached block's KV lives on the rank that computed it, and a sequence
+    that starts with a cached block runs on that block's rank (dp_plan keys owners by the first
+    block). Two rounds over prompts sharing a 21-token prefix: the first computes and publishes
+    (both ranks compute the prefix, one copy is registered), the second finds it."""
+    shared = prompts[0][:5] * 4 + [7]
+    batch = [shared + p for p in prompts[:8]]
+    plugin = {"plugin_type": "mtp,prefix_cache", "num_speculative_tokens": 2, "mtp_mode": "vanilla"}
+    expected = [o.token_ids for o in _llm(checkpoint).generate(batch, GREEDY)]
+    with _llm(checkpoint, dp=2, plugin_params=plugin) as llm:
+        assert [o.token_ids for o in llm.generate(batch, GREEDY)] == expected
+        again = llm.generate(batch[::-1], GREEDY)
+        assert [o.token_ids for o in again] == expected[::-1]
+        assert all(o.num_cached_tokens >= 16 for o in again), [(len(o.prompt_token_ids), o.num_cached_tokens) for o in again]
+        assert all(s.sequences > 0 for s in llm.engine.dp_stats())
+        bm = llm.engine.block_manager
+        assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_usable_blocks

@@ -78,3 +78,38 @@ def test_adopting_needs_the_decode_role(checkpoint):
     handoff = _llm(checkpoint, pd_role="prefill").engine.prefill_for_handoff([5, 6, 7], GREEDY)
     with pytest.raises(EngineError, match="pd_role 'decode'"):
         _llm(checkpoint).engine.add_prefilled_request(handoff, GREEDY)
+
+
+@pytest.mark.parametrize("mode", ["eagle", "vanilla"])
+def test_decode_node_prefix_cache_takes_cached_prompt_blocks(checkpoint, mode):
+    """Prefix caching on both nodes: the prefill node finds the shared prompt prefix cached, the
+    decode node takes its cached blocks for a second request with that prefix instead of writing
+    the handed-off KV into new ones (those blocks' KV is left untouched), and every token equals
+    a single engine's without the cache."""
+    rng = np.random.default_rng(5)
+    shared = rng.integers(2, 250, 21).tolist()
+    prompts = [shared + rng.integers(2, 250, int(n)).tolist() for n in (5, 9, 2)]
+    expected = [o.token_ids for o in _llm(checkpoint, mtp_mode=mode).generate(prompts, GREEDY)]
+    pp = {"plugin_type": "mtp,prefix_cache", "mtp_mode": mode}
+    prefill_node, decode_node = _llm(checkpoint, pd_role="prefill", **pp), _llm(checkpoint, pd_role="decode", **pp)
+    engine, outs = decode_node.engine, []
+    for i, prompt in enumerate(prompts):
+        handoff = prefill_node.engine.prefill_for_handoff(prompt, GREEDY)
+        if i:  # the decode node's cached copy of the prefix is what the new request reads
+            kv_before = [c.c_kv.clone() for c in engine.model_wrapper.caches]
+            handoff.kv = [t.clone() for t in handoff.kv]
+            for t in handoff.kv:
+                t[:16] = float("nan")  # must not be written: the cached blocks hold these positions
+        state = engine.add_prefilled_request(handoff, GREEDY)
+        if i:
+            assert state.seq.prefix_cached_tokens == 16
+            cached = torch.from_numpy(engine.block_manager.slots(state.seq, 0, 16))
+            bs = engine.block_manager.block_size
+            assert all(torch.equal(b[cached // bs, cached % bs], c.c_kv[cached // bs, cached % bs])
+                       for b, c in zip(kv_before, engine.model_wrapper.caches))
+        outs += engine.run([state])
+    assert [o.token_ids for o in outs] == expected
+    assert [o.num_cached_tokens for o in outs] == [0, 16, 16]
+    assert prefill_node.engine.block_manager.prefix_cache.stats.hit_tokens > 0
+    bm = engine.block_manager
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_usable_blocks
