@@ -9,6 +9,7 @@
     mindspec bench --backend cuda --compare ...              # this comparison on a GPU (CUDA graphs on)
     mindspec bench --compare llama.cpp --llama-cpp-src DIR   # also llama.cpp, same model and prompts (parallel sequences)
     mindspec bench --model-shape deepseek-v2-lite ...        # random weights of that shape, simulated acceptance
+    mindspec bench --scenario prefix-cache --out ...         # shared-prefix workloads, prefix caching on and off
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from mindspec.bench import llama_cpp, model_shapes, profile, speed, workloads
+from mindspec.bench import llama_cpp, model_shapes, prefix_cache, profile, speed, workloads
 from mindspec.bench.llama_cpp import LlamaCppError
 from mindspec.backends.cpu.backend import default_cpu_threads
 from mindspec.modeling.step_accounting import account_decode_steps
@@ -34,7 +35,22 @@ SHIPPED_ACCEPTANCE = (0.88, 0.77, 0.71)
 BACKENDS = ("cpu", "cuda")
 
 
+SCENARIOS = ("speed", "prefix-cache")
+PREFIX_CONFIGS = {"mtp off": None, "vanilla K=3": {"plugin_type": "mtp", "num_speculative_tokens": 3}}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scenario", default="speed", choices=SCENARIOS,
+                   help="speed: decoding speed per configuration and batch size; prefix-cache: multi-turn chat "
+                        "and few-shot prompts with prefix caching on and off (mindspec.bench.prefix_cache)")
+    g = p.add_argument_group("--scenario prefix-cache")
+    g.add_argument("--conversations", type=int, default=8)
+    g.add_argument("--turns", type=int, default=4)
+    g.add_argument("--system-tokens", type=int, default=1500)
+    g.add_argument("--message-tokens", type=int, default=48, help="each user message (and few-shot question)")
+    g.add_argument("--shots", type=int, default=6)
+    g.add_argument("--shot-tokens", type=int, default=150)
+    g.add_argument("--queries", type=int, default=16)
     p.add_argument("--backend", default="cpu", choices=BACKENDS,
                    help="cpu (this benchmark) | cuda (the cuda backend's benchmarks; with --compare, this one)")
     p.add_argument("--compare", nargs="?", const="gpu", default=None, choices=["gpu", "llama.cpp"],
@@ -91,7 +107,51 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also profile one decode step (batch 1 and 16, MTP off and K=3)")
 
 
+def run_prefix_cache(args: argparse.Namespace) -> int:
+    from mindspec.llm import LLM
+
+    model_dir = args.model or str(_default_model())
+    args.threads = args.threads or default_cpu_threads(hidden_size=json.loads(
+        (Path(model_dir) / "config.json").read_text()).get("hidden_size"))
+    torch.set_num_threads(args.threads)
+    args.prefix_configs = PREFIX_CONFIGS
+    if args.configs:
+        wanted = [n.strip() for n in args.configs.split(",") if n.strip()]
+        unknown = [n for n in wanted if n not in PREFIX_CONFIGS]
+        if unknown:
+            print(f"mindspec bench: unknown configuration(s) {', '.join(map(repr, unknown))}; choose from "
+                  f"{', '.join(PREFIX_CONFIGS)}; nothing was measured", file=sys.stderr)
+            return 2
+        args.prefix_configs = {n: PREFIX_CONFIGS[n] for n in wanted}
+    longest = args.system_tokens + args.turns * (args.message_tokens + args.new_tokens) + 16
+    num_blocks = args.conversations * 2 * -(-longest // 16) + 8
+
+    def make_llm(plugin_params, cached: bool):
+        return LLM(model=model_dir, backend=args.backend, dtype=args.dtype, cache_block_size=16, num_blocks=num_blocks,
+                   progress=False, cpu_threads=args.threads, plugin_params=plugin_params,
+                   enable_prefix_caching=cached, max_input_token_len=longest, max_seq_len=longest + args.new_tokens,
+                   max_prefill_tokens=max(8192, longest))
+
+    tokenizer = make_llm(None, False).tokenizer.hf_tokenizer
+    report = prefix_cache.run(args, make_llm, tokenizer)
+    report.update({"model": model_dir, "backend": args.backend, "threads": args.threads, "dtype": args.dtype,
+                   "device": platform.processor() or platform.machine(),
+                   "workloads": {"chat": {"conversations": args.conversations, "turns": args.turns,
+                                          "system_tokens": args.system_tokens, "message_tokens": args.message_tokens},
+                                 "few-shot": {"shots": args.shots, "shot_tokens": args.shot_tokens,
+                                              "queries": args.queries, "query_tokens": args.message_tokens}},
+                   "command": getattr(args, "command_line", "mindspec bench")})
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _write_json(report, out)
+    prefix_cache.plot(report, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.scenario == "prefix-cache":
+        return run_prefix_cache(args)
     on_gpu = args.backend == "cuda"
     if on_gpu and not torch.cuda.is_available():
         print("mindspec bench: --backend cuda --compare needs a CUDA GPU and none is visible; nothing was measured",
