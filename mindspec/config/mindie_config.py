@@ -128,6 +128,11 @@ class ScheduleConfig:
     async_scheduling: bool = False
     waiting_served_ratio: float = 0.3
     max_waiting_steps: int = 20
+    # SplitFuse: templateType "Mix" with enableSplit (or plugin_type "splitfuse")
+    template_type: str = "Standard"
+    enable_split: bool = False
+    split_start_batch_size: int = 0  # splitStartBatchSize when splitStartType is true
+    split_chunk_tokens: int = 512
 
 
 @dataclass(frozen=True)
@@ -347,9 +352,16 @@ def _deploy(s: _Section, base_dir: Path) -> ModelDeployConfig:
 
 
 def _schedule(s: _Section, max_input: int) -> ScheduleConfig:
-    # mindspec batches prefill and decode apart (MindIE's Standard); Mix means SplitFuse
-    s.str("templateType", "Standard", ("Standard",))
+    template = s.str("templateType", "Standard", ("Standard", "Mix"))  # Mix: SplitFuse
+    enable_split = s.bool("enableSplit", False)
+    if enable_split and template != "Mix":
+        raise ConfigError(f"{s._where('enableSplit')}: SplitFuse needs templateType \"Mix\", got {template!r}")
+    start = s.int("splitStartBatchSize", 16, 0) if s.bool("splitStartType", False) else 0
     cfg = ScheduleConfig(
+        template_type=template,
+        enable_split=enable_split,
+        split_start_batch_size=start,
+        split_chunk_tokens=s.int("splitChunkTokens", 512, 1),
         cache_block_size=s.int("cacheBlockSize", 128, 1, 128),
         max_prefill_batch_size=s.int("maxPrefillBatchSize", 50, 1),
         max_prefill_tokens=s.int("maxPrefillTokens", 8192, 1),

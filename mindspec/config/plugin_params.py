@@ -1,8 +1,8 @@
 """``ModelConfig.plugin_params`` as MindIE reads it: a JSON string (or object) of at most 1024
 characters whose ``plugin_type`` names one or more plugins separated by commas. ``"mtp,suffix"`` is
 the MTP plugin with suffix drafts (its ``suffix_drafting`` option): both draft, one verifies.
-``prefix_cache`` (MindIE's name; alone or with others) turns on the engine's prefix caching: in
-mindspec it is a block-manager feature, not a plugin of its own."""
+``prefix_cache`` (MindIE's name; alone or with others) turns on the engine's prefix caching and
+``splitfuse`` its SplitFuse scheduling: in mindspec these are engine features, not plugins."""
 from __future__ import annotations
 
 import json
@@ -22,6 +22,7 @@ class PluginParams:
     plugin_types: tuple[str, ...] = ()
     options: dict[str, Any] = field(default_factory=dict)  # every key except plugin_type
     prefix_cache: bool = False  # "prefix_cache" in plugin_type
+    splitfuse: bool = False  # "splitfuse" in plugin_type
 
     @property
     def enabled(self) -> bool:
@@ -29,7 +30,8 @@ class PluginParams:
 
     def as_dict(self, **changes) -> dict:
         """plugin_params that parse back to these (with option ``changes``)."""
-        types = self.plugin_types + (("prefix_cache",) if self.prefix_cache else ())
+        types = self.plugin_types + (("prefix_cache",) if self.prefix_cache else ()) + (
+            ("splitfuse",) if self.splitfuse else ())
         return {"plugin_type": ",".join(types), **self.options, **changes}
 
 
@@ -59,6 +61,6 @@ def parse_plugin_params(raw: Optional[Union[str, dict]]) -> PluginParams:
                                     f"got {options['suffix_drafting']!r}")
         types = tuple(t for t in types if t != "suffix")
         options["suffix_drafting"] = True
-    prefix_cache = "prefix_cache" in types
-    types = tuple(t for t in types if t != "prefix_cache")
-    return PluginParams(plugin_types=types, options=options, prefix_cache=prefix_cache)
+    engine_features = {"prefix_cache", "splitfuse"}
+    return PluginParams(plugin_types=tuple(t for t in types if t not in engine_features), options=options,
+                        prefix_cache="prefix_cache" in types, splitfuse="splitfuse" in types)

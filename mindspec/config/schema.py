@@ -170,7 +170,13 @@ SCHEMA: dict[str, dict[str, Key]] = {
                            "absent: the default policy)"),
     },
     "BackendConfig.ScheduleConfig": {
-        "templateType": _use("checked: \"Standard\" (prefill and decode in separate batches; Mix = SplitFuse is not available)"),
+        "templateType": _use("\"Standard\" (prefill and decode in separate batches) or \"Mix\" (SplitFuse: prefill "
+                             "chunks inside decode steps; with plugin_type splitfuse or enableSplit)"),
+        "enableSplit": _use("ScheduleConfig.split_fuse (with templateType Mix)"),
+        "splitType": _skip("how MindIE splits (mindspec: chunks of splitChunkTokens rows per step)"),
+        "splitStartType": _use("ScheduleConfig.split_start_batch_size applies when true"),
+        "splitStartBatchSize": _use("ScheduleConfig.split_start_batch_size"),
+        "splitChunkTokens": _use("ScheduleConfig.split_chunk_tokens"),
         "templateName": _skip("scheduling workflow name (Standard_LLM only)"),
         "cacheBlockSize": _use("ScheduleConfig.cache_block_size"),
         "maxPrefillBatchSize": _use("ScheduleConfig.max_prefill_batch_size"),

@@ -138,6 +138,9 @@ class EngineArgs:
                 async_scheduling=sched.async_scheduling,
                 waiting_served_ratio=sched.waiting_served_ratio,
                 max_waiting_steps=sched.max_waiting_steps,
+                split_fuse=sched.enable_split,
+                split_chunk_tokens=sched.split_chunk_tokens,
+                split_start_batch_size=sched.split_start_batch_size,
             ),
         )
         for key, value in overrides.items():

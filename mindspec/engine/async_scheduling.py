@@ -146,7 +146,7 @@ class AsyncStepper:
 
     def _views(self, batch: ScheduledBatch, pending: dict[int, int]) -> StepBatch:
         seqs = [_view(s, pending.get(s.seq_id, 0)) for s in batch.seqs]
-        return StepBatch(seqs, batch.is_prefill, self.engine.block_manager.block_size)
+        return StepBatch(seqs, batch.is_prefill, self.engine.block_manager.block_size, batch.chunks)
 
     def _finish(self, step: _Step) -> list["RequestOutput"]:
         batch, outputs = self._drop_finished(step.batch, step.outputs)
@@ -161,7 +161,8 @@ class AsyncStepper:
         pick = lambda xs: None if xs is None else [xs[b] for b in keep]  # noqa: E731
         outputs = replace(outputs, accepted=pick(outputs.accepted), accepted_rows=pick(outputs.accepted_rows),
                           num_draft_accepted=pick(outputs.num_draft_accepted))
-        return ScheduledBatch([batch.seqs[b] for b in keep], batch.is_prefill), outputs
+        chunks = None if batch.chunks is None else [batch.chunks[b] for b in keep]
+        return ScheduledBatch([batch.seqs[b] for b in keep], batch.is_prefill, chunks), outputs
 
 
 def _view(seq: Sequence, pending: int) -> Sequence:

@@ -61,6 +61,10 @@ class LLMEngine:
         ]
         self.plugin_manager = PluginManager(generator, plugins=plugins, eos_token_ids=sorted(self.eos_token_ids))
         args.scheduler.num_lookahead_tokens = self.plugin_manager.num_lookahead_tokens
+        args.scheduler.split_fuse = args.scheduler.split_fuse or plugin_params.splitfuse
+        if args.scheduler.split_fuse and generator.dp_size > 1:
+            raise EngineError("SplitFuse (plugin_type splitfuse / enableSplit) is not available with dp > 1: "
+                              "turn one of them off")
         self.prefix_caching = args.enable_prefix_caching or plugin_params.prefix_cache
         prefix_cache = PrefixCache(cache.block_size, self.plugin_manager.num_lookahead_tokens) if self.prefix_caching else None
         self.block_manager = BlockManager(cache.num_blocks, cache.block_size, reserve_dummy_block=True,
@@ -282,13 +286,16 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        outputs = self.plugin_manager.generate_token(StepBatch(batch.seqs, batch.is_prefill, self.block_manager.block_size))
+        outputs = self.plugin_manager.generate_token(
+            StepBatch(batch.seqs, batch.is_prefill, self.block_manager.block_size, batch.chunks))
         return self.finish_step(batch, outputs)
 
     def finish_step(self, batch: ScheduledBatch, outputs: StepOutputs) -> list[RequestOutput]:
         """Host post-processing of a step's results: append tokens, stops, detokenize, outputs."""
-        if batch.is_prefill:
+        if batch.is_prefill or batch.is_mixed:
             for b, seq in enumerate(batch.seqs):
+                if not batch.completes_prefill(b):
+                    continue
                 state = self.requests[seq.seq_id]
                 if seq.sampling_params.prompt_logprobs is not None and not state.prompt_logprobs_done:
                     if seq.shared_prefix_tokens:  # the positions it did not compute: its parent's

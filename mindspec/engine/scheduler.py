@@ -53,6 +53,12 @@ class SchedulerConfig:
     # TGI defaults to 1.2 but bounds a batch by tokens; here the group is bounded by free seats.
     waiting_served_ratio: float = 0.3
     max_waiting_steps: int = 20
+    # SplitFuse (MindIE's "splitfuse" plugin, templateType "Mix"): while sequences decode, prompts
+    # are prefilled in chunks inside the decode steps, at most split_chunk_tokens rows per step
+    # (decode rows first). Mixing starts once split_start_batch_size sequences run (0: always).
+    split_fuse: bool = False
+    split_chunk_tokens: int = 512
+    split_start_batch_size: int = 0
 
     def __post_init__(self) -> None:
         t = self.truncation
@@ -77,10 +83,30 @@ class SchedulerConfig:
             raise EngineError(f"waiting_served_ratio must be >= 0, got {self.waiting_served_ratio}")
         if self.max_waiting_steps < 0:
             raise EngineError(f"max_waiting_steps must be >= 0, got {self.max_waiting_steps}")
+        if self.split_chunk_tokens < 1 or self.split_start_batch_size < 0:
+            raise EngineError(f"split_chunk_tokens must be >= 1 and split_start_batch_size >= 0, got "
+                              f"{self.split_chunk_tokens} and {self.split_start_batch_size}")
 
     @property
     def effective_max_input_len(self) -> int:
         return min(self.max_input_token_len, self.max_seq_len - 1)
+
+
+def chunk_tokens(remaining: int, budget: int, lookahead: int, whole: bool = False) -> int:
+    """Rows of a sequence's next prefill chunk, ``remaining`` tokens still to compute: all of
+    them if they fit ``budget``; else as many as fit while the final chunk keeps lookahead + 1
+    rows, so that a chunk's last MTP entries pair positions with prompt tokens only (the final
+    chunk's pair with generated ones and are rewritten by the first decode); 0: none this step.
+    ``whole``: all or nothing."""
+    if remaining <= budget:
+        return remaining
+    if whole:
+        return 0
+    return max(0, min(budget, remaining - lookahead - 1))
+
+
+def _wants_prompt_logprobs(seq: Sequence) -> bool:
+    return getattr(seq.sampling_params, "prompt_logprobs", None) is not None
 
 
 @dataclass
@@ -101,6 +127,20 @@ class _Admission:
 class ScheduledBatch:
     seqs: list[Sequence]
     is_prefill: bool
+    # SplitFuse: per sequence the prompt tokens it computes this step, 0 for one decode row (a
+    # mixed step: decoding sequences first, then prefill chunks); None: not a mixed step.
+    chunks: Optional[list[int]] = None
+
+    @property
+    def is_mixed(self) -> bool:
+        return self.chunks is not None
+
+    def completes_prefill(self, b: int) -> bool:
+        """Sequence b's prefill ends with this step (it gets its first token)."""
+        if self.chunks is None:
+            return self.is_prefill
+        seq, chunk = self.seqs[b], self.chunks[b]
+        return chunk > 0 and seq.num_cached_tokens + chunk >= seq.num_tokens
 
 
 class SeqUpdate(NamedTuple):
@@ -124,6 +164,8 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # SplitFuse: admitted sequences (blocks held) whose prefill is not done yet, oldest first
+        self.prefilling: list[Sequence] = []
         self.decode_steps_since_prefill = 0
         # Prefix caching: the positions of a sequence whose KV is final in every cache (the main
         # model's: the cached tokens; the engine adds its plugins' caches). Read after each step.
@@ -217,14 +259,14 @@ class Scheduler:
 
     def abort(self, seq_id: int) -> Optional[Sequence]:
         """Finish a waiting or running sequence with reason "abort" and free its blocks."""
-        for seq in list(self.waiting) + self.running:
+        for seq in list(self.waiting) + self.prefilling + self.running:
             if seq.seq_id == seq_id:
                 self._finish(seq, FinishReason.ABORT)
                 return seq
         return None
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilling)
 
     @property
     def num_waiting(self) -> int:
@@ -232,12 +274,15 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        return len(self.running) + len(self.prefilling)
 
     # ---- scheduling --------------------------------------------------------------------------
     def schedule(self) -> Optional[ScheduledBatch]:
         """A prefill batch if waiting sequences can start (and are not held back to be batched),
-        else a decode batch of the running ones; None when there is nothing to run."""
+        else a decode batch of the running ones; None when there is nothing to run. SplitFuse:
+        prefill chunks ride in decode steps instead (``_schedule_mixed``)."""
+        if self._mixing():
+            return self._schedule_mixed()
         batch = self._schedule_prefill()
         if batch is not None:
             return batch
@@ -249,6 +294,13 @@ class Scheduler:
         admitted = self._admissible()
         if not admitted or self._holds_prefill(len(admitted)):
             return None
+        seqs = self._take_admitted(admitted)
+        self.running.extend(seqs)
+        self.decode_steps_since_prefill = 0
+        return ScheduledBatch(seqs, is_prefill=True)
+
+    def _take_admitted(self, admitted: list[_Admission]) -> list[Sequence]:
+        """Shared, cached and new blocks for the admitted head of the queue; they leave it."""
         bm, bs = self.block_manager, self.block_manager.block_size
         # Every sequence takes its shared and cached blocks before any allocates new ones, so no
         # allocation evicts an idle cached block another admitted sequence is about to take.
@@ -272,17 +324,16 @@ class Scheduler:
             self.waiting.popleft()
             a.seq.status = SequenceStatus.RUNNING
             seqs.append(a.seq)
-        self.running.extend(seqs)
-        self.decode_steps_since_prefill = 0
-        return ScheduledBatch(seqs, is_prefill=True)
+        return seqs
 
-    def _admissible(self) -> list[_Admission]:
+    def _admissible(self, chunk_budget: Optional[int] = None) -> list[_Admission]:
         """The head of the queue that can start now, each with the parent blocks it will share
         or the cached blocks it will take (FCFS: the head blocks the rest, so a long prompt is
         never starved; a child whose parent's prefill has not run yet waits, and its parent is
-        ahead of it); nothing is allocated."""
+        ahead of it); nothing is allocated. ``chunk_budget`` (SplitFuse): as many as start
+        within that many prefill tokens this step, whatever their prompt lengths."""
         cfg, bm = self.config, self.block_manager
-        free_seats = min(cfg.max_prefill_batch_size, cfg.max_batch_size - len(self.running))
+        free_seats = min(cfg.max_prefill_batch_size, cfg.max_batch_size - self.num_running)
         free_blocks = bm.num_free_blocks
         admitted: list[_Admission] = []
         taken: set[int] = set()  # idle cached blocks this batch takes
@@ -298,11 +349,14 @@ class Scheduler:
             # Tails after a shared or cached prefix attend cached KV, which makes the whole
             # forward a non-prefill one; fresh prompts keep the prefill kernels by going in
             # another batch.
-            if admitted and bool(reused) != bool(admitted[0].reused):
+            if chunk_budget is None and admitted and bool(reused) != bool(admitted[0].reused):
                 break
             fed = seq.num_tokens - reused * bm.block_size
+            if chunk_budget is not None:
+                if tokens >= chunk_budget:
+                    break
             # A prompt longer than maxPrefillTokens still runs, alone.
-            if admitted and tokens + fed > cfg.max_prefill_tokens:
+            elif admitted and tokens + fed > cfg.max_prefill_tokens:
                 break
             revived = {b for b in cached if b not in taken and bm.num_idle_among([b])}
             need = bm.blocks_missing(seq, seq.num_tokens + cfg.num_lookahead_tokens) - reused + len(revived)
@@ -320,7 +374,7 @@ class Scheduler:
         position must be computed). Block keys include the lookahead tokens after a block
         (prefix_cache.py), which keeps the MTP entries of positions paired with generated tokens
         out, as ``_shareable_blocks`` does."""
-        if self.block_manager.prefix_cache is None or getattr(seq.sampling_params, "prompt_logprobs", None) is not None:
+        if self.block_manager.prefix_cache is None or _wants_prompt_logprobs(seq):
             return [], []
         keys, blocks = self.block_manager.cached_prefix(seq, seq.num_tokens - 1)
         return keys, blocks
@@ -357,11 +411,64 @@ class Scheduler:
         return (bool(self.running) and self.decode_steps_since_prefill < cfg.max_waiting_steps
                 and num_admissible < int(cfg.waiting_served_ratio * len(self.running)))
 
+    # ---- SplitFuse -------------------------------------------------------------------------------
+    def _mixing(self) -> bool:
+        cfg = self.config
+        return cfg.split_fuse and (bool(self.prefilling) or len(self.running) >= cfg.split_start_batch_size)
+
+    def _schedule_mixed(self) -> Optional[ScheduledBatch]:
+        """A decode step that also computes prefill chunks: every running sequence one row (no
+        drafts this step), then chunks of the sequences being prefilled and of newly admitted
+        ones, oldest first, within split_chunk_tokens rows. Without chunks to run: a decode step
+        as usual (with drafts)."""
+        if not self.prefilling and not self._admissible(self.config.split_chunk_tokens):
+            return self._schedule_decode()
+        decoding = self._grow_running(0)
+        budget = self._chunk_budget(len(decoding))
+        chunked = sum(c for _, c in self._plan_chunks(budget))
+        self.prefilling.extend(self._take_admitted(self._admissible(budget - chunked)))
+        plan = self._plan_chunks(budget)
+        self.decode_steps_since_prefill = 0
+        seqs = decoding + [seq for seq, _ in plan]
+        if not seqs:
+            return None
+        return ScheduledBatch(seqs, is_prefill=False, chunks=[0] * len(decoding) + [c for _, c in plan])
+
+    def _chunk_budget(self, num_decoding: int) -> int:
+        """Prefill rows this step: what the decode rows leave of split_chunk_tokens, and never so
+        few that a final chunk (lookahead + 1 rows) cannot run."""
+        return max(self.config.split_chunk_tokens - num_decoding, self.config.num_lookahead_tokens + 2)
+
+    def _plan_chunks(self, budget: int) -> list[tuple[Sequence, int]]:
+        """This step's chunk of each sequence being prefilled, oldest first, within ``budget``
+        rows. A sequence whose prompt logprobs are asked for is prefilled in one chunk (they are
+        scored from one forward's hidden states); when nothing else runs it goes over budget."""
+        plan, left = [], budget
+        for seq in self.prefilling:
+            whole = _wants_prompt_logprobs(seq)
+            chunk = chunk_tokens(seq.num_tokens - seq.num_cached_tokens, left, self.config.num_lookahead_tokens, whole)
+            if not chunk and whole and not plan:
+                chunk = seq.num_tokens - seq.num_cached_tokens
+            if chunk:
+                plan.append((seq, chunk))
+                left -= chunk
+        return plan
+
     def _schedule_decode(self) -> Optional[ScheduledBatch]:
         """Every running sequence needs its table to cover num_tokens + num_lookahead_tokens
         positions: the newest token (not yet cached) plus the drafts. When blocks run out the most
         recently arrived sequence is preempted (recompute), possibly the one being served."""
-        bm, lookahead = self.block_manager, self.config.num_lookahead_tokens
+        scheduled = self._grow_running(self.config.num_lookahead_tokens)
+        if not scheduled:
+            return None
+        self.decode_steps_since_prefill += 1
+        # A copy: finishing sequences leave self.running while the batch is still being read.
+        return ScheduledBatch(list(scheduled), is_prefill=False)
+
+    def _grow_running(self, lookahead: int) -> list[Sequence]:
+        """Every running sequence's table covering its tokens plus ``lookahead``, preempting the
+        newest arrivals when blocks run out; the sequences that stay, oldest first."""
+        bm = self.block_manager
         # Oldest first, so the victims (popped from the end) are the newest arrivals, and a
         # re-admitted old sequence is not the first to go again.
         queue = self._by_arrival()
@@ -377,11 +484,7 @@ class Scheduler:
                 bm.append_slots(seq, lookahead)
                 scheduled.append(seq)
         self.running = scheduled
-        if not scheduled:
-            return None
-        self.decode_steps_since_prefill += 1
-        # A copy: finishing sequences leave self.running while the batch is still being read.
-        return ScheduledBatch(list(scheduled), is_prefill=False)
+        return scheduled
 
     def schedule_ahead(self, pending: dict[int, int]) -> Optional[ScheduledBatch]:
         """Async scheduling: the next batch while a step is still running. ``pending`` maps each
@@ -389,7 +492,10 @@ class Scheduler:
         as usual (it does not depend on the running step); a decode batch only when every running
         sequence can grow its table by its pending tokens plus the drafts without preempting
         anyone. Sequences that will surely finish in the running step (max_tokens) are left
-        out. None means: wait for the running step, then schedule as usual."""
+        out. None means: wait for the running step, then schedule as usual (always, while
+        SplitFuse has prompts to chunk: a mixed step is built after the step before it)."""
+        if self.config.split_fuse and (self.prefilling or self.waiting):
+            return None
         batch = self._schedule_prefill()
         if batch is not None:
             return batch
@@ -421,16 +527,28 @@ class Scheduler:
         if len(new_tokens) != len(batch.seqs):
             raise EngineError(f"{len(new_tokens)} token lists for a batch of {len(batch.seqs)} sequences")
         updates = []
-        for seq, tokens in zip(batch.seqs, new_tokens):
+        for b, (seq, tokens) in enumerate(zip(batch.seqs, new_tokens)):
             if seq.is_finished:  # aborted between schedule() and now: its tokens are dropped
                 updates.append(SeqUpdate(seq, [], True))
                 continue
-            if batch.is_prefill and len(tokens) > 1:
+            chunk = batch.chunks[b] if batch.is_mixed else 0
+            prefill_done = batch.completes_prefill(b)
+            if (batch.is_prefill or chunk) and len(tokens) > 1:
                 # Only the last token is cached next step: more than one here would leave a hole.
                 raise EngineError(f"sequence {seq.seq_id}: a prefill step yields one token, got {len(tokens)}")
+            if chunk and not prefill_done:  # a chunk before the last: its KV, no token
+                if tokens:
+                    raise EngineError(f"sequence {seq.seq_id}: a prefill chunk before the last yields no token")
+                seq.num_cached_tokens += chunk
+                self._publish(seq)
+                updates.append(SeqUpdate(seq, [], False))
+                continue
+            if chunk:  # its last chunk: it decodes from now on
+                self.prefilling.remove(seq)
+                self.running.append(seq)
             # KV now covers every token fed this step that was accepted (the last token and the
             # accepted drafts); the newest token is fed, and cached, next step.
-            seq.num_cached_tokens = seq.num_tokens if batch.is_prefill else seq.num_cached_tokens + len(tokens)
+            seq.num_cached_tokens = seq.num_tokens if prefill_done else seq.num_cached_tokens + len(tokens)
             if seq.max_tokens == 0:  # scored the prompt only: the prefill's token is dropped
                 self._publish(seq)
                 self._finish(seq, FinishReason.LENGTH)
@@ -461,6 +579,8 @@ class Scheduler:
         seq.finish_reason = reason
         if seq in self.running:
             self.running.remove(seq)
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)

@@ -130,10 +130,14 @@ class ModelWrapper:
             module_idx, inputs.input_ids, hidden_states, inputs.positions, self.caches, inputs.meta, inputs.lm_head_indices
         )
 
-    def forward_prefill_mtp(self, inputs: DeviceInputs, mtp_modules: list[int]):
+    def forward_prefill_mtp(self, inputs: DeviceInputs, mtp_modules: list[int],
+                            next_tokens: Optional[torch.Tensor] = None):
+        """``next_tokens`` [B, len(mtp_modules)]: the tokens after each sequence's last fed one
+        where known (-1: the module's draft stands in)."""
         self._prepare(inputs)
         return self.model.forward_prefill_mtp(
-            inputs.input_ids, inputs.positions, inputs.meta, inputs.lm_head_indices, mtp_modules, self.caches
+            inputs.input_ids, inputs.positions, inputs.meta, inputs.lm_head_indices, mtp_modules, self.caches,
+            next_tokens,
         )
 
     def forward_speculative(

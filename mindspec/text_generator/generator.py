@@ -65,23 +65,30 @@ class Generator:
         q_lens: Optional[np.ndarray] = None,
         hidden_states: Optional[torch.Tensor] = None,
         mtp_modules: Optional[list[int]] = None,
+        mtp_next_tokens: Optional[np.ndarray] = None,
     ) -> GeneratorOutput:
-        """Plain forward; with ``mtp_modules`` a prefill that also fills the MTP caches; with
+        """Plain forward; with ``mtp_modules`` a prefill that also fills the MTP caches
+        (``mtp_next_tokens`` [B, modules]: prompt tokens after a prefill chunk, -1 unknown); with
         ``sub_model_inputs`` (one per draft step) an MTP decode: draft, then verify in one call.
         ``q_lens`` are the per-sequence row counts (the dp split reads them from the inputs)."""
         if self.dp_size == 1:
             lm_head_local_dp = None if sub_model_inputs is None else sub_model_inputs[0].lm_head_indices
-            return self._run(model_inputs, sub_model_inputs, hidden_states, mtp_modules, lm_head_local_dp)
+            return self._run(model_inputs, sub_model_inputs, hidden_states, mtp_modules, lm_head_local_dp,
+                             next_tokens=mtp_next_tokens)
+        if mtp_next_tokens is not None:
+            raise ValueError("prefill chunks (SplitFuse) are not split over dp ranks")
         return self._forward_dp(model_inputs, sub_model_inputs, hidden_states, mtp_modules)
 
     # ---- one rank's forward ------------------------------------------------------------------
-    def _run(self, inputs, subs, hidden_states, mtp_modules, lm_head_local_dp, lm_rows_only=None) -> GeneratorOutput:
+    def _run(self, inputs, subs, hidden_states, mtp_modules, lm_head_local_dp, lm_rows_only=None,
+             next_tokens: Optional[np.ndarray] = None) -> GeneratorOutput:
         w = self.model_wrapper
         if subs is not None:
             out = w.forward_speculative_host(inputs, subs, mtp_modules, hidden_states.to(self.device), lm_head_local_dp,
                                              lm_rows_only)
         elif mtp_modules:
-            out = w.forward_prefill_mtp(to_device(inputs, self.device), mtp_modules)
+            nxt = None if next_tokens is None else torch.from_numpy(next_tokens).to(self.device)
+            out = w.forward_prefill_mtp(to_device(inputs, self.device), mtp_modules, nxt)
         else:
             out = w.forward_host(inputs)
         return GeneratorOutput(logits=out.logits, hidden_states=out.hidden_states, draft_tokens=out.draft_tokens)

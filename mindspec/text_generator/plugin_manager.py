@@ -61,7 +61,7 @@ class PluginManager:
     def execute(self, batch: StepBatch, inputs: StepInputs) -> StepOutputs:
         """Device: forward, sample, verify; then the plugins' caches for the next step."""
         outputs = self.forward(batch, inputs)
-        if batch.is_prefill and any(prompt_logprobs.wanted(s) for s in batch.seqs):
+        if (batch.is_prefill or batch.is_mixed) and any(prompt_logprobs.wanted(s) for s in batch.seqs):
             outputs.prompt_logprobs = prompt_logprobs.compute(
                 batch.seqs, inputs.model_inputs, outputs.hidden_states, self.generator.model_wrapper.lm_head_logits
             )
@@ -71,6 +71,9 @@ class PluginManager:
         # Without a drafter every sequence has one row and keeps its sampled token.
         outputs.accepted = [[int(t)] for t in outputs.sampled[: len(batch)]]
         outputs.accepted_rows = [[i] for i in range(len(batch))]
+        if batch.is_mixed:  # a chunk before a prompt's last yields no token
+            for b in np.flatnonzero(batch.chunk_rows() & ~batch.prefill_ends()):
+                outputs.accepted[b], outputs.accepted_rows[b] = [], []
         for plugin in self.plugins:
             outputs = plugin.plugin_verify(batch, inputs, outputs)
         for plugin in self.plugins:
@@ -125,9 +128,12 @@ class PluginManager:
     # ---- stages --------------------------------------------------------------------------------
     def compose_model_inputs(self, batch: StepBatch) -> StepInputs:
         """Prefill feeds every uncached token (the prompt, or prompt + output after a preemption);
-        decode feeds the last token. Logits are taken at each sequence's last token."""
+        decode feeds the last token; a mixed step both, a chunk at a time. Logits are taken at
+        each sequence's last fed token."""
         seqs = batch.seqs
         tokens = [s.token_ids[s.num_cached_tokens :] for s in seqs]
+        if batch.is_mixed:  # a chunk: the next ``chunk`` uncached tokens; a decode row: the last
+            tokens = [t[:c] if c else t for t, c in zip(tokens, batch.chunks)]
         model_inputs = build_model_inputs(
             tokens, [s.num_cached_tokens for s in seqs], [s.block_table for s in seqs], batch.block_size
         )

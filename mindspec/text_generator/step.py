@@ -26,6 +26,22 @@ class StepBatch:
     seqs: list[Sequence]
     is_prefill: bool
     block_size: int
+    # SplitFuse (a mixed step): per sequence the prompt tokens it computes, 0 for one decode row
+    chunks: Optional[list[int]] = None
+
+    @property
+    def is_mixed(self) -> bool:
+        return self.chunks is not None
+
+    def chunk_rows(self) -> np.ndarray:
+        """[B] bool: the sequences of a mixed step that compute a prefill chunk."""
+        return np.asarray(self.chunks, dtype=np.int64) > 0
+
+    def prefill_ends(self) -> np.ndarray:
+        """[B] bool: the chunks that end their sequence's prefill (they yield a token)."""
+        chunks = np.asarray(self.chunks, dtype=np.int64)
+        done = np.array([s.num_cached_tokens for s in self.seqs], dtype=np.int64) + chunks
+        return (chunks > 0) & (done >= np.array([s.num_tokens for s in self.seqs], dtype=np.int64))
 
     @property
     def seq_ids(self) -> list[int]:

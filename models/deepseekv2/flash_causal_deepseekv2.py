@@ -240,20 +240,33 @@ class FlashCausalDeepseekV2:
         lm_head_indices: torch.Tensor,  # [B] last token of each prompt
         mtp_modules: list[int],  # vanilla: 0..K-1, eagle: [0]
         caches: list[LatentCache],
+        next_tokens: Optional[torch.Tensor] = None,  # [B, len(mtp_modules)] known next tokens, -1: unknown
     ) -> ModelOutput:
         """Prefill the main model, then the MTP module(s) over the prompt shifted by one plus the
         new (greedy) token, so every MTP cache holds the prompt; the drafts are dropped (seed 000):
         the first decode step rewrites the entry of the new token with the token actually sampled.
         So the last module's output is never used: it only writes its cache (no attention output,
-        no MLP over the prompt; eagle's one module costs a projection per prompt token)."""
+        no MLP over the prompt; eagle's one module costs a projection per prompt token).
+        ``next_tokens``: a prefill chunk that ends before its prompt does shifts in the prompt's
+        next tokens instead of drafts (stage m takes column m)."""
         out = self.forward(input_ids, positions, caches, meta, lm_head_indices)
-        ids, hidden = _shift_in(input_ids, out.logits.argmax(dim=-1), lm_head_indices), out.hidden_states
+        ids = _shift_in(input_ids, _known_or(next_tokens, 0, out.logits.argmax(dim=-1)), lm_head_indices)
+        hidden = out.hidden_states
         *feeding, last = mtp_modules
-        for m in feeding:  # vanilla: module m's output and draft feed module m + 1
+        for stage, m in enumerate(feeding, start=1):  # vanilla: module m's output and draft feed module m + 1
             step = self.forward_mtp(m, ids, hidden, positions, caches, meta, lm_head_indices)
-            ids, hidden = _shift_in(ids, step.logits.argmax(dim=-1), lm_head_indices), step.hidden_states
+            new = _known_or(next_tokens, stage, step.logits.argmax(dim=-1))
+            ids, hidden = _shift_in(ids, new, lm_head_indices), step.hidden_states
         self.mtp_modules[last].write_cache(ids, hidden, positions, caches[self.cfg.num_hidden_layers + last], meta)
         return out
+
+
+def _known_or(next_tokens: Optional[torch.Tensor], stage: int, drafts: torch.Tensor) -> torch.Tensor:
+    """[B] column ``stage`` of next_tokens where it holds a token, else the draft."""
+    if next_tokens is None:
+        return drafts
+    known = next_tokens[:, stage]
+    return torch.where(known >= 0, known, drafts)
 
 
 def _shift_in(ids: torch.Tensor, new: torch.Tensor, lm_head_indices: torch.Tensor) -> torch.Tensor:

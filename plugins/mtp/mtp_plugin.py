@@ -121,6 +121,8 @@ class MtpPlugin(Plugin):
         if batch.is_prefill:
             inputs.extra["mtp_modules"] = self.modules[: self._prefill_modules(batch)]
             return inputs
+        if batch.is_mixed:
+            return self._mixed_inputs(batch, inputs)
         kinds = _kinds(batch)
         counts = np.asarray(self.adaptive.draft_counts([s.seq_id for s in batch.seqs], kinds), dtype=np.int64)
         behind = np.array([self.states[s.seq_id].lag[0] >= CATCH_UP for s in batch.seqs])
@@ -140,6 +142,24 @@ class MtpPlugin(Plugin):
             return self._suffix_inputs(batch, inputs, counts, host_drafts)
         inputs = self._speculative_inputs(batch, inputs, self._window(batch.seqs, k), k, counts, host_drafts)
         inputs.hidden_states = self._gather_hidden(batch.seqs, inputs.extra["mtp_layout"])
+        return inputs
+
+    def _mixed_inputs(self, batch: StepBatch, inputs: StepInputs) -> StepInputs:
+        """SplitFuse: a plain forward over decode rows and prefill chunks, then every MTP module
+        over all rows, as a prefill does. A chunk's last entries pair its last positions with
+        the prompt tokens after it (``mtp_next_tokens``); where those are not known yet (a final
+        chunk, a decode row) the module's own draft stands in, and the first decode after it
+        writes the entry again (lag). Decode rows draft nothing this step."""
+        modules = self.modules[: self.cache_modules] if self.mode == "vanilla" else self.modules[:1]
+        inputs.extra["mtp_k"] = 0
+        inputs.extra["mtp_modules"] = modules
+        nxt = np.full((len(batch), len(modules)), -1, dtype=np.int64)
+        for b, (seq, chunk) in enumerate(zip(batch.seqs, batch.chunks)):
+            if chunk:
+                end = seq.num_cached_tokens + chunk
+                known = seq.token_ids[end : end + len(modules)]
+                nxt[b, : len(known)] = known
+        inputs.extra["mtp_next_tokens"] = nxt
         return inputs
 
     def prepare_masks_for_filling(self, batch: StepBatch, inputs: StepInputs, pending: np.ndarray) -> StepInputs:
@@ -226,7 +246,8 @@ class MtpPlugin(Plugin):
 
     def forward(self, batch: StepBatch, inputs: StepInputs, generator):
         if not self._speculating(batch, inputs):
-            return generator.forward(inputs.model_inputs, mtp_modules=inputs.extra.get("mtp_modules"))
+            return generator.forward(inputs.model_inputs, mtp_modules=inputs.extra.get("mtp_modules"),
+                                     mtp_next_tokens=inputs.extra.get("mtp_next_tokens"))
         return generator.forward(
             inputs.model_inputs,
             sub_model_inputs=inputs.sub_model_inputs,
@@ -261,6 +282,9 @@ class MtpPlugin(Plugin):
         if batch.is_prefill:
             self._prefilled(batch, inputs, hidden)
             return
+        if batch.is_mixed:
+            self._mixed_done(batch, inputs, outputs)
+            return
         k = self._drafts(batch, inputs)
         speculated, verified = k > 0, self._verifying(batch, inputs)
         used = self._modules_used(k)
@@ -272,12 +296,9 @@ class MtpPlugin(Plugin):
                            np.array([st.hidden_end for st in states], dtype=np.int64), counts,
                            hidden, np.cumsum(rows) - rows)
         for b, (state, count) in enumerate(zip(states, counts.tolist())):
-            if (state.lag[used:] + count > CATCH_UP).any():  # the oldest missed entries are given up
-                state.complete_until = min(state.complete_until, state.hidden_end - 1 - int(state.lag.max()))
-            state.hidden_end += count
             # The modules this step ran wrote the entries of the tokens before it; the others did not.
-            state.lag[:used] = count
-            np.minimum(state.lag[used:] + count, CATCH_UP, out=state.lag[used:])  # module 0: <= CATCH_UP anyway
+            self._lag_behind(state, count, used)
+            state.hidden_end += count
             if self.params.think_start_token_id is not None:
                 state.in_think = bool(policy.update_think_state(
                     np.array([state.in_think]), [outputs.accepted[b]],
@@ -313,6 +334,47 @@ class MtpPlugin(Plugin):
                 complete_until=seq.num_cached_tokens if gave_up else float("inf"),
             )
         self.history.write(slots, ends - keeps, keeps, hidden, np.cumsum(q_lens) - keeps)  # each prompt's last rows
+
+    def _mixed_done(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs) -> None:
+        """After a SplitFuse step: a decode row is a plain step for its sequence (every module's
+        lag grows by its token); a chunk starts or extends its sequence's state. The step is not
+        timed for adaptive speculation (its time is mostly the chunks')."""
+        q_lens = inputs.model_inputs.q_lens.astype(np.int64)
+        first_rows = np.cumsum(q_lens) - q_lens
+        ends = batch.prefill_ends()
+        slots, starts, keeps = [], [], []
+        for b, (seq, chunk) in enumerate(zip(batch.seqs, batch.chunks)):
+            state = self.states.get(seq.seq_id)
+            if not chunk:
+                slots.append(state.slot)
+                starts.append(state.hidden_end)
+                keeps.append(1)
+                self._lag_behind(state, 1, used=0)
+                state.hidden_end += 1
+                continue
+            if state is None:  # its first chunk (after any cached or shared prefix)
+                state = self.states[seq.seq_id] = MtpSeqState(
+                    slot=self.history.add(seq.seq_id, outputs.hidden_states), hidden_end=seq.num_cached_tokens,
+                    lag=self._fresh_lag(), in_think=False, hidden_from=seq.num_cached_tokens)
+            keep = min(chunk, self.keep_hidden)
+            slots.append(state.slot)
+            starts.append(seq.num_cached_tokens + chunk - keep)
+            keeps.append(keep)
+            first_rows[b] += chunk - keep
+            state.hidden_end = seq.num_cached_tokens + chunk
+            # every module ran over the chunk: entries are missing only where a draft stood in
+            state.lag = self._fresh_lag() if ends[b] else np.zeros(self.cache_modules, dtype=np.int64)
+            if ends[b]:
+                state.in_think = self._prompt_in_think(seq.token_ids)
+        self.history.write(np.array(slots, dtype=np.int64), np.array(starts, dtype=np.int64),
+                           np.array(keeps, dtype=np.int64), outputs.hidden_states, first_rows)
+
+    def _lag_behind(self, state: MtpSeqState, count: int, used: int) -> None:
+        """The modules from ``used`` on wrote none of the ``count`` new tokens' entries."""
+        if (state.lag[used:] + count > CATCH_UP).any():  # the oldest missed entries are given up
+            state.complete_until = min(state.complete_until, state.hidden_end - 1 - int(state.lag.max()))
+        state.lag[:used] = count
+        np.minimum(state.lag[used:] + count, CATCH_UP, out=state.lag[used:])  # module 0: <= CATCH_UP anyway
 
     def adopt_prefilled(self, seq, hidden_size: int, dtype: torch.dtype, device) -> None:
         """A sequence prefilled on another node (PD disaggregation): its KV arrived, its hidden

@@ -53,7 +53,7 @@ class SuffixPlugin(Plugin):
 
     # ---- hooks ---------------------------------------------------------------------------------
     def model_inputs_update(self, batch: StepBatch, inputs: StepInputs) -> StepInputs:
-        if batch.is_prefill:
+        if batch.is_prefill or batch.is_mixed:  # a SplitFuse step drafts nothing
             return inputs
         drafts = [self.drafts.draft(seq) for seq in batch.seqs]
         if not any(drafts):
@@ -69,7 +69,7 @@ class SuffixPlugin(Plugin):
                              accepted: list[list[int]]) -> None:
         """The views hold the real tokens now: draft, and lay the step out from them (rows and
         positions, whatever the previous step accepted)."""
-        if batch.is_prefill:
+        if batch.is_prefill or batch.is_mixed:
             return
         self._verify_inputs(batch, inputs, [self.drafts.draft(seq) for seq in batch.seqs])
 

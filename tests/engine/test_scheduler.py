@@ -634,7 +634,7 @@ def test_add_prefilled_skips_prefill_and_decodes_next():
     s.postprocess(batch, [[1, 2]], never_stop)
     assert seq.num_cached_tokens == 8 and seq.output_token_ids == [42, 1, 2]
     big = Sequence(seq_id=1, prompt_token_ids=[1] * 28, max_tokens=5, output_token_ids=[3])
-    with pytest.raises(RequestRejected, match="needs 8 KV blocks, 5 free"):
+    with pytest.raises(RequestRejected, match="needs 8 more KV blocks, 5 free"):
         s.add_prefilled(big)
     assert s.num_waiting == 0 and s.running == [seq] and big.block_table == []
 
@@ -658,7 +658,7 @@ def test_add_prefilled_refuses_without_side_effects():
     a = Sequence(seq_id=0, prompt_token_ids=[1] * 7, max_tokens=5, output_token_ids=[7])
     s.add_prefilled(a)  # 2 of 3 blocks
     big = Sequence(seq_id=1, prompt_token_ids=[1] * 7, max_tokens=5, output_token_ids=[7])
-    with pytest.raises(CapacityExceeded, match="needs 2 KV blocks, 1 free"):
+    with pytest.raises(CapacityExceeded, match="needs 2 more KV blocks, 1 free"):
         s.add_prefilled(big)
     assert big.block_table == [] and s.num_running == 1 and s.block_manager.num_free_blocks == 1
     small = Sequence(seq_id=2, prompt_token_ids=[1] * 3, max_tokens=5, output_token_ids=[7])
