@@ -10,6 +10,7 @@
     mindspec bench --compare llama.cpp --llama-cpp-src DIR   # also llama.cpp, same model and prompts (parallel sequences)
     mindspec bench --model-shape deepseek-v2-lite ...        # random weights of that shape, simulated acceptance
     mindspec bench --scenario prefix-cache --out ...         # shared-prefix workloads, prefix caching on and off
+    mindspec bench --scenario split-fuse --out ...           # a long prompt arriving while streams decode
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from mindspec.bench import llama_cpp, model_shapes, prefix_cache, profile, speed, workloads
+from mindspec.bench import llama_cpp, model_shapes, prefix_cache, profile, speed, split_fuse, workloads
 from mindspec.bench.llama_cpp import LlamaCppError
 from mindspec.backends.cpu.backend import default_cpu_threads
 from mindspec.modeling.step_accounting import account_decode_steps
@@ -35,14 +36,16 @@ SHIPPED_ACCEPTANCE = (0.88, 0.77, 0.71)
 BACKENDS = ("cpu", "cuda")
 
 
-SCENARIOS = ("speed", "prefix-cache")
+SCENARIOS = ("speed", "prefix-cache", "split-fuse")
 PREFIX_CONFIGS = {"mtp off": None, "vanilla K=3": {"plugin_type": "mtp", "num_speculative_tokens": 3}}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", default="speed", choices=SCENARIOS,
                    help="speed: decoding speed per configuration and batch size; prefix-cache: multi-turn chat "
-                        "and few-shot prompts with prefix caching on and off (mindspec.bench.prefix_cache)")
+                        "and few-shot prompts with prefix caching on and off (mindspec.bench.prefix_cache); "
+                        "split-fuse: a long prompt arriving while streams decode, SplitFuse on and off "
+                        "(mindspec.bench.split_fuse)")
     g = p.add_argument_group("--scenario prefix-cache")
     g.add_argument("--conversations", type=int, default=8)
     g.add_argument("--turns", type=int, default=4)
@@ -51,6 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shots", type=int, default=6)
     g.add_argument("--shot-tokens", type=int, default=150)
     g.add_argument("--queries", type=int, default=16)
+    g = p.add_argument_group("--scenario split-fuse (also --prompt-tokens: each stream's prompt)")
+    g.add_argument("--streams", type=int, default=8)
+    g.add_argument("--stream-tokens", type=int, default=160, help="tokens each stream decodes")
+    g.add_argument("--arrive-after", type=int, default=16, help="stream tokens before the long prompt arrives")
+    g.add_argument("--long-prompt-tokens", type=int, default=4000)
+    g.add_argument("--chunk-tokens", default="64,256", help="splitChunkTokens values to compare")
     p.add_argument("--backend", default="cpu", choices=BACKENDS,
                    help="cpu (this benchmark) | cuda (the cuda backend's benchmarks; with --compare, this one)")
     p.add_argument("--compare", nargs="?", const="gpu", default=None, choices=["gpu", "llama.cpp"],
@@ -101,6 +110,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated configuration names to run (default: all), e.g. 'mtp off,vanilla K=3'")
     p.add_argument("--async", dest="asynchronous", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure async scheduling (MTP off and K=3)")
+    p.add_argument("--split-fuse", action=argparse.BooleanOptionalAction, default=False,
+                   help="also measure SplitFuse (MTP off and K=3 adaptive with prompts chunked into decode steps)")
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure transformers generate on the same checkpoint")
     p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
@@ -110,19 +121,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_prefix_cache(args: argparse.Namespace) -> int:
     from mindspec.llm import LLM
 
-    model_dir = args.model or str(_default_model())
-    args.threads = args.threads or default_cpu_threads(hidden_size=json.loads(
-        (Path(model_dir) / "config.json").read_text()).get("hidden_size"))
-    torch.set_num_threads(args.threads)
-    args.prefix_configs = PREFIX_CONFIGS
-    if args.configs:
-        wanted = [n.strip() for n in args.configs.split(",") if n.strip()]
-        unknown = [n for n in wanted if n not in PREFIX_CONFIGS]
-        if unknown:
-            print(f"mindspec bench: unknown configuration(s) {', '.join(map(repr, unknown))}; choose from "
-                  f"{', '.join(PREFIX_CONFIGS)}; nothing was measured", file=sys.stderr)
-            return 2
-        args.prefix_configs = {n: PREFIX_CONFIGS[n] for n in wanted}
+    model_dir, configs = _scenario_setup(args, PREFIX_CONFIGS)
+    if configs is None:
+        return 2
+    args.prefix_configs = configs
     longest = args.system_tokens + args.turns * (args.message_tokens + args.new_tokens) + 16
     num_blocks = args.conversations * 2 * -(-longest // 16) + 8
 
@@ -134,17 +136,60 @@ def run_prefix_cache(args: argparse.Namespace) -> int:
 
     tokenizer = make_llm(None, False).tokenizer.hf_tokenizer
     report = prefix_cache.run(args, make_llm, tokenizer)
+    report["workloads"] = {"chat": {"conversations": args.conversations, "turns": args.turns,
+                                    "system_tokens": args.system_tokens, "message_tokens": args.message_tokens},
+                           "few-shot": {"shots": args.shots, "shot_tokens": args.shot_tokens,
+                                        "queries": args.queries, "query_tokens": args.message_tokens}}
+    return _write_scenario(report, args, model_dir, prefix_cache.plot)
+
+
+def run_split_fuse(args: argparse.Namespace) -> int:
+    from mindspec.llm import LLM
+
+    model_dir, configs = _scenario_setup(args, PREFIX_CONFIGS)
+    if configs is None:
+        return 2
+    args.split_configs = configs
+    longest = args.long_prompt_tokens + 64
+    num_blocks = (args.streams * -(-(args.prompt_tokens + args.stream_tokens + 16) // 16) + -(-longest // 16)) * 2 + 8
+
+    def make_llm(plugin_params, chunk_tokens):
+        return LLM(model=model_dir, backend=args.backend, dtype=args.dtype, cache_block_size=16, num_blocks=num_blocks,
+                   progress=False, cpu_threads=args.threads, plugin_params=plugin_params,
+                   split_fuse=chunk_tokens is not None, split_chunk_tokens=chunk_tokens or 512,
+                   max_input_token_len=longest, max_seq_len=longest + 64, max_prefill_tokens=max(8192, longest))
+
+    tokenizer = make_llm(None, None).tokenizer.hf_tokenizer
+    report = split_fuse.run(args, make_llm, tokenizer)
+    return _write_scenario(report, args, model_dir, split_fuse.plot)
+
+
+def _scenario_setup(args: argparse.Namespace, table: dict) -> tuple[str, Optional[dict]]:
+    """The checkpoint (threads set for it) and the configurations of ``table`` --configs names
+    (None after printing the error when one is unknown)."""
+    model_dir = args.model or str(_default_model())
+    args.threads = args.threads or default_cpu_threads(hidden_size=json.loads(
+        (Path(model_dir) / "config.json").read_text()).get("hidden_size"))
+    torch.set_num_threads(args.threads)
+    if not args.configs:
+        return model_dir, dict(table)
+    wanted = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in table]
+    if unknown:
+        print(f"mindspec bench: unknown configuration(s) {', '.join(map(repr, unknown))}; choose from "
+              f"{', '.join(table)}; nothing was measured", file=sys.stderr)
+        return model_dir, None
+    return model_dir, {n: table[n] for n in wanted}
+
+
+def _write_scenario(report: dict, args: argparse.Namespace, model_dir: str, plot) -> int:
     report.update({"model": model_dir, "backend": args.backend, "threads": args.threads, "dtype": args.dtype,
                    "device": platform.processor() or platform.machine(),
-                   "workloads": {"chat": {"conversations": args.conversations, "turns": args.turns,
-                                          "system_tokens": args.system_tokens, "message_tokens": args.message_tokens},
-                                 "few-shot": {"shots": args.shots, "shot_tokens": args.shot_tokens,
-                                              "queries": args.queries, "query_tokens": args.message_tokens}},
                    "command": getattr(args, "command_line", "mindspec bench")})
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     _write_json(report, out)
-    prefix_cache.plot(report, out.with_suffix(".png"))
+    plot(report, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     return 0
 
@@ -152,6 +197,8 @@ def run_prefix_cache(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.scenario == "prefix-cache":
         return run_prefix_cache(args)
+    if args.scenario == "split-fuse":
+        return run_split_fuse(args)
     on_gpu = args.backend == "cuda"
     if on_gpu and not torch.cuda.is_available():
         print("mindspec bench: --backend cuda --compare needs a CUDA GPU and none is visible; nothing was measured",
@@ -167,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
         configs = speed.default_configs(ks, hf_config.get("num_nextn_predict_layers", 0),
                                         hf_config.get("bos_token_id", 0), hf_config.get("eos_token_id", 1),
-                                        args.compile, args.asynchronous)
+                                        args.compile, args.asynchronous, args.split_fuse)
         if shape:
             configs = speed.simulated(configs, shape["simulated_acceptance"])
         if args.configs:
@@ -195,7 +242,8 @@ def run(args: argparse.Namespace) -> int:
         "prompt_tokens": args.prompt_tokens, "dtype": args.dtype, "greedy": True,
         "prompts_per_batch": {f"batch {b}": speed.prompt_count(b, args.min_prompts, args.batching) for b in batches},
         "configs": {c.name: {"plugin_params": c.plugin_params, "decode_graphs": c.decode_graphs,
-                               "async_scheduling": c.async_scheduling, "lossless_policy": c.lossless}
+                               "async_scheduling": c.async_scheduling, "split_fuse": c.split_fuse,
+                               "lossless_policy": c.lossless}
                     for c in configs},
         "results": {},
         "command": getattr(args, "command_line", "mindspec bench"),
@@ -280,7 +328,7 @@ def _llm(model_dir: str, config: "speed.Config", num_blocks: int, max_batch: int
                cpu_threads=torch.get_num_threads(),
                plugin_params=config.plugin_params, decode_graphs=config.decode_graphs,
                async_scheduling=config.async_scheduling, max_batch_size=limit,
-               max_prefill_batch_size=64)
+               max_prefill_batch_size=64, split_fuse=config.split_fuse)
 
 
 def _gguf(args: argparse.Namespace, model_dir: str) -> Path:

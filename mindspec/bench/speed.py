@@ -58,6 +58,7 @@ class Config:
     decode_graphs: Optional[bool] = None
     async_scheduling: bool = False  # host post-processing overlaps the next step
     lossless: bool = True  # relaxed acceptance trades exactness for speed
+    split_fuse: bool = False  # prompts prefilled in chunks inside decode steps
 
     @property
     def speculative(self) -> bool:
@@ -73,10 +74,11 @@ def mtp(k: int, mode: str, adaptive: bool = False, **extra) -> dict:
 
 
 def default_configs(ks: list[int], mtp_modules: int, bos: int, eos: int, compiled: bool,
-                    asynchronous: bool = True) -> list[Config]:
+                    asynchronous: bool = True, split_fuse: bool = False) -> list[Config]:
     """MTP off; vanilla (K up to the checkpoint's modules) and eagle at fixed K; K=3 adaptive (both modes);
     relaxed acceptance; with ``asynchronous``, async scheduling of MTP off and K=3; with
-    ``compiled``, the compiled decode step for the main ones."""
+    ``compiled``, the compiled decode step for the main ones; with ``split_fuse``, SplitFuse for
+    MTP off and K=3 adaptive (both modes)."""
     out = [Config("mtp off")]
     for k in [k for k in ks if k <= mtp_modules]:
         out.append(Config(f"vanilla K={k}", mtp(k, "vanilla")))
@@ -96,6 +98,10 @@ def default_configs(ks: list[int], mtp_modules: int, bos: int, eos: int, compile
     if asynchronous:
         out += [Config("mtp off +async", async_scheduling=True),
                 Config(f"{best} K=3 +async", mtp(3, best), async_scheduling=True)]
+    if split_fuse:
+        out += [Config("mtp off +splitfuse", split_fuse=True)]
+        out += [Config(f"{mode} K=3 adaptive +splitfuse", mtp(3, mode, adaptive=True), split_fuse=True)
+                for mode in dict.fromkeys([best, "eagle"])]
     if compiled:
         out += [Config("mtp off +compile", decode_graphs=True),
                 Config(f"{best} K=3 +compile", mtp(3, best), decode_graphs=True),
