@@ -232,6 +232,9 @@ def build_engine(args: EngineArgs, parallel: Optional[ParallelConfig] = None, pr
         return LLMEngine(args)
     if args.scheduler.async_scheduling:
         raise _config_error(f"BackendConfig.ScheduleConfig.asyncScheduling: not available with dp > 1 (dp={parallel.dp})")
+    if args.scheduler.split_fuse or parse_plugin_params(args.plugin_params).splitfuse:
+        raise _config_error(f"BackendConfig.ScheduleConfig.enableSplit (SplitFuse, or plugin_type splitfuse): not "
+                            f"available with dp > 1 (dp={parallel.dp})")
     engine = start_local(args, parallel, prefix)
     atexit.register(engine.close)  # followers stop cleanly even if the caller forgets close()
     return engine

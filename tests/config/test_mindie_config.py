@@ -110,6 +110,35 @@ def test_prefill_batching_keys_reach_the_scheduler():
     assert (sched.waiting_served_ratio, sched.max_waiting_steps) == (0.0, 5)
 
 
+def test_split_fuse_keys_reach_the_scheduler():
+    from mindspec.engine.args import EngineArgs
+
+    d = _sample()
+    assert not EngineArgs.from_mindie_config(parse_config(d)).scheduler.split_fuse
+    d["BackendConfig"]["ScheduleConfig"].update(templateType="Mix", enableSplit=True, splitChunkTokens=256,
+                                                splitStartType=True, splitStartBatchSize=4)
+    sched = EngineArgs.from_mindie_config(parse_config(d)).scheduler
+    assert (sched.split_fuse, sched.split_chunk_tokens, sched.split_start_batch_size) == (True, 256, 4)
+    d["BackendConfig"]["ScheduleConfig"]["splitStartType"] = False  # mixing from the first step
+    assert EngineArgs.from_mindie_config(parse_config(d)).scheduler.split_start_batch_size == 0
+    d["BackendConfig"]["ScheduleConfig"]["templateType"] = "Standard"
+    with pytest.raises(ConfigError, match=re.escape('ScheduleConfig.enableSplit: SplitFuse needs templateType "Mix"')):
+        parse_config(d)
+    d["BackendConfig"]["ScheduleConfig"].update(templateType="Mix", splitChunkTokens=0)
+    with pytest.raises(ConfigError, match="splitChunkTokens"):
+        parse_config(d)
+
+
+def test_engine_features_in_plugin_type():
+    from mindspec.config.plugin_params import parse_plugin_params
+
+    p = parse_plugin_params({"plugin_type": "mtp, prefix_cache,splitfuse", "num_speculative_tokens": 2})
+    assert p.plugin_types == ("mtp",) and p.prefix_cache and p.splitfuse
+    assert parse_plugin_params(p.as_dict(x=1)) == parse_plugin_params({**p.as_dict(), "x": 1})
+    alone = parse_plugin_params('{"plugin_type": "prefix_cache"}')
+    assert alone.plugin_types == () and alone.prefix_cache and not alone.splitfuse
+
+
 def test_cpu_threads_reach_the_engine_args(caplog):
     from mindspec.engine.args import EngineArgs
 

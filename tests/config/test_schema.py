@@ -175,7 +175,7 @@ def test_mindspec_config_has_no_warnings(caplog):
 @pytest.mark.parametrize("where, value, message", [
     (("Version",), "2.0.0", "Version: must be one of 1.0.0, got '2.0.0'"),
     (("BackendConfig", "backendName"), "other", "BackendConfig.backendName: must be one of mindieservice_llm_engine"),
-    (("BackendConfig", "ScheduleConfig", "templateType"), "Mix", "BackendConfig.ScheduleConfig.templateType: must be one of Standard"),
+    (("BackendConfig", "ScheduleConfig", "templateType"), "Split", "BackendConfig.ScheduleConfig.templateType: must be one of Standard, Mix"),
     (("BackendConfig", "ModelDeployConfig", "ModelConfig", 0, "modelInstanceType"), "StandardMock",
      "BackendConfig.ModelDeployConfig.ModelConfig[0].modelInstanceType: must be one of Standard"),
 ])

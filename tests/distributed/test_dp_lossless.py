@@ -121,6 +121,8 @@ def test_bad_parallel_settings_are_one_config_error(checkpoint):
     with pytest.raises(ConfigError, match=r"plugin_params.adaptive_speculation: must be false with dp > 1"):
         LLM(model=str(checkpoint), dtype="float32", num_blocks=64, progress=False, dp=2,
             plugin_params={"plugin_type": "mtp", "num_speculative_tokens": 1, "adaptive_speculation": True})
+    with pytest.raises(ConfigError, match=r"SplitFuse, or plugin_type splitfuse\): not available with dp > 1"):
+        _llm(checkpoint, dp=2, plugin_params={"plugin_type": "splitfuse"})
 
 
 @pytest.mark.slow

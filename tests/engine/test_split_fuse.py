@@ -136,3 +136,12 @@ def test_prompt_logprobs_under_split_fuse(prompts):
     outs, _ = staggered(llm, [prompts[0], prompts[4]], params)
     assert outs[1].token_ids == want.token_ids
     assert outs[1].prompt_logprobs == pytest.approx(want.prompt_logprobs, abs=1e-4)
+
+
+def test_plugin_type_splitfuse_turns_it_on(prompts, expected):
+    llm = LLM(model=str(default_model_dir()), dtype="float32", cache_block_size=BLOCK, num_blocks=800, progress=False,
+              plugin_params={"plugin_type": "mtp,splitfuse,prefix_cache", "num_speculative_tokens": 2},
+              split_chunk_tokens=CHUNK)
+    assert llm.engine.scheduler.config.split_fuse and llm.engine.prefix_caching
+    outs, batches = staggered(llm, prompts[:3], greedy())
+    assert [o.token_ids for o in outs] == expected[:3] and any(m for m, _ in batches)
