@@ -138,3 +138,26 @@ def test_mtp_per_sequence_draft_counts_equal_cpu(v3_checkpoint, device):
     eager, graphed, runner = _cuda_eager_and_graphed(path, device, params, pattern, prompts)
     assert eager == graphed == expected
     assert runner.stats.replays > 0
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "eagle"])
+def test_prefix_cache_and_split_fuse_equal_cpu(v3_checkpoint, device, mode):
+    """Prompts sharing a prefix, the second arriving while the first decodes: on the cuda backend
+    it finds the first's blocks cached and is prefilled in chunks inside decode steps (attention
+    over cached context, MTP modules over the chunks), giving the cpu backend's plain tokens."""
+    path, prompts = v3_checkpoint
+    shared = prompts[1] + prompts[2]
+    batch = [shared + [7, 8], shared + prompts[0]]
+    params = {"plugin_type": "mtp,prefix_cache,splitfuse", "num_speculative_tokens": 2, "mtp_mode": mode,
+              "adaptive_speculation": False}
+    expected = _tokens(_llm(path, "cpu"), batch)
+    llm = LLM(model=str(path), dtype="float32", cache_block_size=4, num_blocks=96, progress=False,
+              plugin_params=params, backend="cuda", device=device, split_chunk_tokens=6)
+    engine = llm.engine
+    first = engine.add_request(batch[0], GREEDY)
+    engine.step()
+    engine.step()
+    second = engine.add_request(batch[1], GREEDY)
+    outs = engine.run([first, second])
+    assert [o.token_ids for o in outs] == expected
+    assert outs[1].num_cached_tokens >= 8
