@@ -352,7 +352,9 @@ class MtpPlugin(Plugin):
                 self._lag_behind(state, 1, used=0)
                 state.hidden_end += 1
                 continue
-            if state is None:  # its first chunk (after any cached or shared prefix)
+            # its first chunk (after any cached or shared prefix), or the first of a recompute
+            # after a preemption, whose old state ended elsewhere
+            if state is None or state.hidden_end != seq.num_cached_tokens:
                 state = self.states[seq.seq_id] = MtpSeqState(
                     slot=self.history.add(seq.seq_id, outputs.hidden_states), hidden_end=seq.num_cached_tokens,
                     lag=self._fresh_lag(), in_think=False, hidden_from=seq.num_cached_tokens)
