@@ -376,8 +376,7 @@ class Scheduler:
         out, as ``_shareable_blocks`` does."""
         if self.block_manager.prefix_cache is None or _wants_prompt_logprobs(seq):
             return [], []
-        keys, blocks = self.block_manager.cached_prefix(seq, seq.num_tokens - 1)
-        return keys, blocks
+        return self.block_manager.cached_prefix(seq, seq.num_tokens - 1)
 
     def _shareable_blocks(self, seq: Sequence) -> Optional[int]:
         """Blocks of ``seq.share_parent`` (same prompt) that ``seq`` can take instead of computing

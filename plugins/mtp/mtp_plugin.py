@@ -150,7 +150,7 @@ class MtpPlugin(Plugin):
         the prompt tokens after it (``mtp_next_tokens``); where those are not known yet (a final
         chunk, a decode row) the module's own draft stands in, and the first decode after it
         writes the entry again (lag). Decode rows draft nothing this step."""
-        modules = self.modules[: self.cache_modules] if self.mode == "vanilla" else self.modules[:1]
+        modules = self.modules[: self.cache_modules]  # vanilla: every module; eagle: its one
         inputs.extra["mtp_k"] = 0
         inputs.extra["mtp_modules"] = modules
         nxt = np.full((len(batch), len(modules)), -1, dtype=np.int64)
@@ -299,11 +299,7 @@ class MtpPlugin(Plugin):
             # The modules this step ran wrote the entries of the tokens before it; the others did not.
             self._lag_behind(state, count, used)
             state.hidden_end += count
-            if self.params.think_start_token_id is not None:
-                state.in_think = bool(policy.update_think_state(
-                    np.array([state.in_think]), [outputs.accepted[b]],
-                    self.params.think_start_token_id, self.params.think_end_token_id,
-                )[0])
+            self._follow_think(state, outputs.accepted[b])
         # More entries than a speculative step leaves (K+1): plain steps came before, not fewer drafts.
         caught_up = speculated and int(inputs.extra["mtp_layout"].last_accepted.max()) > self.k + 1
         seconds = None if caught_up else time.perf_counter() - inputs.extra["mtp_started"]  # adaptive.py
@@ -351,6 +347,7 @@ class MtpPlugin(Plugin):
                 keeps.append(1)
                 self._lag_behind(state, 1, used=0)
                 state.hidden_end += 1
+                self._follow_think(state, outputs.accepted[b])
                 continue
             # its first chunk (after any cached or shared prefix), or the first of a recompute
             # after a preemption, whose old state ended elsewhere
@@ -370,6 +367,13 @@ class MtpPlugin(Plugin):
                 state.in_think = self._prompt_in_think(seq.token_ids)
         self.history.write(np.array(slots, dtype=np.int64), np.array(starts, dtype=np.int64),
                            np.array(keeps, dtype=np.int64), outputs.hidden_states, first_rows)
+
+    def _follow_think(self, state: MtpSeqState, accepted: list[int]) -> None:
+        """Whether the sequence is inside a thinking span after its accepted tokens (relaxed)."""
+        if self.params.think_start_token_id is not None:
+            state.in_think = bool(policy.update_think_state(
+                np.array([state.in_think]), [accepted], self.params.think_start_token_id,
+                self.params.think_end_token_id)[0])
 
     def _lag_behind(self, state: MtpSeqState, count: int, used: int) -> None:
         """The modules from ``used`` on wrote none of the ``count`` new tokens' entries."""
