@@ -53,9 +53,10 @@ class Plugin(ABC):
         """Cached KV blocks will be shared between sequences: make the caches this plugin writes
         complete enough to be worth sharing."""
 
-    def final_cache_positions(self, seq) -> "int | None":
+    def final_cache_positions(self, seq, finished: bool = False) -> "int | None":
         """Leading positions of ``seq`` whose entries in this plugin's own KV caches are final
-        (never written again); None: the plugin keeps no KV cache of its own."""
+        (never written again; ``finished``: the sequence has ended, only a step already built
+        may still write); None: the plugin keeps no KV cache of its own."""
         return None
 
     # ---- async scheduling (MindIE's prepare_masks_for_filling / fill_in_model_result) -----------

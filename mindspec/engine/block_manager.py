@@ -178,9 +178,10 @@ class BlockManager:
 
     def publish(self, seq: Sequence, num_final_tokens: int) -> None:
         """Register ``seq``'s whole blocks below position ``num_final_tokens`` (KV final in every
-        cache) so later sequences find them. A block is registered only under a registered
-        parent that is ``seq``'s own block before it: a chain's blocks are then all held by
-        sequences that start with the chain's first block (with dp, on that block's rank)."""
+        cache) so later sequences find them; a key already registered keeps its block. With
+        ``whole_chains`` (dp) a block is registered only under a registered parent that is
+        ``seq``'s own block before it: a chain's blocks are then all held by sequences that
+        start with the chain's first block, on that block's rank."""
         cache = self.prefix_cache
         if cache is None:
             return
@@ -192,10 +193,9 @@ class BlockManager:
         for j in range(seq.published_blocks, n):
             if cache.block_for(keys[j]) == table[j]:
                 continue  # found in the cache at admission, or registered before
-            if j and cache.block_for(keys[j - 1]) != table[j - 1]:
+            if cache.whole_chains and j and cache.block_for(keys[j - 1]) != table[j - 1]:
                 break  # the chain through this sequence's blocks ended
-            if not cache.register(table[j], keys[j]):
-                break
+            cache.register(table[j], keys[j])
         seq.published_blocks = n
 
     def reset_prefix_cache(self) -> int:

@@ -56,9 +56,15 @@ def block_key(parent: Optional[bytes], tokens: Seq[int], context: Seq[int]) -> b
 
 
 class PrefixCache:
-    def __init__(self, block_size: int, context_tokens: int = 0):
+    """``whole_chains``: register a block only under its own sequence's registered parent, so
+    that every block of a chain is held by sequences starting with the chain's first block (dp:
+    a block's KV lives on one rank, and ranks follow first blocks). Off, a sequence that computed
+    a cached prefix again still registers what follows it (one device holds every block)."""
+
+    def __init__(self, block_size: int, context_tokens: int = 0, whole_chains: bool = False):
         self.block_size = block_size
         self.context_tokens = context_tokens
+        self.whole_chains = whole_chains
         self._block_of: dict[bytes, int] = {}  # key -> the one block registered for it
         self._key_of: dict[int, bytes] = {}
         self.idle: OrderedDict[int, None] = OrderedDict()  # registered blocks nobody holds, LRU first

@@ -169,7 +169,7 @@ class Scheduler:
         self.decode_steps_since_prefill = 0
         # Prefix caching: the positions of a sequence whose KV is final in every cache (the main
         # model's: the cached tokens; the engine adds its plugins' caches). Read after each step.
-        self.final_kv_tokens: Callable[[Sequence], int] = lambda seq: seq.num_cached_tokens
+        self.final_kv_tokens: Callable[[Sequence, bool], int] = lambda seq, finished: seq.num_cached_tokens
 
     # ---- admission ---------------------------------------------------------------------------
     @property
@@ -549,7 +549,7 @@ class Scheduler:
             # accepted drafts); the newest token is fed, and cached, next step.
             seq.num_cached_tokens = seq.num_tokens if prefill_done else seq.num_cached_tokens + len(tokens)
             if seq.max_tokens == 0:  # scored the prompt only: the prefill's token is dropped
-                self._publish(seq)
+                self._publish(seq, finished=True)
                 self._finish(seq, FinishReason.LENGTH)
                 updates.append(SeqUpdate(seq, [], True))
                 continue
@@ -561,7 +561,7 @@ class Scheduler:
                 if reason is None and seq.num_output_tokens >= seq.max_tokens:
                     reason = FinishReason.LENGTH
                 if reason is not None:
-                    self._publish(seq)
+                    self._publish(seq, finished=True)
                     self._finish(seq, FinishReason(reason))
                     break
             if not seq.is_finished:
@@ -569,9 +569,9 @@ class Scheduler:
             updates.append(SeqUpdate(seq, appended, seq.is_finished))
         return updates
 
-    def _publish(self, seq: Sequence) -> None:
+    def _publish(self, seq: Sequence, finished: bool = False) -> None:
         if self.block_manager.prefix_cache is not None:
-            self.block_manager.publish(seq, self.final_kv_tokens(seq))
+            self.block_manager.publish(seq, self.final_kv_tokens(seq, finished))
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.status = SequenceStatus.FINISHED

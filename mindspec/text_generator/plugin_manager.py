@@ -111,12 +111,12 @@ class PluginManager:
         for plugin in self.plugins:
             plugin.enable_prefix_caching()
 
-    def final_kv_tokens(self, seq) -> int:
+    def final_kv_tokens(self, seq, finished: bool = False) -> int:
         """Leading positions of ``seq`` whose KV is final in the main cache and in every plugin's
-        caches (what the prefix cache may keep)."""
+        caches (what the prefix cache may keep); ``finished``: the sequence has ended."""
         final = seq.num_cached_tokens
         for plugin in self.plugins:
-            own = plugin.final_cache_positions(seq)
+            own = plugin.final_cache_positions(seq, finished)
             if own is not None:
                 final = min(final, own)
         return final

@@ -514,15 +514,21 @@ class MtpPlugin(Plugin):
     def enable_prefix_caching(self) -> None:
         self.complete_prefill = True
 
-    def final_cache_positions(self, seq) -> Optional[int]:
+    def final_cache_positions(self, seq, finished: bool = False) -> Optional[int]:
         """Positions before the entries a coming step may still write: each module's missing
         entries (lag), vanilla's rewritten history (K-1) and, under async scheduling, the steps
-        already built (up to K+1 tokens each); 3(K+1) covers them all. Nothing past a gap."""
+        already built (up to K+1 tokens each); 3(K+1) covers them all. Nothing past a gap.
+        At the sequence's end only a step already built may still write (3(K+1) back): entries
+        still missing then, or given up, stay missing, and the blocks are cached anyway, since
+        their main KV is what a later prompt cannot do without; a missing MTP entry only weakens
+        the drafts near it (verification keeps the output the same)."""
         state = self.states.get(seq.seq_id)
         if state is None:
             return 0
-        end = state.hidden_end - int(state.lag.max()) - 3 * (self.k + 1)
-        return max(0, int(min(end, state.complete_until)))
+        end = state.hidden_end - 3 * (self.k + 1)
+        if finished:
+            return max(0, end)
+        return max(0, int(min(end - int(state.lag.max()), state.complete_until)))
 
     def _fresh_lag(self) -> np.ndarray:
         return np.ones(self.cache_modules, dtype=np.int64)  # the prompt's entries; the new token's is missing

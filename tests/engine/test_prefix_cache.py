@@ -10,8 +10,8 @@ from mindspec.engine.sequence import Sequence
 BS = 4
 
 
-def make_bm(num_blocks=12, context=0):
-    return BlockManager(num_blocks, BS, prefix_cache=PrefixCache(BS, context))
+def make_bm(num_blocks=12, context=0, whole_chains=False):
+    return BlockManager(num_blocks, BS, prefix_cache=PrefixCache(BS, context, whole_chains))
 
 
 def seq(tokens, seq_id=0):
@@ -120,10 +120,21 @@ def test_publish_stops_below_the_final_positions_and_keeps_the_first_registratio
     assert bm.cached_prefix(seq(range(12), 3), 11)[1] == a.block_table[:2]  # block 2's context is missing
 
 
-def test_a_chain_is_only_extended_through_its_own_blocks():
-    """A sequence that computed block 0 again (not the cached one) does not register block 1:
-    every registered chain is held by sequences starting with the chain's first block."""
+def test_a_sequence_that_computed_a_cached_prefix_again_registers_what_follows():
     bm = make_bm()
+    a = seq(range(5))
+    run_and_publish(bm, a)  # block 0
+    twin = seq(range(9), seq_id=1)  # computed block 0 again (side by side with a), then block 1
+    run_and_publish(bm, twin)
+    assert bm.prefix_cache.num_registered == 2
+    keys, blocks = bm.cached_prefix(seq(range(10), 2), 9)
+    assert blocks == [a.block_table[0], twin.block_table[1]]
+
+
+def test_whole_chains_extend_only_through_their_own_blocks():
+    """dp: a sequence that computed block 0 again (not the cached one) does not register block 1:
+    every registered chain is held by sequences starting with the chain's first block."""
+    bm = make_bm(whole_chains=True)
     a = seq(range(5))
     run_and_publish(bm, a)  # registers block 0 only
     twin = seq(range(9), seq_id=1)
