@@ -20,6 +20,11 @@ from mindspec.backend import AttentionMetadata
 
 PLAN_KEY = "cpu_attention_plan"  # meta.scratch keys
 ROWS_KEY = "cpu_cache_rows"
+GROUPS_KEY = "cpu_attention_groups"
+# A sequence feeding more rows than this (a prefill chunk, a prompt's tail after cached context)
+# attends apart from the others: in one grid every sequence would be padded to its rows and its
+# context (8 decode rows beside a 256-token chunk at 4k context: 9 x 256 x 4k cells, not 8 x 4k + 256 x 4k).
+GROUP_ROWS = 16
 
 
 @dataclass
@@ -67,6 +72,48 @@ def attention_plan(meta: AttentionMetadata, device: torch.device) -> AttentionPl
     if plan is None:
         plan = meta.scratch[PLAN_KEY] = _build(meta, device)
     return plan
+
+
+@dataclass
+class AttentionGroup:
+    tokens: torch.Tensor  # [t] int64 flat rows of the group's sequences, in batch order
+    meta: AttentionMetadata  # the metadata of those sequences alone (its own plan and cache rows)
+
+
+def attention_groups(meta: AttentionMetadata, device: torch.device) -> Optional[list[AttentionGroup]]:
+    """Mixed batches split for attention: every sequence with more than GROUP_ROWS rows alone,
+    the others together; None when one grid serves (at most one sequence, no long one, a tree
+    mask). Memoised in ``meta.scratch``."""
+    if GROUPS_KEY in meta.scratch:
+        return meta.scratch[GROUPS_KEY]
+    q_lens = np.asarray(meta.q_lens_host, dtype=np.int64)
+    groups = None
+    if len(q_lens) > 1 and q_lens.max() > GROUP_ROWS and meta.tree_mask is None:
+        long = np.flatnonzero(q_lens > GROUP_ROWS)
+        short = np.flatnonzero(q_lens <= GROUP_ROWS)
+        members = ([short] if len(short) else []) + [long[i : i + 1] for i in range(len(long))]
+        groups = [_group(meta, idx, q_lens, device) for idx in members]
+    meta.scratch[GROUPS_KEY] = groups
+    return groups
+
+
+def _group(meta: AttentionMetadata, idx: np.ndarray, q_lens: np.ndarray, device: torch.device) -> AttentionGroup:
+    starts = np.cumsum(q_lens) - q_lens
+    tokens = np.concatenate([np.arange(starts[b], starts[b] + q_lens[b]) for b in idx])
+    sel = _tensor(idx, meta.block_tables.device)
+    sub_q = q_lens[idx]
+    sub = AttentionMetadata(
+        slots=meta.slots[_tensor(tokens, meta.slots.device)],
+        block_tables=meta.block_tables[sel],
+        seq_lens=meta.seq_lens[sel],
+        q_lens=meta.q_lens[sel],
+        q_start_loc=_tensor(np.concatenate([[0], np.cumsum(sub_q)]).astype(np.int32), meta.q_start_loc.device),
+        seq_lens_host=[meta.seq_lens_host[b] for b in idx],
+        q_lens_host=sub_q.tolist(),
+        is_prefill=False,
+        block_size=meta.block_size,
+    )
+    return AttentionGroup(_tensor(tokens, device), sub)
 
 
 def cache_rows(meta: AttentionMetadata, block_size: int, device: torch.device) -> torch.Tensor:

@@ -30,7 +30,7 @@ from mindspec.backend import (
 
 from . import linear as packed_linear
 from . import moe
-from .attention_plan import PLAN_KEY, ROWS_KEY, AttentionPlan, attention_plan, cache_rows
+from .attention_plan import PLAN_KEY, ROWS_KEY, AttentionPlan, attention_groups, attention_plan, cache_rows
 
 logger = logging.getLogger(__name__)
 
@@ -243,9 +243,11 @@ class CpuBackend(Backend):
             return super().mem_get_info()
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        attention_plan(meta, self.device)
-        if meta.block_size:
-            cache_rows(meta, meta.block_size, self.device)
+        groups = attention_groups(meta, self.device)
+        for m in [meta] if groups is None else [g.meta for g in groups]:
+            attention_plan(m, self.device)
+            if m.block_size:
+                cache_rows(m, m.block_size, self.device)
 
     # ---- cache ---------------------------------------------------------------------------
     def allocate_latent_cache(
@@ -402,6 +404,12 @@ class CpuBackend(Backend):
         T, H, R = q_lat.shape
         if T == 0:
             return q_lat.new_zeros((0, H, R))
+        groups = None if torch.compiler.is_compiling() else attention_groups(meta, q_lat.device)
+        if groups is not None:  # prefill chunks beside decode rows: each attends over its own grid
+            out = q_lat.new_empty((T, H, R))
+            for g in groups:
+                out[g.tokens] = self.mla_attention(q_lat[g.tokens], q_pe[g.tokens], cache, g.meta, scale)
+            return out
         plan = attention_plan(meta, q_lat.device)
         B, Q, _, S = plan.bias.shape
         kv = self._gather_latent(cache, meta, q_lat.dtype)  # [B, S, R+P]

@@ -69,6 +69,22 @@ def test_absorbed_matches_expanded(q_len):
     torch.testing.assert_close(out.double(), _reference(meta, seqs, q_nope, q_pe, w_uk, w_uv), atol=1e-5, rtol=1e-5)
 
 
+def test_prefill_chunks_beside_decode_rows_attend_in_groups():
+    """SplitFuse batches: sequences with more than GROUP_ROWS new tokens (chunks after cached
+    context, one from position 0) attend apart from the decode rows; same result as the expanded
+    reference, sequence by sequence."""
+    from backends.cpu.attention_plan import GROUP_ROWS, attention_groups
+
+    seq_lens, q_lens = [7, 40, 3, 30, 20], [1, 20, 3, GROUP_ROWS + 1, 20]
+    be, cache, meta, seqs, q_nope, q_pe = _setup(seq_lens, q_lens, seed=8)
+    groups = attention_groups(meta, torch.device("cpu"))
+    assert [g.meta.q_lens_host for g in groups] == [[1, 3], [20], [17], [20]]
+    w_uk, w_uv = _weights(torch.Generator().manual_seed(12))
+    be.prepare(meta)
+    out = _absorbed(be, cache, meta, q_nope, q_pe, w_uk, w_uv)
+    torch.testing.assert_close(out.double(), _reference(meta, seqs, q_nope, q_pe, w_uk, w_uv), atol=1e-5, rtol=1e-5)
+
+
 def test_mixed_q_lens_and_skipped_slots():
     seq_lens, q_lens = [5, 9, 17, 1], [1, 4, 3, 1]
     skip = (2, 7)  # a new token of sequence 1 and of sequence 2 are not written
