@@ -418,10 +418,14 @@ class Scheduler:
     def _schedule_mixed(self) -> Optional[ScheduledBatch]:
         """A decode step that also computes prefill chunks: every running sequence one row (no
         drafts this step), then chunks of the sequences being prefilled and of newly admitted
-        ones, oldest first, within split_chunk_tokens rows. Without chunks to run: a decode step
-        as usual (with drafts)."""
-        if not self.prefilling and not self._admissible(self.config.split_chunk_tokens):
-            return self._schedule_decode()
+        ones, oldest first, within split_chunk_tokens rows. Without chunks to run, or while new
+        prompts are held to be batched: a decode step as usual (with drafts)."""
+        if not self.prefilling:
+            admissible = self._admissible(self.config.split_chunk_tokens)
+            # New prompts wait to be batched as whole prefills do (waiting_served_ratio): a mixed
+            # step drafts nothing, so mixing one short prompt in at a time would cost speculation.
+            if not admissible or self._holds_prefill(len(admissible)):
+                return self._schedule_decode()
         decoding = self._grow_running(0)
         budget = self._chunk_budget(len(decoding))
         chunked = sum(c for _, c in self._plan_chunks(budget))
