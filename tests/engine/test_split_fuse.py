@@ -95,12 +95,18 @@ def test_split_fuse_gives_the_tokens_of_mtp_off(prompts, expected, mode, cached,
 
 
 @pytest.mark.parametrize("mode", ["vanilla", "eagle"])
-def test_preemption_while_prompts_are_chunked_stays_lossless(prompts, expected, mode):
+@pytest.mark.parametrize("cached", [False, True], ids=["no-cache", "prefix-cache"])
+def test_preemption_while_prompts_are_chunked_stays_lossless(prompts, expected, mode, cached):
+    """A block budget for little more than the longest prompt: decoding sequences are preempted
+    while others are chunked, and with prefix caching cached blocks are evicted too."""
     longest = max(len(p) for p in prompts) + 16 + 8
-    llm = make_llm(mode, num_blocks=longest // BLOCK + 3, split_fuse=True, split_chunk_tokens=CHUNK)
-    outs, _ = staggered(llm, prompts, greedy(), steps_between=1)
-    assert [o.token_ids for o in outs] == expected
+    llm = make_llm(mode, num_blocks=longest // BLOCK + 3, split_fuse=True, split_chunk_tokens=CHUNK,
+                   enable_prefix_caching=cached)
+    outs, _ = staggered(llm, prompts + prompts[::-1], greedy(), steps_between=1)
+    assert [o.token_ids for o in outs] == expected + expected[::-1]
     assert any(o.num_preemptions for o in outs)
+    if cached:
+        assert llm.engine.block_manager.prefix_cache.stats.evictions > 0
     assert all_blocks_free(llm)
 
 
