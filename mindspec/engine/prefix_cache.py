@@ -152,6 +152,9 @@ class PrefixCache:
     def num_registered(self) -> int:
         return len(self._key_of)
 
+    def registered_blocks(self) -> list[int]:
+        return sorted(self._key_of)
+
     def record_query(self, prompt_tokens: int, query_blocks: int, hit_blocks: int) -> None:
         s = self.stats
         s.queries += 1

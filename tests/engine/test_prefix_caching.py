@@ -91,6 +91,29 @@ def test_evictions_and_preemptions_under_a_tiny_budget_stay_lossless(mode, refer
     assert all_blocks_free(llm)
 
 
+@pytest.mark.parametrize("mode", ["vanilla", "eagle"])
+def test_cached_blocks_are_never_written(mode):
+    """Every cache layer's rows of a block (main and MTP) keep the bytes they had when the block
+    was registered: while its own sequence goes on decoding (drafts, catch-up, rollbacks), and
+    while later requests find it, prefill after it and decode."""
+    import torch
+
+    llm = make_llm(mode, cached=True)
+    engine, bm, caches = llm.engine, llm.engine.block_manager, llm.engine.model_wrapper.caches
+    state = engine.add_request(SYSTEM + QUESTIONS[0], greedy(40))
+    seen = {}
+    while not state.seq.is_finished:
+        engine.step()
+        for b in bm.prefix_cache.registered_blocks():
+            seen.setdefault(b, [(c.c_kv[b].clone(), c.k_pe[b].clone()) for c in caches])
+    assert len(seen) > 10
+    outs = llm.generate([SYSTEM + q for q in QUESTIONS] + [SYSTEM + QUESTIONS[0] + FOLLOW_UPS[0]], greedy(24))
+    assert all(o.num_cached_tokens > 0 for o in outs)
+    assert set(seen) <= set(bm.prefix_cache.registered_blocks())  # none was evicted
+    for b, rows in seen.items():
+        assert all(torch.equal(kv, c.c_kv[b]) and torch.equal(pe, c.k_pe[b]) for (kv, pe), c in zip(rows, caches)), b
+
+
 def test_prompt_logprobs_requests_compute_every_position():
     prompt = SYSTEM + QUESTIONS[0]
     llm = make_llm("mtp_off", cached=True)
