@@ -314,7 +314,7 @@ class Scheduler:
                 seq.num_cached_tokens = len(a.cached_blocks) * bs
             if not seq.num_preemptions:  # a first admission: what usage and the hit rate report
                 seq.prefix_cached_tokens = seq.num_cached_tokens
-                if bm.prefix_cache is not None:
+                if bm.prefix_cache is not None and not a.shared:  # an n > 1 sibling did not look it up
                     bm.prefix_cache.record_query(seq.num_prompt_tokens, len(a.cached_keys), len(a.cached_blocks))
             seq.share_parent = None  # decided: shared now or never (a recompute runs in full)
         seqs = []
