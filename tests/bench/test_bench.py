@@ -311,3 +311,33 @@ def _shipped():
     from mindspec.config.defaults import default_model_dir
 
     return default_model_dir()
+
+
+def test_prefix_cache_scenario_writes_json_and_png(tmp_path):
+    out = tmp_path / "prefix"
+    rc = main(["--scenario", "prefix-cache", "--configs", "mtp off", "--rounds", "1", "--conversations", "2",
+               "--turns", "2", "--system-tokens", "120", "--message-tokens", "16", "--shots", "2", "--shot-tokens",
+               "40", "--queries", "2", "--new-tokens", "4", "--out", str(out)])
+    assert rc == 0 and out.with_suffix(".png").stat().st_size > 10_000
+    rows = json.loads(out.with_suffix(".json").read_text())["results"]
+    assert list(rows) == ["chat, mtp off", "few-shot, mtp off"]
+    chat = rows["chat, mtp off"]
+    assert chat["identical_outputs"]
+    assert all(c > 0 for c in chat["cached_tokens"][1]) and chat["ttft_ratio_later_turns"]["count"] == 2
+    assert rows["few-shot, mtp off"]["cached_tokens"][1][0] > 0
+
+
+def test_split_fuse_scenario_writes_json_and_png(tmp_path):
+    out = tmp_path / "split"
+    rc = main(["--scenario", "split-fuse", "--configs", "mtp off", "--rounds", "1", "--streams", "2",
+               "--stream-tokens", "12", "--arrive-after", "2", "--long-prompt-tokens", "150", "--chunk-tokens", "32",
+               "--prompt-tokens", "16", "--out", str(out)])
+    assert rc == 0 and out.with_suffix(".png").stat().st_size > 10_000
+    rows = json.loads(out.with_suffix(".json").read_text())["results"]
+    assert list(rows) == ["mtp off", "mtp off +splitfuse 32"]
+    assert all(r["identical_outputs"] and r["gap_max_s"] >= r["gap_p99_s"] >= r["gap_median_s"] > 0 for r in rows.values())
+
+
+def test_scenarios_name_unknown_configurations(tmp_path, capsys):
+    assert main(["--scenario", "prefix-cache", "--configs", "nope", "--out", str(tmp_path / "x")]) == 2
+    assert "unknown configuration(s) 'nope'" in capsys.readouterr().err
