@@ -129,7 +129,6 @@ class ScheduleConfig:
     waiting_served_ratio: float = 0.3
     max_waiting_steps: int = 20
     # SplitFuse: templateType "Mix" with enableSplit (or plugin_type "splitfuse")
-    template_type: str = "Standard"
     enable_split: bool = False
     split_start_batch_size: int = 0  # splitStartBatchSize when splitStartType is true
     split_chunk_tokens: int = 512
@@ -358,7 +357,6 @@ def _schedule(s: _Section, max_input: int) -> ScheduleConfig:
         raise ConfigError(f"{s._where('enableSplit')}: SplitFuse needs templateType \"Mix\", got {template!r}")
     start = s.int("splitStartBatchSize", 16, 0) if s.bool("splitStartType", False) else 0
     cfg = ScheduleConfig(
-        template_type=template,
         enable_split=enable_split,
         split_start_batch_size=start,
         split_chunk_tokens=s.int("splitChunkTokens", 512, 1),

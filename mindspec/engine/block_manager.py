@@ -159,9 +159,9 @@ class BlockManager:
             seq.block_keys = keys  # content keys: computed once while the sequence waits
         return keys, cache.lookup(keys)
 
-    def num_idle_among(self, blocks: list[int]) -> int:
-        """How many of ``blocks`` are idle (taking them uses up free blocks)."""
-        return sum(1 for b in blocks if b not in self._refs)
+    def is_idle(self, block: int) -> bool:
+        """A cached block nobody holds (taking it uses up a free block)."""
+        return block not in self._refs
 
     def take_cached(self, seq: Sequence, keys: list[bytes], blocks: list[int]) -> None:
         """Start ``seq``'s empty table with cached ``blocks`` (its first positions' KV, final)."""

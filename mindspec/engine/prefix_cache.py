@@ -101,23 +101,12 @@ class PrefixCache:
     def block_for(self, key: bytes) -> Optional[int]:
         return self._block_of.get(key)
 
-    def is_registered(self, block: int) -> bool:
-        return block in self._key_of
-
-    def register(self, block: int, key: bytes) -> bool:
-        """Make ``block`` the one found for ``key``; False when another block has it already
-        (the first one stays) or this block is registered under another key."""
-        if key in self._block_of or block in self._key_of:
-            return False
-        self._block_of[key] = block
-        self._key_of[block] = key
-        return True
-
-    def forget(self, block: int) -> None:
-        key = self._key_of.pop(block, None)
-        if key is not None:
-            del self._block_of[key]
-        self.idle.pop(block, None)
+    def register(self, block: int, key: bytes) -> None:
+        """Make ``block`` the one found for ``key``, unless another block has it already (the
+        first one stays) or this block is registered under another key."""
+        if key not in self._block_of and block not in self._key_of:
+            self._block_of[key] = block
+            self._key_of[block] = key
 
     def clear(self) -> list[int]:
         """Forget every key; returns the idle blocks (now plain free blocks)."""

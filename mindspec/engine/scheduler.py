@@ -139,8 +139,7 @@ class ScheduledBatch:
         """Sequence b's prefill ends with this step (it gets its first token)."""
         if self.chunks is None:
             return self.is_prefill
-        seq, chunk = self.seqs[b], self.chunks[b]
-        return chunk > 0 and seq.num_cached_tokens + chunk >= seq.num_tokens
+        return self.seqs[b].prefill_ends_with(self.chunks[b])
 
 
 class SeqUpdate(NamedTuple):
@@ -238,7 +237,7 @@ class Scheduler:
         # With prefix caching, cached blocks of its prompt are taken instead of written again.
         keys, cached = self._cached_prefix(seq)
         # Its tokens only: the drafts' positions are added by the first decode (which may preempt).
-        need = bm.blocks_missing(seq, seq.num_tokens) - len(cached) + bm.num_idle_among(cached)
+        need = bm.blocks_missing(seq, seq.num_tokens) - len(cached) + sum(map(bm.is_idle, cached))
         if need > bm.num_free_blocks:
             raise CapacityExceeded(
                 f"cannot adopt a prefilled request of {seq.num_tokens} tokens: it needs "
@@ -358,7 +357,7 @@ class Scheduler:
             # A prompt longer than maxPrefillTokens still runs, alone.
             elif admitted and tokens + fed > cfg.max_prefill_tokens:
                 break
-            revived = {b for b in cached if b not in taken and bm.num_idle_among([b])}
+            revived = {b for b in cached if b not in taken and bm.is_idle(b)}
             need = bm.blocks_missing(seq, seq.num_tokens + cfg.num_lookahead_tokens) - reused + len(revived)
             if need > free_blocks:
                 break

@@ -73,6 +73,11 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(int(token_id))
 
+    def prefill_ends_with(self, chunk: int) -> bool:
+        """A prefill chunk of ``chunk`` uncached tokens computes the last of them (the sequence
+        then gets its next token)."""
+        return chunk > 0 and self.num_cached_tokens + chunk >= self.num_tokens
+
     @staticmethod
     def num_blocks_needed(num_tokens: int, block_size: int) -> int:
         """Blocks that hold ``num_tokens`` token positions (ceil division); 0 for 0 tokens."""

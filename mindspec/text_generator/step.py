@@ -39,9 +39,7 @@ class StepBatch:
 
     def prefill_ends(self) -> np.ndarray:
         """[B] bool: the chunks that end their sequence's prefill (they yield a token)."""
-        chunks = np.asarray(self.chunks, dtype=np.int64)
-        done = np.array([s.num_cached_tokens for s in self.seqs], dtype=np.int64) + chunks
-        return (chunks > 0) & (done >= np.array([s.num_tokens for s in self.seqs], dtype=np.int64))
+        return np.array([s.prefill_ends_with(c) for s, c in zip(self.seqs, self.chunks)], dtype=bool)
 
     @property
     def seq_ids(self) -> list[int]:
