@@ -29,8 +29,8 @@ from .args import GiB, EngineArgs
 from .async_scheduling import AsyncStepper
 from .block_manager import BlockManager
 from .errors import EngineError, RequestRejected
-from .prefix_cache import PrefixCache
 from .outputs import PrefillHandoff, RequestOutput, SpecDecodeStats
+from .prefix_cache import PrefixCache
 from .request_state import RequestState
 from .scheduler import ScheduledBatch, Scheduler, SeqUpdate
 from .sequence import FinishReason, Sequence

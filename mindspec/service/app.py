@@ -135,9 +135,14 @@ def _add_cache_routes(app: FastAPI, state: ServiceState) -> None:
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
         """Forget every cached prefix block (vLLM's route; here on the management port)."""
-        if not state.engine.engine.prefix_caching:
+        engine = getattr(state.engine, "engine", None)  # a PD router runs no model
+        if engine is None:
+            return error_response(400, "this node runs no model (PD router): reset the prefix cache on the "
+                                       "prefill and decode nodes")
+        if not engine.prefix_caching:
             return error_response(400, "prefix caching is off: enable it with plugin_type \"prefix_cache\" "
                                        "in ModelConfig.plugin_params (or LLM(enable_prefix_caching=True))")
+
         def reset(engine) -> int:  # on the engine thread, between steps
             blocks = engine.reset_prefix_cache()
             if state.metrics is not None:

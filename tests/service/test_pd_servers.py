@@ -74,6 +74,8 @@ def test_router_prefill_decode_equals_one_standard_instance(pd, expected):
     import json
 
     assert "".join(json.loads(c[6:])["choices"][0]["text"] for c in chunks) == expected[1]
+    reset = httpx.post(router.mgmt + "/reset_prefix_cache", timeout=30)  # the router holds no cache
+    assert reset.status_code == 400 and "runs no model" in reset.json()["error"]["message"]
 
 
 @pytest.mark.slow
