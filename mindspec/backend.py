@@ -232,6 +232,13 @@ class Backend(ABC):
         ``meta.scratch``. Keeps host work out of the layers, and out of captured/compiled
         regions, which may then read only tensors. Default: nothing to prepare."""
 
+    def copy_cache_entries(self, cache: LatentCache, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Entries at slots src [M] -> slots dst [M] (every source read before any is written)."""
+        parts = [cache.latent] if cache.latent is not None else [cache.c_kv, cache.k_pe]
+        for part in parts:
+            flat = part.view(-1, part.shape[-1])
+            flat[dst] = flat[src]
+
     @abstractmethod
     def write_latent_cache(
         self, cache: LatentCache, c_kv: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor

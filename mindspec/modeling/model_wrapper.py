@@ -21,6 +21,8 @@ from mindspec.modeling.exported_step import ExportedSteps
 from mindspec.modeling.graph_runner import DecodeGraphRunner, maybe_graph_runner
 from mindspec.modeling.loader import read_hf_config
 from mindspec.modeling.registry import model_class, supported_model_types
+from mindspec.modeling.draft_tree import TreeShape
+from mindspec.modeling.tree_speculation import TreeDrafter, TreeStepHost, verify_tree
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -72,6 +74,7 @@ class ModelWrapper:
         capture = getattr(self.backend, "supports_graph_capture", False)
         export = decode_graphs and not capture and getattr(self.backend, "supports_step_export", False)
         self.compiled = ExportedSteps(self.model, self.backend, self.model_dir, self.dtype) if export else None
+        self._tree_drafters: dict[tuple[int, bool], TreeDrafter] = {}
 
     @property
     def config(self):
@@ -186,6 +189,27 @@ class ModelWrapper:
             source = torch.from_numpy(source).to(self.device)
         return self.forward_speculative(to_device(inputs, self.device), steps, mtp_modules, hidden_states, lm, narrow,
                                         verify_source=source)
+
+    def forward_tree_host(self, inputs: ModelInputs, steps: list[TreeStepHost], hidden_states: torch.Tensor,
+                          shape: TreeShape, eagle: bool):
+        """Tree speculation (tree_speculation.py), eagerly: draft a tree per sequence with the MTP
+        steps, verify it -> (ModelOutput with logits of every verification row, DraftTree)."""
+        key = (id(shape), eagle)
+        drafter = self._tree_drafters.get(key)
+        if drafter is None or drafter.shape is not shape:
+            drafter = self._tree_drafters[key] = TreeDrafter(self.model, shape, self.caches, eagle)
+        device_steps = [s.to_device(self.device) for s in steps]
+        return verify_tree(self.model, drafter, to_device(inputs, self.device), device_steps, hidden_states, self.caches)
+
+    def copy_cache_entries(self, src_slots: np.ndarray, dst_slots: np.ndarray, num_layers: int) -> None:
+        """Cache entries src_slots[i] -> dst_slots[i] in the first ``num_layers`` caches (the main
+        model's: an accepted tree path moved into the sequence's contiguous slots)."""
+        if len(src_slots) == 0:
+            return
+        src = torch.from_numpy(np.ascontiguousarray(src_slots, dtype=np.int64)).to(self.device)
+        dst = torch.from_numpy(np.ascontiguousarray(dst_slots, dtype=np.int64)).to(self.device)
+        for cache in self.caches[:num_layers]:
+            self.backend.copy_cache_entries(cache, src, dst)
 
     @torch.inference_mode()
     def warmup(self, num_tokens: int = 4, max_seqs: Optional[int] = None) -> None:

@@ -22,6 +22,8 @@ from mindspec.distributed.parallel_state import ParallelContext
 from mindspec.modeling.draft_rows import lm_rows_only_steps
 from mindspec.modeling.forward_metadata import ModelInputs, to_device
 from mindspec.modeling.model_wrapper import ModelWrapper
+from mindspec.modeling.draft_tree import TreeShape
+from mindspec.modeling.tree_speculation import DraftTree, TreeStepHost
 
 PLAIN, PREFILL_MTP, SPECULATIVE = 0, 1, 2  # forward kinds, compared across ranks every step
 
@@ -31,6 +33,7 @@ class GeneratorOutput:
     logits: torch.Tensor  # [N, vocab] float32, rows at lm_head_indices
     hidden_states: torch.Tensor  # [T, hidden] (after the final norm)
     draft_tokens: Optional[torch.Tensor] = None  # [bs, K] when a drafter ran in the same forward
+    tree: Optional[DraftTree] = None  # a tree speculation step's trees
 
 
 @dataclass
@@ -78,6 +81,15 @@ class Generator:
         if mtp_next_tokens is not None:
             raise ValueError("prefill chunks (SplitFuse) are not split over dp ranks")
         return self._forward_dp(model_inputs, sub_model_inputs, hidden_states, mtp_modules)
+
+    @torch.inference_mode()
+    def forward_tree(self, model_inputs: ModelInputs, steps: list[TreeStepHost], hidden_states: torch.Tensor,
+                     shape: TreeShape, eagle: bool) -> GeneratorOutput:
+        """A tree speculation step: draft a tree per sequence, verify it in one forward."""
+        if self.dp_size > 1:
+            raise ValueError("draft trees are not split over dp ranks (dp = 1 only)")
+        out, tree = self.model_wrapper.forward_tree_host(model_inputs, steps, hidden_states.to(self.device), shape, eagle)
+        return GeneratorOutput(logits=out.logits, hidden_states=out.hidden_states, tree=tree)
 
     # ---- one rank's forward ------------------------------------------------------------------
     def _run(self, inputs, subs, hidden_states, mtp_modules, lm_head_local_dp, lm_rows_only=None,

@@ -162,10 +162,14 @@ class PluginManager:
 
     def sampling_metadata(self, batch: StepBatch, inputs: StepInputs, draft_prefix: Optional[np.ndarray] = None) -> SamplingMetadata:
         """One row per logits row. Row r of sequence b samples output position
-        len(output) + row_offset[r]; its penalty history includes the drafts before it."""
+        len(output) + row_offset[r]; its penalty history includes the drafts before it (the
+        first row_offset[r] of its sequence's, or ``inputs.extra["row_prefix"][r]``)."""
         seqs = [batch.seqs[b] for b in inputs.row_seq]
         outputs = [s.output_token_ids for s in seqs]
-        if draft_prefix is not None:
+        row_prefix = inputs.extra.get("row_prefix")  # per row: the drafts before it (a tree's path)
+        if row_prefix is not None:
+            outputs = [o + p for o, p in zip(outputs, row_prefix)]
+        elif draft_prefix is not None:
             outputs = [o + draft_prefix[b, :k].tolist() for o, b, k in zip(outputs, inputs.row_seq, inputs.row_offset)]
         return SamplingMetadata.build(
             params=[s.sampling_params for s in seqs],

@@ -34,39 +34,76 @@ def strict_accept(draft_tokens: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return accepted_prefix(draft_tokens == targets[:, :k])
 
 
-def relaxed_accept(
+def relaxed_ok(
     draft_tokens: np.ndarray,  # [B, K]
-    targets: np.ndarray,  # [B, K+1]
-    probs: torch.Tensor,  # [B, K+1, V] target softmax
+    targets: np.ndarray,  # [B, K] the target sampled where each draft stands
+    probs: torch.Tensor,  # [B, K, V] target softmax there
     top_n: int,
     delta: np.ndarray,  # [B] per-sequence delta (0 outside the thinking span)
 ) -> np.ndarray:
-    k = draft_tokens.shape[1]
-    top_p, top_ids = probs[:, :k].topk(top_n, dim=-1)  # [B, K, N]
+    """[B, K] bool: each draft passes relaxed acceptance (whatever the drafts before it)."""
+    top_p, top_ids = probs.topk(top_n, dim=-1)  # [B, K, N]
     threshold = top_p[..., :1] - torch.as_tensor(delta, dtype=top_p.dtype)[:, None, None]
     eligible = top_p >= threshold
     eligible[..., 0] = True  # the top-1 is always a candidate
     hit = (top_ids == torch.as_tensor(draft_tokens)[..., None]) & eligible
-    relaxed_ok = hit.any(dim=-1).numpy()
-    strict_ok = draft_tokens == targets[:, :k]
-    ok = np.where(delta[:, None] > 0, relaxed_ok | strict_ok, strict_ok)
-    return accepted_prefix(ok)
+    relaxed = hit.any(dim=-1).numpy()
+    strict = draft_tokens == targets
+    return np.where(delta[:, None] > 0, relaxed | strict, strict)
 
 
-def typical_accept(
+def relaxed_accept(draft_tokens: np.ndarray, targets: np.ndarray, probs: torch.Tensor, top_n: int,
+                   delta: np.ndarray) -> np.ndarray:
+    """draft_tokens [B, K], targets [B, K+1], probs [B, K+1, V] -> accepted drafts [B]."""
+    k = draft_tokens.shape[1]
+    return accepted_prefix(relaxed_ok(draft_tokens, targets[:, :k], probs[:, :k], top_n, delta))
+
+
+def typical_ok(
     draft_tokens: np.ndarray,  # [B, K]
-    targets: np.ndarray,  # [B, K+1]
-    probs: torch.Tensor,  # [B, K+1, V] temperature-scaled target softmax
+    targets: np.ndarray,  # [B, K]
+    probs: torch.Tensor,  # [B, K, V] temperature-scaled target softmax
     posterior_threshold: float,
     posterior_alpha: float,
 ) -> np.ndarray:
-    k = draft_tokens.shape[1]
-    p = probs[:, :k].double()
+    """[B, K] bool: each draft passes typical acceptance (or equals the sampled target)."""
+    p = probs.double()
     entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)  # [B, K]
     threshold = torch.minimum(torch.full_like(entropy, posterior_threshold), posterior_alpha * torch.exp(-entropy))
     p_draft = p.gather(-1, torch.as_tensor(draft_tokens)[..., None])[..., 0]
-    ok = (p_draft > threshold).numpy() | (draft_tokens == targets[:, :k])
-    return accepted_prefix(ok)
+    return (p_draft > threshold).numpy() | (draft_tokens == targets)
+
+
+def typical_accept(draft_tokens: np.ndarray, targets: np.ndarray, probs: torch.Tensor, posterior_threshold: float,
+                   posterior_alpha: float) -> np.ndarray:
+    """draft_tokens [B, K], targets [B, K+1], probs [B, K+1, V] -> accepted drafts [B]."""
+    k = draft_tokens.shape[1]
+    return accepted_prefix(typical_ok(draft_tokens, targets[:, :k], probs[:, :k], posterior_threshold, posterior_alpha))
+
+
+def tree_paths(parents: np.ndarray, ok: np.ndarray) -> list[list[int]]:
+    """parents [B, R] (row 0 the root, -1; parents before children), ok [B, R - 1] per node:
+    its token passes the rule at its parent's row -> per sequence the rows of the longest path
+    of passing nodes from the root (the first such path in row order). With strict acceptance
+    siblings carry distinct tokens, so at most one child of a node passes: the path is unique."""
+    num_seqs, rows = parents.shape
+    reach = np.zeros((num_seqs, rows), dtype=bool)
+    length = np.zeros((num_seqs, rows), dtype=np.int64)
+    reach[:, 0] = True
+    b = np.arange(num_seqs)
+    for r in range(1, rows):
+        p = parents[:, r]
+        reach[:, r] = ok[:, r - 1] & reach[b, p]
+        length[:, r] = np.where(reach[:, r], length[b, p] + 1, 0)
+    best = length.argmax(axis=1)  # the first row of the greatest length
+    paths = []
+    for s in range(num_seqs):
+        path, r = [], int(best[s])
+        while r > 0:
+            path.append(r)
+            r = int(parents[s, r])
+        paths.append(path[::-1])
+    return paths
 
 
 def emitted_tokens(draft_tokens: np.ndarray, targets: np.ndarray, accepted: np.ndarray) -> list[list[int]]:

@@ -46,6 +46,7 @@ from collections import deque
 import numpy as np
 import torch
 
+from mindspec.config.plugin_params import PluginParamsError
 from mindspec.modeling.forward_metadata import token_positions
 from mindspec.modeling.loader import checkpoint_keys
 from mindspec.models.deepseekv2.config import DeepseekV2Config
@@ -60,7 +61,9 @@ from . import decode_inputs as di
 from . import decoding_policy as policy
 from .adaptive import ROW_YIELD, AdaptiveSpeculation
 from .hidden_history import HiddenHistory
+from .tree_inputs import hidden_positions as tree_hidden_positions
 from .params import MtpParams, parse_mtp_params
+from .tree_steps import TreeSteps
 
 CATCH_UP = 32  # most MTP entries a module may lack: module 0 is then caught up, later ones give up the oldest
 # Largest batch whose sequences draft from suffixes (above it, MTP drafts alone). On
@@ -103,8 +106,10 @@ class MtpPlugin(Plugin):
         self.dummy_block_id = cache_config.dummy_block_id
         self.suffix = self._suffix_drafts()
         self.suffix_seconds: deque = deque(maxlen=16)  # recent batch-1 steps of suffix drafts
+        self.trees = self._tree_steps(generator)
         # the main model writes a draft position past the last token per draft verified
-        self.num_lookahead_tokens = max(self.k, self.params.suffix_max_drafts if self.suffix else 0)
+        self.num_lookahead_tokens = max(self.k, self.params.suffix_max_drafts if self.suffix else 0,
+                                        self.trees.shape.lookahead if self.trees else 0)
         self.keep_hidden = self.k + CATCH_UP  # vanilla's history (K-1) + the entries to catch up
         self.cache_modules = len(set(self.modules))  # MTP caches this plugin keeps: K (vanilla) or 1
         self.states: dict[int, MtpSeqState] = {}
@@ -123,6 +128,8 @@ class MtpPlugin(Plugin):
             return inputs
         if batch.is_mixed:
             return self._mixed_inputs(batch, inputs)
+        if self.trees:
+            return self._tree_inputs(batch, inputs)
         kinds = _kinds(batch)
         counts = np.asarray(self.adaptive.draft_counts([s.seq_id for s in batch.seqs], kinds), dtype=np.int64)
         behind = np.array([self.states[s.seq_id].lag[0] >= CATCH_UP for s in batch.seqs])
@@ -244,7 +251,21 @@ class MtpPlugin(Plugin):
                               np.array([s.num_tokens for s in seqs], dtype=np.int64),
                               di.block_tables([s.block_table for s in seqs]), self.block_size, counts, host_drafts)
 
+    def _tree_inputs(self, batch: StepBatch, inputs: StepInputs) -> StepInputs:
+        """Every decode step verifies a whole tree; its window is the one a K-draft chain step has."""
+        seqs = batch.seqs
+        hidden_from = np.array([self.states[s.seq_id].hidden_from for s in seqs], dtype=np.int64)
+        inputs, layout = self.trees.inputs(batch, inputs, self._window(seqs, self.k), hidden_from)
+        inputs.extra["mtp_k"] = self.k
+        inputs.extra["mtp_layout"] = layout
+        seq_idx, positions = tree_hidden_positions(layout)
+        slots = np.array([self.states[s.seq_id].slot for s in seqs], dtype=np.int64)
+        inputs.hidden_states = self.history.read(slots[seq_idx], positions)
+        return inputs
+
     def forward(self, batch: StepBatch, inputs: StepInputs, generator):
+        if "tree_steps" in inputs.extra:
+            return self.trees.forward(inputs, generator, inputs.hidden_states)
         if not self._speculating(batch, inputs):
             return generator.forward(inputs.model_inputs, mtp_modules=inputs.extra.get("mtp_modules"),
                                      mtp_next_tokens=inputs.extra.get("mtp_next_tokens"))
@@ -257,12 +278,18 @@ class MtpPlugin(Plugin):
         )
 
     def sample_preprocess(self, batch: StepBatch, inputs: StepInputs) -> StepInputs:
+        if "tree" in inputs.extra:
+            history = self.needs_sampling_metadata or not all(s.sampling_params.plain_greedy for s in batch.seqs)
+            return self.trees.sample_rows(inputs, batch, history)
         if self._verifying(batch, inputs):  # one sampling row per verified position
             counts = inputs.extra["mtp_counts"]
             inputs.row_seq, inputs.row_offset = token_positions(np.zeros_like(counts), counts + 1)
         return inputs
 
     def plugin_verify(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs) -> StepOutputs:
+        if "tree" in inputs.extra:
+            in_think = np.array([self.states[s.seq_id].in_think for s in batch.seqs])
+            return self.trees.verify(inputs, outputs, self.params, in_think)
         if not self._verifying(batch, inputs):
             return outputs
         counts = inputs.extra["mtp_counts"]
@@ -284,6 +311,9 @@ class MtpPlugin(Plugin):
             return
         if batch.is_mixed:
             self._mixed_done(batch, inputs, outputs)
+            return
+        if "tree" in inputs.extra:
+            self._tree_done(batch, inputs, outputs)
             return
         k = self._drafts(batch, inputs)
         speculated, verified = k > 0, self._verifying(batch, inputs)
@@ -308,6 +338,21 @@ class MtpPlugin(Plugin):
         if self.suffix:
             drafted, accepted, seconds = self._suffix_step_done(batch, inputs, outputs, drafted, accepted, seconds)
         self.adaptive.record([seq.seq_id for seq in batch.seqs], drafted, accepted, seconds)
+
+    def _tree_done(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs) -> None:
+        """After a tree step: the accepted path's KV into place, its hidden states kept."""
+        self.trees.compact(inputs, self.generator.model_wrapper)
+        rows = np.concatenate([np.asarray(r, dtype=np.int64) for r in outputs.accepted_rows])
+        counts = np.array([len(a) for a in outputs.accepted], dtype=np.int64)
+        hidden = outputs.hidden_states.index_select(0, torch.from_numpy(rows).to(outputs.hidden_states.device))
+        states = [self.states[seq.seq_id] for seq in batch.seqs]
+        self.history.write(np.array([st.slot for st in states], dtype=np.int64),
+                           np.array([st.hidden_end for st in states], dtype=np.int64), counts,
+                           hidden, np.cumsum(counts) - counts)
+        for b, (state, count) in enumerate(zip(states, counts.tolist())):
+            self._lag_behind(state, count, self.cache_modules)  # every module ran
+            state.hidden_end += count
+            self._follow_think(state, outputs.accepted[b])
 
     def _prefilled(self, batch: StepBatch, inputs: StepInputs, hidden: torch.Tensor) -> None:
         """New states for a prefill's sequences; their last ``keep`` hidden states kept."""
@@ -404,6 +449,16 @@ class MtpPlugin(Plugin):
             self.suffix.clear(seq_ids)
 
     # ---- helpers -------------------------------------------------------------------------------
+    def _tree_steps(self, generator) -> Optional[TreeSteps]:
+        shape = self.params.tree_shape()
+        if shape is None:
+            return None
+        if generator.dp_size > 1:
+            raise PluginParamsError("plugin_params: draft trees run with dp = 1 only (got dp = "
+                                    f"{generator.dp_size}); use a chain (no tree_choices / \"tree\")")
+        self.supports_async_scheduling = False
+        return TreeSteps(shape, self.mode == "eagle", self.block_size, self.dummy_block_id)
+
     def _suffix_drafts(self) -> Optional[SuffixDrafts]:
         p = self.params
         if not p.suffix_drafting:

@@ -8,15 +8,18 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from mindspec.config.plugin_params import PluginParamsError
+from mindspec.modeling.draft_tree import TreeShape, TreeShapeError
 
 MAX_SPECULATIVE_TOKENS = 5
 MTP_MODES = ("vanilla", "eagle")
 POLICIES = ("strict", "relaxed", "typical")
+TREE_KINDS = ("static", "dynamic")
 PD_ROLES = ("standard", "prefill", "decode")
 KNOWN_KEYS = {
     "num_speculative_tokens", "mtp_mode", "decoding_policy", "relaxed_topk", "relaxed_delta",
     "think_start_token_id", "think_end_token_id", "posterior_threshold", "posterior_alpha", "pd_role",
     "adaptive_speculation", "simulated_acceptance", "suffix_drafting", "suffix_max_drafts", "suffix_min_match",
+    "tree", "tree_choices", "tree_topk", "num_draft_tokens",
 }
 MAX_SUFFIX_DRAFTS = 15  # the graph runner's verification rows per sequence less the fed token
 
@@ -44,6 +47,20 @@ class MtpParams:
     suffix_drafting: bool = False
     suffix_max_drafts: int = 8
     suffix_min_match: int = 3
+    # Draft trees (modeling/draft_tree.py): "static" from tree_choices (Medusa's paths of top-k
+    # ranks), "dynamic" (EAGLE-2: tree_topk candidates per expanded node, the num_draft_tokens
+    # best verified); num_speculative_tokens is the tree's depth.
+    tree: Optional[str] = None
+    tree_choices: Optional[tuple[tuple[int, ...], ...]] = None
+    tree_topk: int = 4
+    num_draft_tokens: int = 8
+
+    def tree_shape(self) -> Optional[TreeShape]:
+        if self.tree is None:
+            return None
+        if self.tree == "static":
+            return TreeShape.static(self.tree_choices)
+        return TreeShape.dynamic_tree(self.num_speculative_tokens, self.tree_topk, self.num_draft_tokens)
 
     def resolved_mode(self, modules_in_checkpoint: int) -> str:
         k = self.num_speculative_tokens
@@ -112,10 +129,61 @@ def _rates(options: dict, key: str, k: int) -> Optional[tuple[float, ...]]:
     return tuple(float(v) for v in value)
 
 
+def _tree_options(options: dict) -> dict:
+    """The tree keys, checked; num_speculative_tokens defaults to a static tree's depth."""
+    kind = _choice(options, "tree", TREE_KINDS, "static" if "tree_choices" in options else None)
+    if kind is None:
+        stray = sorted({"tree_topk", "num_draft_tokens"} & set(options))
+        if stray:
+            raise PluginParamsError(f"plugin_params.{stray[0]} needs a draft tree: set tree_choices or \"tree\": \"dynamic\"")
+        return {}
+    out = {"tree": kind, "tree_topk": _int(options, "tree_topk", 1, 16, 4),
+           "num_draft_tokens": _int(options, "num_draft_tokens", 1, None, 8)}
+    if kind == "dynamic":
+        if "tree_choices" in options:
+            raise PluginParamsError("plugin_params.tree_choices describes a static tree, not \"tree\": \"dynamic\"")
+        return out
+    if "tree_choices" not in options:
+        raise PluginParamsError("plugin_params.tree_choices is required with \"tree\": \"static\"")
+    for key in ("tree_topk", "num_draft_tokens"):
+        if key in options:
+            raise PluginParamsError(f"plugin_params.{key} is for \"tree\": \"dynamic\"; a static tree is its tree_choices")
+    try:
+        depth = TreeShape.static(options["tree_choices"]).depth
+    except TreeShapeError as exc:
+        raise PluginParamsError(f"plugin_params.{exc}") from None
+    out["tree_choices"] = tuple(tuple(c) for c in options["tree_choices"])
+    out["num_speculative_tokens"] = options.get("num_speculative_tokens", depth)
+    if out["num_speculative_tokens"] != depth:
+        raise PluginParamsError(f"plugin_params.num_speculative_tokens ({out['num_speculative_tokens']}) must equal "
+                                f"the depth of tree_choices ({depth}), or be left out")
+    return out
+
+
+def _check_tree(params: MtpParams, options: dict) -> MtpParams:
+    """Combinations a tree step does not take; adaptive speculation (chains only) is off."""
+    if params.tree is None:
+        return params
+    refused = [("suffix_drafting", params.suffix_drafting), ("simulated_acceptance", params.simulated_acceptance),
+               ("adaptive_speculation", options.get("adaptive_speculation") is True),
+               ("pd_role", params.pd_role != "standard")]
+    for key, on in refused:
+        if on:
+            raise PluginParamsError(f"plugin_params.{key} cannot be combined with a draft tree (\"tree\": {params.tree!r})")
+    try:
+        params.tree_shape()
+    except TreeShapeError as exc:
+        raise PluginParamsError(f"plugin_params.{exc}") from None
+    return replace(params, adaptive_speculation=False)
+
+
 def parse_mtp_params(options: dict) -> MtpParams:
     unknown = sorted(set(options) - KNOWN_KEYS)
     if unknown:
         raise PluginParamsError(f"plugin_params.{unknown[0]} is not an MTP option (known: {', '.join(sorted(KNOWN_KEYS))})")
+    tree = _tree_options(options)
+    if "num_speculative_tokens" in tree:
+        options = {**options, "num_speculative_tokens": tree.pop("num_speculative_tokens")}
     params = MtpParams(
         num_speculative_tokens=_int(options, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS),
         mtp_mode=_choice(options, "mtp_mode", MTP_MODES, None),
@@ -132,7 +200,8 @@ def parse_mtp_params(options: dict) -> MtpParams:
         suffix_max_drafts=_int(options, "suffix_max_drafts", 1, MAX_SUFFIX_DRAFTS, 8),
         suffix_min_match=_int(options, "suffix_min_match", 1, 1024, 3),
     )
-    params = replace(params, simulated_acceptance=_rates(options, "simulated_acceptance", params.num_speculative_tokens))
+    params = replace(params, simulated_acceptance=_rates(options, "simulated_acceptance", params.num_speculative_tokens),
+                     **tree)
     if params.decoding_policy == "relaxed" and (params.think_start_token_id is None or params.think_end_token_id is None):
         raise PluginParamsError(
             "plugin_params.think_start_token_id and think_end_token_id are required with decoding_policy 'relaxed'"
@@ -140,4 +209,4 @@ def parse_mtp_params(options: dict) -> MtpParams:
     if params.suffix_drafting and params.simulated_acceptance is not None:
         raise PluginParamsError("plugin_params.simulated_acceptance cannot be combined with suffix_drafting "
                                 "(simulated rates are per MTP draft position)")
-    return params
+    return _check_tree(params, options)

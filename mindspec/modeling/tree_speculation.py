@@ -1,0 +1,215 @@
+"""One tree speculation step on the device: draft a tree per sequence, verify it in one forward.
+
+Draft step d (0..D-1) runs one MTP stage over two kinds of rows per sequence:
+
+- *window* rows: cache entries of tokens already verified (step 0: seed 000's window, whose last
+  row, the lm_head row, holds the fed token; MTP Vanilla's later steps: the entries its module d
+  pairs with verified tokens). A window's last row holds the *root*: its output feeds the next
+  step's depth-1 nodes (MTP Eagle has no window after step 0; step 0's root output feeds every step).
+- *tree* rows: every expanded node of depth 1..d, in blocks by depth (``TreeShape.expanded``),
+  each attending to the window, the context and its own ancestors (a tree mask). A node of
+  depth e takes its token and the stage output of its parent (the previous step's row for the
+  parent: MTP Vanilla's module d-1 for the same path; MTP Eagle recomputes the shallower blocks
+  with the one module, since attention reaches only this forward's rows through the tree mask).
+
+Candidates of depth d+1 are the top-k tokens of step d's logits at the expanded depth-d nodes,
+scored by cumulative draft log-probability; the tree verified is ``TreeShape``'s selection. The
+main model then runs [root, nodes...] per sequence at positions n-1 + depth with the
+ancestor-or-self mask. Everything here is torch on the model's device: the tree structure
+reaches the host once, with the verification's logits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from mindspec.backend import LatentCache
+from mindspec.modeling.draft_tree import TreeShape
+from mindspec.modeling.forward_metadata import DeviceInputs, ModelInputs, to_device
+
+
+@dataclass
+class TreeStepHost:
+    """One draft step as the drafter plugin builds it (plugins/mtp/tree_inputs.py)."""
+
+    module_idx: int
+    inputs: ModelInputs  # window rows then tree rows per sequence
+    window_src: np.ndarray  # [T] previous step's row feeding each window row, -1 on tree rows
+    window_lens: np.ndarray  # [B]
+    tree_first: np.ndarray  # [B] flat row of each sequence's first tree row
+    root_src: np.ndarray  # [B] see TreeDraftStep
+
+    def to_device(self, device) -> "TreeDraftStep":
+        def tensor(a):
+            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
+
+        return TreeDraftStep(self.module_idx, to_device(self.inputs, device), tensor(self.window_src),
+                             self.window_lens, tensor(self.tree_first), tensor(self.root_src))
+
+
+@dataclass
+class TreeDraftStep:
+    """One draft step's device inputs (built on the host by the drafter plugin)."""
+
+    module_idx: int
+    inputs: DeviceInputs  # window rows then tree rows per sequence; tree rows' tokens are filled here
+    window_src: torch.Tensor  # [T] row of the previous step's output feeding each window row (-1: tree row)
+    window_lens: np.ndarray  # [B] window rows per sequence (the last holds the root)
+    tree_first: torch.Tensor  # [B] flat row of each sequence's first tree row
+    root_src: torch.Tensor  # [B] the previous step's root row; past its rows: the appended root (eagle) or zeros
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor  # [B, N + 1] row 0: the fed token, then the nodes in breadth-first order
+    parents: torch.Tensor  # [B, N + 1] parent row of each row (-1: the root)
+    depths: torch.Tensor  # [B, N + 1] drafts before the row's token (0: the root)
+
+
+def ancestor_mask(parents: torch.Tensor, depth: int) -> torch.Tensor:
+    """parents [B, R] (parent row of each row, -1: none) -> [B, R, R] bool: row i may attend
+    row j when j is i or one of its ancestors (at most ``depth`` generations up)."""
+    b, r = parents.shape
+    mask = torch.eye(r, dtype=torch.bool, device=parents.device).expand(b, r, r).clone()
+    up = torch.arange(r, device=parents.device).expand(b, r)
+    for _ in range(depth):
+        up = torch.where(up >= 0, parents.gather(1, up.clamp_min(0)), up)  # one generation further
+        if not bool((up >= 0).any()):
+            break
+        mask |= torch.nn.functional.one_hot(up.clamp_min(0), r).bool() & (up >= 0)[:, :, None]
+    return mask
+
+
+def step_mask(anc: torch.Tensor, window_lens: np.ndarray, max_q: int) -> torch.Tensor:
+    """[B, max_q, max_q] mask among a step's new rows: window rows causal, tree rows see every
+    window row of their sequence and their ancestors (anc [B, R, R])."""
+    b, r, _ = anc.shape
+    w = torch.as_tensor(window_lens, device=anc.device)[:, None, None]
+    i = torch.arange(max_q, device=anc.device)[None, :, None]
+    j = torch.arange(max_q, device=anc.device)[None, None, :]
+    ti, tj = (i - w), (j - w)
+    in_tree = (ti >= 0) & (ti < r) & (tj >= 0) & (tj < r)
+    tree = anc.gather(1, ti.clamp(0, r - 1).expand(b, max_q, r))  # [B, max_q, R]
+    tree = tree.gather(2, tj.clamp(0, r - 1).expand(b, max_q, max_q))
+    return ((i < w) & (j <= i)) | ((ti >= 0) & (j < w)) | (in_tree & tree)
+
+
+class TreeDrafter:
+    """Draft steps and selection of one tree step (stateless between steps)."""
+
+    def __init__(self, model, shape: TreeShape, caches: list[LatentCache], eagle: bool):
+        self.model = model
+        self.shape = shape
+        self.caches = caches
+        self.eagle = eagle
+        self.device = model.backend.device
+        self.parent_of = [torch.from_numpy(p).to(self.device) for p in shape.parent_of]
+        self.rank_of = [torch.from_numpy(r).to(self.device) for r in shape.rank_of]
+        self.chosen = [None if c is None else torch.from_numpy(c).to(self.device) for c in shape.chosen]
+        self.block_first = np.concatenate([[0], np.cumsum(shape.expanded[1:])]).astype(np.int64)  # tree row of X_e
+
+    def draft(self, steps: list[TreeDraftStep], first_hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """-> candidates per depth: tokens, scores, parent flat index (see ``select``)."""
+        shape, s0 = self.shape, steps[0]
+        out = self._run(s0, s0.inputs.input_ids, first_hidden, None)
+        num_seqs = len(s0.window_lens)
+        logits = out.logits.view(num_seqs, 1, -1)  # [B, E_0 = 1, V]
+        root = out.hidden_states[s0.inputs.lm_head_indices]  # [B, H] step 0's root output (eagle)
+        prev, prev_step = out.hidden_states, s0
+        score = torch.zeros(num_seqs, 1, device=self.device)
+        tokens, scores, exp_idx, exp_parent = [], [], [], []
+        for d in range(1, shape.depth + 1):
+            top_lp, top_ids = torch.log_softmax(logits.float(), dim=-1).topk(shape.top_k(d - 1), dim=-1)
+            pe, rk = self.parent_of[d - 1], self.rank_of[d - 1]
+            tokens.append(top_ids[:, pe, rk])  # [B, C_d]
+            scores.append(score[:, pe] + top_lp[:, pe, rk])
+            if d == shape.depth:
+                break
+            chosen = self.chosen[d - 1]
+            idx = scores[-1].topk(shape.expanded[d], dim=-1).indices if chosen is None \
+                else chosen.expand(num_seqs, -1)  # [B, E_d]
+            exp_idx.append(idx)
+            exp_parent.append(pe[idx])
+            score = scores[-1].gather(1, idx)
+            step = steps[d]
+            ids, src, anc = self._tree_rows(step, prev_step, tokens, exp_idx, exp_parent)
+            hidden = torch.cat([prev, root if self.eagle else torch.zeros_like(root)])
+            out = self._run(step, ids, hidden[src], step_mask(anc, step.window_lens, max(step.inputs.meta.q_lens_host)))
+            logits = out.logits.view(num_seqs, shape.expanded[d], -1)
+            prev, prev_step = out.hidden_states, step
+        return tokens, scores, exp_idx
+
+    def _tree_rows(self, step: TreeDraftStep, prev_step: TreeDraftStep, tokens, exp_idx, exp_parent):
+        """Step d's input tokens, the source row of each row's hidden state, and the ancestor
+        mask among its tree rows."""
+        d = len(exp_idx)
+        first = step.tree_first[:, None]  # [B, 1]
+        node_tokens = torch.cat([tokens[e].gather(1, exp_idx[e]) for e in range(d)], dim=1)  # [B, R]
+        rows = first + torch.arange(node_tokens.shape[1], device=self.device)  # [B, R] flat tree rows
+        ids = step.inputs.input_ids.clone()
+        ids[rows.reshape(-1)] = node_tokens.reshape(-1)
+        # the parent of block e's node i: block e-1's node exp_parent[e][i] (the root for e = 0)
+        prev_first = prev_step.tree_first[:, None]
+        root_src = step.root_src[:, None]
+        parent_src, parent_row = [root_src.expand(-1, exp_idx[0].shape[1])], [torch.full_like(exp_idx[0], -1)]
+        for e in range(1, d):
+            parent_src.append(prev_first + int(self.block_first[e - 1]) + exp_parent[e])
+            parent_row.append(int(self.block_first[e - 1]) + exp_parent[e])
+        src = step.window_src.clone()
+        src[rows.reshape(-1)] = torch.cat(parent_src, dim=1).reshape(-1)
+        anc = ancestor_mask(torch.cat(parent_row, dim=1), d)
+        return ids, src, anc
+
+    def select(self, tokens, scores, exp_idx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The nodes verified, breadth first: (tokens [B, N], parent rows [B, N] in 0..N, the
+        root being row 0, depths [B, N] >= 1)."""
+        shape = self.shape
+        num_seqs = tokens[0].shape[0]
+        flat_tokens, flat_scores = torch.cat(tokens, dim=1), torch.cat(scores, dim=1)  # [B, sum C]
+        sizes = shape.candidates
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        depth = torch.from_numpy(np.repeat(np.arange(1, shape.depth + 1), sizes)).to(self.device)
+        parent_flat = [torch.full((num_seqs, sizes[0]), -1, dtype=torch.long, device=self.device)]
+        for d in range(2, shape.depth + 1):  # depth d's parent: the expanded node exp_idx[d-2][parent_of]
+            parent_flat.append(int(offsets[d - 2]) + exp_idx[d - 2][:, self.parent_of[d - 1]])
+        parent_flat = torch.cat(parent_flat, dim=1)  # [B, sum C]
+        if shape.dynamic:  # best scores; ties keep the shallower (a parent before its children)
+            order = torch.sort(flat_scores, dim=1, descending=True, stable=True).indices[:, : shape.num_nodes]
+            chosen = order.sort(dim=1).values  # breadth first
+        else:
+            chosen = torch.arange(flat_tokens.shape[1], device=self.device).expand(num_seqs, -1)
+        row_of = torch.zeros_like(parent_flat)
+        row_of.scatter_(1, chosen, torch.arange(1, shape.num_nodes + 1, device=self.device).expand(num_seqs, -1))
+        parents = parent_flat.gather(1, chosen)
+        parent_rows = torch.where(parents < 0, torch.zeros_like(parents), row_of.gather(1, parents.clamp_min(0)))
+        return flat_tokens.gather(1, chosen), parent_rows, depth[chosen]
+
+    def _run(self, step: TreeDraftStep, ids: torch.Tensor, hidden: torch.Tensor, mask: Optional[torch.Tensor]):
+        meta = step.inputs.meta
+        meta.tree_mask = mask
+        self.model.backend.prepare(meta)
+        return self.model.forward_mtp(step.module_idx, ids, hidden, step.inputs.positions, self.caches, meta,
+                                      step.inputs.lm_head_indices)
+
+
+def verify_tree(model, drafter: TreeDrafter, main: DeviceInputs, steps: list[TreeDraftStep],
+                first_hidden: torch.Tensor, caches: list[LatentCache]):
+    """Draft the trees, then the main model over [root, nodes] per sequence -> (ModelOutput with
+    logits of every row, DraftTree)."""
+    tokens, scores, exp_idx = drafter.draft(steps, first_hidden)
+    node_tokens, node_parents, node_depths = drafter.select(tokens, scores, exp_idx)
+    num_seqs = node_tokens.shape[0]
+    root_ids = main.input_ids.view(num_seqs, -1)[:, :1]
+    zero = torch.zeros_like(root_ids)
+    tree = DraftTree(tokens=torch.cat([root_ids, node_tokens], dim=1),
+                     parents=torch.cat([zero - 1, node_parents], dim=1),
+                     depths=torch.cat([zero, node_depths], dim=1))
+    meta = main.meta
+    meta.tree_mask = ancestor_mask(tree.parents, drafter.shape.depth)
+    model.backend.prepare(meta)
+    positions = main.positions + tree.depths.reshape(-1)  # host positions are n-1 on every row
+    out = model.forward(tree.tokens.reshape(-1), positions, caches, meta, main.lm_head_indices)
+    return out, tree
