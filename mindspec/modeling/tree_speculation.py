@@ -41,13 +41,15 @@ class TreeStepHost:
     window_lens: np.ndarray  # [B]
     tree_first: np.ndarray  # [B] flat row of each sequence's first tree row
     root_src: np.ndarray  # [B] see TreeDraftStep
+    tree_visible: np.ndarray  # [B, R] bool: tree rows their descendants may attend (see TreeDraftStep)
 
     def to_device(self, device) -> "TreeDraftStep":
         def tensor(a):
             return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
 
         return TreeDraftStep(self.module_idx, to_device(self.inputs, device), tensor(self.window_src),
-                             self.window_lens, tensor(self.tree_first), tensor(self.root_src))
+                             self.window_lens, tensor(self.tree_first), tensor(self.root_src),
+                             torch.from_numpy(np.ascontiguousarray(self.tree_visible)).to(device))
 
 
 @dataclass
@@ -60,6 +62,9 @@ class TreeDraftStep:
     window_lens: np.ndarray  # [B] window rows per sequence (the last holds the root)
     tree_first: torch.Tensor  # [B] flat row of each sequence's first tree row
     root_src: torch.Tensor  # [B] the previous step's root row; past its rows: the appended root (eagle) or zeros
+    # [B, R] bool: False for a row whose entry lies before position 0 (MTP Vanilla, a sequence
+    # shorter than the path): it writes nothing and its descendants do not attend to it
+    tree_visible: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -161,6 +166,8 @@ class TreeDrafter:
         src = step.window_src.clone()
         src[rows.reshape(-1)] = torch.cat(parent_src, dim=1).reshape(-1)
         anc = ancestor_mask(torch.cat(parent_row, dim=1), d)
+        if step.tree_visible is not None:
+            anc &= step.tree_visible[:, None, :] | torch.eye(anc.shape[1], dtype=torch.bool, device=self.device)
         return ids, src, anc
 
     def select(self, tokens, scores, exp_idx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -72,6 +72,10 @@ def draft_steps(token_ids: list[list[int]], layout: DecodeLayout, tables: np.nda
         tree_row = np.where(is_tree, row - np.repeat(window, q_lens), 0)
         positions = np.where(is_tree, np.repeat(n - 2 if eagle else n - 2 - d, q_lens) + depths[tree_row] if tree else 0,
                              cache_idx)
+        # MTP Vanilla: a node's entry in module d lies before position 0 when the sequence is
+        # shorter than the path (a chain has no such entry): it writes nothing and no row sees it
+        before_start = is_tree & (positions < 0)
+        positions = np.maximum(positions, 0)
         ids = np.zeros(len(seq_idx), dtype=np.int64)
         for b, toks in enumerate(token_ids):  # window entry i pairs token i + 1 + d
             w = int(window[b])
@@ -79,6 +83,7 @@ def draft_steps(token_ids: list[list[int]], layout: DecodeLayout, tables: np.nda
         slots = slots_for(tables, seq_idx, cache_idx, block_size)
         blind = positions < np.repeat(hidden_from, q_lens)
         slots = np.where(blind, dummy_block_id * block_size + cache_idx % block_size, slots)
+        slots = np.where(before_start, -1, slots)
         tree_first = first + window
         if d == 0:
             lm = first + window - 1
@@ -100,6 +105,7 @@ def draft_steps(token_ids: list[list[int]], layout: DecodeLayout, tables: np.nda
             ),
             window_src=window_src.astype(np.int64), window_lens=window.astype(np.int64),
             tree_first=tree_first.astype(np.int64), root_src=root_src.astype(np.int64),
+            tree_visible=(~before_start[is_tree]).reshape(len(n), tree),
         ))
         prev_rows, prev_tree_first, prev_window = len(seq_idx), tree_first, window
     return steps
