@@ -112,6 +112,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also measure async scheduling (MTP off and K=3)")
     p.add_argument("--split-fuse", action=argparse.BooleanOptionalAction, default=False,
                    help="also measure SplitFuse (MTP off and K=3 adaptive with prompts chunked into decode steps)")
+    p.add_argument("--trees", action=argparse.BooleanOptionalAction, default=False,
+                   help="also measure MTP draft trees (dynamic eagle trees of several sizes, vanilla dynamic and static)")
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure transformers generate on the same checkpoint")
     p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
@@ -214,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
         configs = speed.default_configs(ks, hf_config.get("num_nextn_predict_layers", 0),
                                         hf_config.get("bos_token_id", 0), hf_config.get("eos_token_id", 1),
-                                        args.compile, args.asynchronous, args.split_fuse)
+                                        args.compile, args.asynchronous, args.split_fuse, args.trees)
         if shape:
             configs = speed.simulated(configs, shape["simulated_acceptance"])
         if args.configs:

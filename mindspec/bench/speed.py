@@ -73,12 +73,32 @@ def mtp(k: int, mode: str, adaptive: bool = False, **extra) -> dict:
             "adaptive_speculation": adaptive, **extra}
 
 
+# Draft trees measured with --trees: dynamic (EAGLE-2) trees as (depth, tree_topk, num_draft_tokens)
+# for MTP Eagle (any depth), and for MTP Vanilla (depth = its modules) a dynamic and a static one.
+EAGLE_TREES = ((4, 2, 6), (4, 3, 10), (5, 3, 12), (5, 4, 16))
+VANILLA_STATIC_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0]]
+
+
+def tree(depth: int, mode: str, topk: int, nodes: int) -> dict:
+    return {"plugin_type": "mtp", "mtp_mode": mode, "tree": "dynamic", "num_speculative_tokens": depth,
+            "tree_topk": topk, "num_draft_tokens": nodes}
+
+
+def tree_configs(mtp_modules: int) -> list[Config]:
+    out = [Config(f"eagle tree d{d} k{t} n{n}", tree(d, "eagle", t, n)) for d, t, n in EAGLE_TREES]
+    if mtp_modules >= 3:
+        out += [Config("vanilla tree d3 k3 n8", tree(3, "vanilla", 3, 8)),
+                Config("vanilla tree static 10", {"plugin_type": "mtp", "mtp_mode": "vanilla",
+                                                  "tree_choices": VANILLA_STATIC_TREE})]
+    return out
+
+
 def default_configs(ks: list[int], mtp_modules: int, bos: int, eos: int, compiled: bool,
-                    asynchronous: bool = True, split_fuse: bool = False) -> list[Config]:
+                    asynchronous: bool = True, split_fuse: bool = False, trees: bool = False) -> list[Config]:
     """MTP off; vanilla (K up to the checkpoint's modules) and eagle at fixed K; K=3 adaptive (both modes);
     relaxed acceptance; with ``asynchronous``, async scheduling of MTP off and K=3; with
     ``compiled``, the compiled decode step for the main ones; with ``split_fuse``, SplitFuse for
-    MTP off and K=3 adaptive (both modes)."""
+    MTP off and K=3 adaptive (both modes); with ``trees``, draft trees (tree_configs)."""
     out = [Config("mtp off")]
     for k in [k for k in ks if k <= mtp_modules]:
         out.append(Config(f"vanilla K={k}", mtp(k, "vanilla")))
@@ -102,6 +122,8 @@ def default_configs(ks: list[int], mtp_modules: int, bos: int, eos: int, compile
         out += [Config("mtp off +splitfuse", split_fuse=True)]
         out += [Config(f"{mode} K=3 adaptive +splitfuse", mtp(3, mode, adaptive=True), split_fuse=True)
                 for mode in dict.fromkeys([best, "eagle"])]
+    if trees:
+        out += tree_configs(mtp_modules)
     if compiled:
         out += [Config("mtp off +compile", decode_graphs=True),
                 Config(f"{best} K=3 +compile", mtp(3, best), decode_graphs=True),
@@ -111,14 +133,16 @@ def default_configs(ks: list[int], mtp_modules: int, bos: int, eos: int, compile
 
 def simulated(configs: list[Config], rates: list[float]) -> list[Config]:
     """The configurations for a random-weights model: speculation accepts drafts at ``rates``
-    (the MTP plugin's simulated_acceptance); relaxed acceptance, which needs real targets, is dropped."""
+    (the MTP plugin's simulated_acceptance); relaxed acceptance and draft trees, which need real targets,
+    are dropped."""
     out = []
     for c in configs:
         if not c.speculative or c.plugin_params["plugin_type"] != "mtp":  # suffix drafts are verified for real
             out.append(c)
             continue
         k = c.plugin_params["num_speculative_tokens"]
-        if c.plugin_params.get("decoding_policy") == "relaxed":
+        if c.plugin_params.get("decoding_policy") == "relaxed" or "tree" in c.plugin_params \
+                or "tree_choices" in c.plugin_params:  # trees pick paths by their real targets
             continue
         if k > len(rates):
             raise ValueError(f"{c.name} needs {k} simulated acceptance rates, {len(rates)} given")
