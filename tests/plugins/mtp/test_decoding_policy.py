@@ -82,3 +82,21 @@ def test_simulated_acceptance_accepts_each_position_at_its_rate():
     np.testing.assert_allclose(share, rates, atol=0.005)  # draft j accepted in rates[j-1] of the steps
     assert policy.simulated_accept(np.array([1.0, 1.0]), np.random.default_rng(0), 5).tolist() == [2] * 5
     assert policy.simulated_accept(np.array([0.0]), np.random.default_rng(0), 5).tolist() == [0] * 5
+
+
+def test_tree_paths_longest_passing_path_first_in_row_order():
+    from mindspec.plugins.mtp.decoding_policy import tree_paths
+
+    #            root
+    #        1         2
+    #      3   4       5
+    #      6           7
+    #                  8
+    parents = np.array([[-1, 0, 0, 1, 1, 2, 3, 5, 7]] * 4)
+    ok = np.array([
+        [1, 1, 1, 0, 1, 1, 1, 1],  # 2-5-7-8 is the longest passing path
+        [1, 0, 1, 1, 1, 1, 0, 0],  # 1-3-6 and 1-4: the longer (5 passes, its parent 2 does not)
+        [0, 0, 1, 1, 1, 1, 1, 1],  # nothing at depth 1 passes: no path
+        [1, 1, 1, 1, 0, 0, 0, 0],  # 1-3 and 1-4 tie: the first in row order
+    ], dtype=bool)
+    assert tree_paths(parents, ok) == [[2, 5, 7, 8], [1, 3, 6], [], [1, 3]]

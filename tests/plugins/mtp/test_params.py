@@ -42,6 +42,28 @@ BAD = [
     ({"plugin_type": "mtp", "num_speculative_tokens": 1, "simulated_acceptance": [1.5]}, "simulated_acceptance"),
     ({"plugin_type": "mtp", "num_speculative_tokens": 1, "simulated_acceptance": "0.9"}, "simulated_acceptance"),
     ({"plugin_type": "mtp", "num_speculative_tokens": 1, "simulated_acceptance": [True]}, "simulated_acceptance"),
+    # draft trees
+    ({"plugin_type": "mtp", "tree_choices": [[0, 1]]}, r"path \[0, 1\] needs its parent \[0\]"),
+    ({"plugin_type": "mtp", "tree_choices": "[[0]]"}, "tree_choices must be a non-empty list"),
+    ({"plugin_type": "mtp", "tree_choices": [[0], [0, 0]], "num_speculative_tokens": 3}, "must equal the depth"),
+    ({"plugin_type": "mtp", "tree_choices": [[0]] + [[0] * d for d in range(2, 7)]}, r"num_speculative_tokens must be in 1\.\.5"),
+    ({"plugin_type": "mtp", "tree_choices": [[0]], "tree_topk": 2}, "tree_topk is for"),
+    ({"plugin_type": "mtp", "tree": "dynamic", "num_speculative_tokens": 2, "tree_choices": [[0]]}, "describes a static tree"),
+    ({"plugin_type": "mtp", "tree": "static", "num_speculative_tokens": 2}, "tree_choices is required"),
+    ({"plugin_type": "mtp", "tree": "beam", "num_speculative_tokens": 2}, "tree must be one of static, dynamic"),
+    ({"plugin_type": "mtp", "tree": "dynamic"}, "num_speculative_tokens is required"),
+    ({"plugin_type": "mtp", "tree": "dynamic", "num_speculative_tokens": 2, "tree_topk": 0}, r"tree_topk must be in 1\.\.16"),
+    ({"plugin_type": "mtp", "tree": "dynamic", "num_speculative_tokens": 2, "tree_topk": 2, "num_draft_tokens": 7},
+     r"num_draft_tokens must be in 1\.\.6"),
+    ({"plugin_type": "mtp", "num_speculative_tokens": 2, "num_draft_tokens": 4}, "num_draft_tokens needs a draft tree"),
+    ({"plugin_type": "mtp", "tree": "dynamic", "num_speculative_tokens": 2, "adaptive_speculation": True},
+     "adaptive_speculation cannot be combined with a draft tree"),
+    ({"plugin_type": "mtp", "tree": "dynamic", "num_speculative_tokens": 2, "suffix_drafting": True},
+     "suffix_drafting cannot be combined with a draft tree"),
+    ({"plugin_type": "mtp", "tree": "dynamic", "num_speculative_tokens": 2, "pd_role": "decode"},
+     "pd_role cannot be combined with a draft tree"),
+    ({"plugin_type": "mtp", "tree": "dynamic", "num_speculative_tokens": 2, "simulated_acceptance": [0.5, 0.4]},
+     "simulated_acceptance cannot be combined with a draft tree"),
 ]
 
 
@@ -83,3 +105,14 @@ def test_simulated_acceptance_is_kept_as_rates():
     params = _mtp({"plugin_type": "mtp", "num_speculative_tokens": 3, "simulated_acceptance": [0.9, 0.8, 0.8]})
     assert params.simulated_acceptance == (0.9, 0.8, 0.8)
     assert _mtp({"plugin_type": "mtp", "num_speculative_tokens": 3}).simulated_acceptance is None
+
+
+def test_tree_options_parse_to_a_shape():
+    static = _mtp({"plugin_type": "mtp", "tree_choices": [[0], [1], [0, 0]]})
+    assert static.num_speculative_tokens == 2 and static.tree == "static" and not static.adaptive_speculation
+    assert static.tree_shape().num_nodes == 3
+    dynamic = _mtp('{"plugin_type": "mtp", "tree": "dynamic", "num_speculative_tokens": 4, "tree_topk": 3, '
+                   '"num_draft_tokens": 10}')
+    shape = dynamic.tree_shape()
+    assert shape.dynamic and shape.depth == 4 and shape.num_nodes == 10 and shape.expanded == (1, 3, 3, 3)
+    assert _mtp({"plugin_type": "mtp", "num_speculative_tokens": 2}).tree_shape() is None
