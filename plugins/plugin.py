@@ -27,6 +27,9 @@ class Plugin(ABC):
     name = "plugin"
     # KV positions a decode step writes beyond one new token per sequence (MTP: drafts).
     num_lookahead_tokens = 0
+    # Tokens after a position that the plugin's own KV entry at that position depends on (MTP
+    # module s pairs position i with token i + 1 + s: K); the prefix cache keys blocks with them.
+    kv_context_tokens = 0
     # plugin_verify reads the step's SamplingMetadata (inputs.extra["sampling_metadata"]) even
     # when every row is plain greedy, whose sampling otherwise skips building it.
     needs_sampling_metadata = False

@@ -66,7 +66,7 @@ class LLMEngine:
             raise EngineError("SplitFuse (plugin_type splitfuse / enableSplit) is not available with dp > 1: "
                               "turn one of them off")
         self.prefix_caching = args.enable_prefix_caching or plugin_params.prefix_cache
-        prefix_cache = PrefixCache(cache.block_size, self.plugin_manager.num_lookahead_tokens,
+        prefix_cache = PrefixCache(cache.block_size, self.plugin_manager.kv_context_tokens,
                                    whole_chains=generator.dp_size > 1) if self.prefix_caching else None
         self.block_manager = BlockManager(cache.num_blocks, cache.block_size, reserve_dummy_block=True,
                                           prefix_cache=prefix_cache)

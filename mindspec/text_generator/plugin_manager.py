@@ -47,6 +47,10 @@ class PluginManager:
     def num_lookahead_tokens(self) -> int:
         return max((p.num_lookahead_tokens for p in self.plugins), default=0)
 
+    @property
+    def kv_context_tokens(self) -> int:
+        return max((p.kv_context_tokens for p in self.plugins), default=0)
+
     # ---- one step ------------------------------------------------------------------------------
     def generate_token(self, batch: StepBatch) -> StepOutputs:
         return self.execute(batch, self.prepare(batch))

@@ -161,3 +161,16 @@ def test_prefix_cache_and_split_fuse_equal_cpu(v3_checkpoint, device, mode):
     outs = engine.run([first, second])
     assert [o.token_ids for o in outs] == expected
     assert outs[1].num_cached_tokens >= 8
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "eagle"])
+def test_draft_trees_equal_cpu(v3_checkpoint, device, mode):
+    """Tree drafting (tree-masked MTP steps) and verification (the Triton MLA kernel's tree mask)
+    on the cuda backend: the cpu backend's plain tokens, with tree paths accepted."""
+    path, prompts = v3_checkpoint
+    params = {"plugin_type": "mtp", "mtp_mode": mode, "tree": "dynamic", "num_speculative_tokens": 2,
+              "tree_topk": 3, "num_draft_tokens": 6}
+    expected = _tokens(_llm(path, "cpu"), prompts)
+    out = _llm(path, "cuda", device, plugin_params=params).generate(prompts, GREEDY)
+    assert [o.token_ids for o in out] == expected
+    assert sum(o.spec_decode.num_accepted_tokens for o in out) > 0

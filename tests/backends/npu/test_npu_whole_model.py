@@ -139,3 +139,18 @@ def test_mtp_with_suffix_drafts_equals_cpu(ascend_checkpoint, npu_ref, monkeypat
 
     assert tokens("npu", params, device="cpu") == tokens("cpu", {})
     assert any(host and len(host) < len(counts) for counts, host in steps)  # suffix and MTP rows in one step
+
+
+def test_draft_trees_run_composed_attention_and_equal_cpu(ascend_checkpoint, npu_ref):
+    """FIA takes no tree mask: tree steps' attention runs on the documented composed path (the
+    fallback counter names it) and the tokens are the cpu backend's."""
+    tree = {"plugin_type": "mtp", "tree": "dynamic", "num_speculative_tokens": 2, "tree_topk": 2,
+            "num_draft_tokens": 4, "mtp_mode": "eagle"}
+    npu = LLM(model=str(ascend_checkpoint), dtype="float16", cache_block_size=16, num_blocks=64, progress=False,
+              plugin_params=tree, backend="npu", device="cpu")
+    with_npu = [o.token_ids for o in npu.generate(_prompts(), GREEDY)]
+    assert "mla_attention" in npu.engine.model_wrapper.backend.fallbacks.ops()
+    assert npu.engine.spec_stats.num_accepted_tokens > 0
+    cpu = LLM(model=str(ascend_checkpoint), dtype="float16", cache_block_size=16, num_blocks=64, progress=False,
+              plugin_params=tree, backend="cpu")
+    assert with_npu == [o.token_ids for o in cpu.generate(_prompts(), GREEDY)]

@@ -60,11 +60,26 @@ def _tv(counts: dict, probs: dict, n: int) -> float:
     ids=["top_k", "top_p"],
 )
 def test_mtp_sampling_matches_target_distribution(checkpoint, params):
+    # every step must speculate for the test to mean anything: no adaptive plain steps
+    _check_distribution(checkpoint, params, {"plugin_type": "mtp", "num_speculative_tokens": 2,
+                                             "adaptive_speculation": False}, NUM_SAMPLES)
+
+
+@pytest.mark.slow
+def test_tree_sampling_matches_target_distribution(checkpoint):
+    """A dynamic tree (three candidates per node, so sibling candidates are rejected in turn
+    before the residual is sampled) emits the target distribution too."""
+    params = SamplingParams(temperature=1.0, top_k=4, max_tokens=2, ignore_eos=True)
+    tree = {"plugin_type": "mtp", "tree": "dynamic", "num_speculative_tokens": 2, "tree_topk": 3,
+            "num_draft_tokens": 6}
+    _check_distribution(checkpoint, params, tree, NUM_SAMPLES // 2)
+
+
+def _check_distribution(checkpoint, params, plugin_params, num_samples):
     llm = LLM(model=str(checkpoint), dtype="float32", cache_block_size=16, num_blocks=2100, progress=False,
               max_batch_size=2048, max_prefill_batch_size=2048, max_prefill_tokens=10**6,
-              # every step must speculate for the test to mean anything: no adaptive plain steps
-              plugin_params={"plugin_type": "mtp", "num_speculative_tokens": 2, "adaptive_speculation": False})
-    outs = llm.generate([PROMPT] * NUM_SAMPLES, params)
+              plugin_params=plugin_params)
+    outs = llm.generate([PROMPT] * num_samples, params)
     counts: dict[tuple[int, int], int] = {}
     for o in outs:
         key = tuple(o.token_ids)
@@ -73,12 +88,12 @@ def test_mtp_sampling_matches_target_distribution(checkpoint, params):
     # A perturbed reference: the target blended 10% towards uniform over its own support.
     uniform = 1.0 / len(target)
     perturbed = {c: 0.9 * p + 0.1 * uniform for c, p in target.items()}
-    tv_target = _tv(counts, target, NUM_SAMPLES)
-    tv_perturbed = _tv(counts, perturbed, NUM_SAMPLES)
+    tv_target = _tv(counts, target, num_samples)
+    tv_perturbed = _tv(counts, perturbed, num_samples)
     accepted = sum(o.spec_decode.num_accepted_tokens for o in outs)
-    assert accepted > 0.1 * NUM_SAMPLES, "drafts must be accepted for the test to mean anything"
+    assert accepted > 0.1 * num_samples, "drafts must be accepted for the test to mean anything"
     # Expected TV of an exact sampler from multinomial noise alone: 0.5 * sum E|p_hat - p|.
-    noise = 0.5 * sum(np.sqrt(2 * p * (1 - p) / (np.pi * NUM_SAMPLES)) for p in target.values())
+    noise = 0.5 * sum(np.sqrt(2 * p * (1 - p) / (np.pi * num_samples)) for p in target.values())
     assert tv_target < 1.5 * noise
     assert tv_perturbed > 2 * tv_target
 

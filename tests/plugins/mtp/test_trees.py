@@ -134,3 +134,18 @@ def test_typical_tree_accepts_at_least_strict(case):
         assert all(len(o.token_ids) == NEW_TOKENS for o in outs)
         accepted[policy] = sum(o.spec_decode.num_accepted_tokens for o in outs) / sum(o.spec_decode.num_steps for o in outs)
     assert accepted["typical"] >= accepted["strict"]
+
+
+@pytest.mark.parametrize("mode", ["eagle", "vanilla"])
+def test_tree_with_prefix_caching_and_split_fuse_is_lossless(case, mode):
+    """Prompts sharing a prefix: later ones start from cached blocks (their MTP entries included)
+    and are prefilled in chunks beside tree steps; the output is still the plain tokens."""
+    kind, path, prompts, _ = case
+    shared = prompts[0] + prompts[1] + prompts[2]
+    batch = [shared + p for p in prompts[3:8]]
+    expected = [o.token_ids for o in _llm(path).generate(batch, GREEDY)]
+    params = {**_tree_params("dynamic", mode), "plugin_type": "mtp,prefix_cache,splitfuse"}
+    llm = _llm(path, params, split_chunk_tokens=16)
+    outs = [llm.generate([p], GREEDY)[0] for p in batch[:2]] + llm.generate(batch[2:], GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert all(o.num_cached_tokens >= 4 * (len(shared) // 4) - 4 for o in outs[1:])
