@@ -98,8 +98,8 @@ class LLMEngine:
             raise EngineError("asyncScheduling is not available with dp > 1: turn one of them off")
         for plugin in self.plugin_manager.plugins:
             if not plugin.supports_async_scheduling:
-                raise EngineError(f"asyncScheduling is not available with plugin_type {plugin.name!r} yet: "
-                                  "turn one of them off")
+                what = getattr(plugin, "async_refusal", None) or f"plugin_type {plugin.name!r}"
+                raise EngineError(f"asyncScheduling is not available with {what} yet: turn one of them off")
         for plugin in self.plugin_manager.plugins:
             if getattr(plugin, "adaptive", None) is not None and plugin.adaptive.enabled:
                 # Steps are built before the previous one is timed: speculate on every step.

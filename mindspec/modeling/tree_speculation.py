@@ -142,7 +142,9 @@ class TreeDrafter:
             step = steps[d]
             ids, src, anc = self._tree_rows(step, prev_step, tokens, exp_idx, exp_parent)
             hidden = torch.cat([prev, root if self.eagle else torch.zeros_like(root)])
-            out = self._run(step, ids, hidden[src], step_mask(anc, step.window_lens, max(step.inputs.meta.q_lens_host)))
+            mask = step_mask(anc, step.window_lens, max(step.inputs.meta.q_lens_host))
+            # the last step feeds no other: only its expanded rows run past attention
+            out = self._run(step, ids, hidden[src], mask, last=d == shape.depth - 1)
             logits = out.logits.view(num_seqs, shape.expanded[d], -1)
             prev, prev_step = out.hidden_states, step
         return tokens, scores, exp_idx
@@ -194,12 +196,13 @@ class TreeDrafter:
         parent_rows = torch.where(parents < 0, torch.zeros_like(parents), row_of.gather(1, parents.clamp_min(0)))
         return flat_tokens.gather(1, chosen), parent_rows, depth[chosen]
 
-    def _run(self, step: TreeDraftStep, ids: torch.Tensor, hidden: torch.Tensor, mask: Optional[torch.Tensor]):
+    def _run(self, step: TreeDraftStep, ids: torch.Tensor, hidden: torch.Tensor, mask: Optional[torch.Tensor],
+             last: bool = False):
         meta = step.inputs.meta
         meta.tree_mask = mask
         self.model.backend.prepare(meta)
         return self.model.forward_mtp(step.module_idx, ids, hidden, step.inputs.positions, self.caches, meta,
-                                      step.inputs.lm_head_indices)
+                                      step.inputs.lm_head_indices, lm_rows_out=last)
 
 
 def verify_tree(model, drafter: TreeDrafter, main: DeviceInputs, steps: list[TreeDraftStep],

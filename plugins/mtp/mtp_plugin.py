@@ -458,6 +458,7 @@ class MtpPlugin(Plugin):
             raise PluginParamsError("plugin_params: draft trees run with dp = 1 only (got dp = "
                                     f"{generator.dp_size}); use a chain (no tree_choices / \"tree\")")
         self.supports_async_scheduling = False
+        self.async_refusal = "MTP draft trees (tree_choices / \"tree\")"
         return TreeSteps(shape, self.mode == "eagle", self.block_size, self.dummy_block_id)
 
     def _suffix_drafts(self) -> Optional[SuffixDrafts]:

@@ -64,7 +64,7 @@ class ToyDrafter:
     def out(self, token, hidden, module):
         return torch.tanh(hidden + self.embed[token] + module)
 
-    def forward_mtp(self, module_idx, ids, hidden, positions, caches, meta, lm_head_indices):
+    def forward_mtp(self, module_idx, ids, hidden, positions, caches, meta, lm_head_indices, lm_rows_out=False):
         h = self.out(ids, hidden, module_idx)
         return ModelOutput(logits=(h[lm_head_indices] @ self.heads[module_idx]), hidden_states=h)
 

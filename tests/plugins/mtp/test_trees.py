@@ -149,3 +149,11 @@ def test_tree_with_prefix_caching_and_split_fuse_is_lossless(case, mode):
     outs = [llm.generate([p], GREEDY)[0] for p in batch[:2]] + llm.generate(batch[2:], GREEDY)
     assert [o.token_ids for o in outs] == expected
     assert all(o.num_cached_tokens >= 4 * (len(shared) // 4) - 4 for o in outs[1:])
+
+
+def test_tree_refuses_async_scheduling_by_name(tmp_path):
+    from mindspec.engine.llm_engine import EngineError
+
+    make_checkpoint(tmp_path, tiny_v3_config(num_nextn_predict_layers=3), seed=1)
+    with pytest.raises(EngineError, match="asyncScheduling is not available with MTP draft trees"):
+        _llm(tmp_path, _tree_params("dynamic", "eagle"), async_scheduling=True)
