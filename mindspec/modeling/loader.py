@@ -63,6 +63,9 @@ def read_hf_config(model_dir: str | Path, supported_model_types: Iterable[str] =
     return config
 
 
+MEDUSA_HEADS_FILE = "medusa_lm_head.safetensors"  # Medusa's own name for its heads
+
+
 def find_checkpoint_files(model_dir: str | Path) -> tuple[list[Path], dict[str, Path]]:
     """(files, weight_map); weight_map is empty for unindexed checkpoints."""
     path = Path(model_dir)
@@ -82,7 +85,8 @@ def find_checkpoint_files(model_dir: str | Path) -> tuple[list[Path], dict[str, 
             if not f.is_file():
                 raise NotACheckpointError(f"{INDEX_FILE} lists shard {f.name!r}, which is missing from {str(path)!r}")
         return files, mapped
-    files = sorted(path.glob("*.safetensors"))
+    # Medusa heads beside a model are a drafter's weights, loaded by that plugin (medusa_heads.py)
+    files = sorted(f for f in path.glob("*.safetensors") if f.name != MEDUSA_HEADS_FILE)
     if not files and (path / MANIFEST).is_file():
         return [path / MANIFEST], {}
     if not files:

@@ -69,11 +69,18 @@ class Generator:
         hidden_states: Optional[torch.Tensor] = None,
         mtp_modules: Optional[list[int]] = None,
         mtp_next_tokens: Optional[np.ndarray] = None,
+        tree_mask: Optional[torch.Tensor] = None,
     ) -> GeneratorOutput:
         """Plain forward; with ``mtp_modules`` a prefill that also fills the MTP caches
         (``mtp_next_tokens`` [B, modules]: prompt tokens after a prefill chunk, -1 unknown); with
-        ``sub_model_inputs`` (one per draft step) an MTP decode: draft, then verify in one call.
+        ``sub_model_inputs`` (one per draft step) an MTP decode: draft, then verify in one call;
+        with ``tree_mask`` [B, q, q] the rows of each sequence attend by it (tree verification).
         ``q_lens`` are the per-sequence row counts (the dp split reads them from the inputs)."""
+        if tree_mask is not None:  # a verification of trees drafted on the host side (Medusa)
+            if self.dp_size > 1:
+                raise ValueError("draft trees are not split over dp ranks (dp = 1 only)")
+            out = self.model_wrapper.forward_host(model_inputs, tree_mask=tree_mask.to(self.device))
+            return GeneratorOutput(logits=out.logits, hidden_states=out.hidden_states)
         if self.dp_size == 1:
             lm_head_local_dp = None if sub_model_inputs is None else sub_model_inputs[0].lm_head_indices
             return self._run(model_inputs, sub_model_inputs, hidden_states, mtp_modules, lm_head_local_dp,

@@ -11,8 +11,7 @@ start .. n-2, the last pairing the fed token t(n-1) with h(n-2)):
   history (the window reaches K-1 entries back).
 - MTP Eagle step d >= 1: the tree rows alone at positions n-2+e, after the context (entries
   before n-1, written by step 0); the root's output is step 0's.
-- verification: [t(n-1), nodes...] at cache indices n-1 .. n-1+N, every row at position n-1
-  (the device adds each node's depth) and with logits.
+- verification: plugins/tree_verify.py's ``verification_inputs``.
 
 Rows whose position precedes ``hidden_from`` (no hidden state here: a PD hand-off, a shared
 prefix) write to the dummy block, as the chain's do.
@@ -26,26 +25,6 @@ from mindspec.modeling.forward_metadata import ModelInputs, slots_for, token_pos
 from mindspec.modeling.tree_speculation import TreeStepHost
 
 from .decode_inputs import DecodeLayout
-
-
-def main_inputs(last_tokens: np.ndarray, num_tokens: np.ndarray, tables: np.ndarray, block_size: int,
-                num_nodes: int) -> ModelInputs:
-    rows = num_nodes + 1
-    q_lens = np.full(len(num_tokens), rows, dtype=np.int32)
-    seq_idx, cache_idx = token_positions(num_tokens - 1, q_lens)
-    ids = np.zeros(len(cache_idx), dtype=np.int64)
-    ids[::rows] = last_tokens
-    return ModelInputs(
-        input_ids=ids,
-        positions=np.repeat(num_tokens - 1, rows),
-        slots=slots_for(tables, seq_idx, cache_idx, block_size),
-        block_tables=tables,
-        seq_lens=(num_tokens - 1 + rows).astype(np.int32),
-        q_lens=q_lens,
-        lm_head_indices=np.arange(len(cache_idx), dtype=np.int64),
-        is_prefill=False,
-        block_size=block_size,
-    )
 
 
 def draft_steps(token_ids: list[list[int]], layout: DecodeLayout, tables: np.ndarray, block_size: int,

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from mindspec.modeling.draft_tree import TreeShape
-from mindspec.plugins.tree_verify import TreeVerifier
+from mindspec.plugins.tree_verify import TreeVerifier, verification_inputs
 from mindspec.text_generator.step import StepBatch, StepInputs
 
 from . import decode_inputs as di
@@ -33,8 +33,8 @@ class TreeSteps(TreeVerifier):
         tables = di.block_tables([s.block_table for s in seqs])
         layout = di.decode_layout(num_tokens, last_accepted, self.shape.depth, "eagle" if self.eagle else "vanilla",
                                   hidden_from)
-        inputs.model_inputs = ti.main_inputs(np.array([s.last_token_id for s in seqs]), num_tokens, tables,
-                                             self.block_size, self.shape.num_nodes)
+        inputs.model_inputs = verification_inputs(np.array([s.last_token_id for s in seqs]), num_tokens, tables,
+                                                  self.block_size, self.shape.num_nodes)
         inputs.q_lens = inputs.model_inputs.q_lens
         inputs.extra["tree_steps"] = ti.draft_steps([s.token_ids for s in seqs], layout, tables, self.block_size,
                                                     self.shape, self.eagle, hidden_from, self.dummy_block_id)
