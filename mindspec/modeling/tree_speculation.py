@@ -117,7 +117,7 @@ class TreeDrafter:
         self.block_first = np.concatenate([[0], np.cumsum(shape.expanded[1:])]).astype(np.int64)  # tree row of X_e
 
     def draft(self, steps: list[TreeDraftStep], first_hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """-> candidates per depth: tokens, scores, parent flat index (see ``select``)."""
+        """-> candidates per depth: tokens, scores, and the expanded candidates (see ``select``)."""
         shape, s0 = self.shape, steps[0]
         out = self._run(s0, s0.inputs.input_ids, first_hidden, None)
         num_seqs = len(s0.window_lens)
@@ -125,7 +125,8 @@ class TreeDrafter:
         root = out.hidden_states[s0.inputs.lm_head_indices]  # [B, H] step 0's root output (eagle)
         prev, prev_step = out.hidden_states, s0
         score = torch.zeros(num_seqs, 1, device=self.device)
-        tokens, scores, exp_idx, exp_parent = [], [], [], []
+        tokens, scores, exp_idx = [], [], []
+        rows = _TreeRows(num_seqs, self.device)
         for d in range(1, shape.depth + 1):
             top_lp, top_ids = torch.log_softmax(logits.float(), dim=-1).topk(shape.top_k(d - 1), dim=-1)
             pe, rk = self.parent_of[d - 1], self.rank_of[d - 1]
@@ -137,40 +138,19 @@ class TreeDrafter:
             idx = scores[-1].topk(shape.expanded[d], dim=-1).indices if chosen is None \
                 else chosen.expand(num_seqs, -1)  # [B, E_d]
             exp_idx.append(idx)
-            exp_parent.append(pe[idx])
             score = scores[-1].gather(1, idx)
+            # block d's parents: the root (d = 1) or block d-1's node pe[idx]
+            rows.add(tokens[-1].gather(1, idx), None if d == 1 else int(self.block_first[d - 2]) + pe[idx])
             step = steps[d]
-            ids, src, anc = self._tree_rows(step, prev_step, tokens, exp_idx, exp_parent)
+            ids, src = rows.inputs(step, prev_step)
+            anc = rows.visible(step.tree_visible)
+            mask = anc if self.eagle else step_mask(anc, step.window_lens, max(step.inputs.meta.q_lens_host))
             hidden = torch.cat([prev, root if self.eagle else torch.zeros_like(root)])
-            mask = step_mask(anc, step.window_lens, max(step.inputs.meta.q_lens_host))
             # the last step feeds no other: only its expanded rows run past attention
             out = self._run(step, ids, hidden[src], mask, last=d == shape.depth - 1)
             logits = out.logits.view(num_seqs, shape.expanded[d], -1)
             prev, prev_step = out.hidden_states, step
         return tokens, scores, exp_idx
-
-    def _tree_rows(self, step: TreeDraftStep, prev_step: TreeDraftStep, tokens, exp_idx, exp_parent):
-        """Step d's input tokens, the source row of each row's hidden state, and the ancestor
-        mask among its tree rows."""
-        d = len(exp_idx)
-        first = step.tree_first[:, None]  # [B, 1]
-        node_tokens = torch.cat([tokens[e].gather(1, exp_idx[e]) for e in range(d)], dim=1)  # [B, R]
-        rows = first + torch.arange(node_tokens.shape[1], device=self.device)  # [B, R] flat tree rows
-        ids = step.inputs.input_ids.clone()
-        ids[rows.reshape(-1)] = node_tokens.reshape(-1)
-        # the parent of block e's node i: block e-1's node exp_parent[e][i] (the root for e = 0)
-        prev_first = prev_step.tree_first[:, None]
-        root_src = step.root_src[:, None]
-        parent_src, parent_row = [root_src.expand(-1, exp_idx[0].shape[1])], [torch.full_like(exp_idx[0], -1)]
-        for e in range(1, d):
-            parent_src.append(prev_first + int(self.block_first[e - 1]) + exp_parent[e])
-            parent_row.append(int(self.block_first[e - 1]) + exp_parent[e])
-        src = step.window_src.clone()
-        src[rows.reshape(-1)] = torch.cat(parent_src, dim=1).reshape(-1)
-        anc = ancestor_mask(torch.cat(parent_row, dim=1), d)
-        if step.tree_visible is not None:
-            anc &= step.tree_visible[:, None, :] | torch.eye(anc.shape[1], dtype=torch.bool, device=self.device)
-        return ids, src, anc
 
     def select(self, tokens, scores, exp_idx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The nodes verified, breadth first: (tokens [B, N], parent rows [B, N] in 0..N, the
@@ -203,6 +183,50 @@ class TreeDrafter:
         self.model.backend.prepare(meta)
         return self.model.forward_mtp(step.module_idx, ids, hidden, step.inputs.positions, self.caches, meta,
                                       step.inputs.lm_head_indices, lm_rows_out=last)
+
+
+class _TreeRows:
+    """The tree rows of the draft steps so far, grown by one block of expanded nodes per step:
+    their tokens, parents (row within the tree rows, -1: the root) and ancestor mask."""
+
+    def __init__(self, num_seqs: int, device):
+        self.tokens = torch.zeros(num_seqs, 0, dtype=torch.long, device=device)
+        self.parents = torch.zeros(num_seqs, 0, dtype=torch.long, device=device)
+        self.anc = torch.zeros(num_seqs, 0, 0, dtype=torch.bool, device=device)
+        self.device = device
+
+    def add(self, tokens: torch.Tensor, parents: Optional[torch.Tensor]) -> None:
+        """tokens [B, E] of the next block; parents [B, E] rows of the previous block (None: the root)."""
+        b, e = tokens.shape
+        r = self.tokens.shape[1]
+        if parents is None:
+            parents = torch.full_like(tokens, -1)
+            inherited = torch.zeros(b, e, r, dtype=torch.bool, device=self.device)
+        else:
+            inherited = self.anc.gather(1, parents[:, :, None].expand(b, e, r))  # [B, E, R] the parent's ancestors
+        eye = torch.eye(e, dtype=torch.bool, device=self.device).expand(b, e, e)
+        top = torch.cat([self.anc, torch.zeros(b, r, e, dtype=torch.bool, device=self.device)], dim=2)
+        self.anc = torch.cat([top, torch.cat([inherited, eye], dim=2)], dim=1)
+        self.tokens = torch.cat([self.tokens, tokens], dim=1)
+        self.parents = torch.cat([self.parents, parents], dim=1)
+
+    def inputs(self, step: TreeDraftStep, prev_step: TreeDraftStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step d's input tokens and the row of the previous step's output (or of the appended
+        root row) feeding each of its rows."""
+        flat = (step.tree_first[:, None] + torch.arange(self.tokens.shape[1], device=self.device)).reshape(-1)
+        ids = step.inputs.input_ids.clone()
+        ids[flat] = self.tokens.reshape(-1)
+        parent_src = torch.where(self.parents < 0, step.root_src[:, None], prev_step.tree_first[:, None] + self.parents)
+        src = step.window_src.clone()
+        src[flat] = parent_src.reshape(-1)
+        return ids, src
+
+    def visible(self, tree_visible: Optional[torch.Tensor]) -> torch.Tensor:
+        """The ancestor mask less the rows a step hides (entries before position 0)."""
+        if tree_visible is None:
+            return self.anc
+        r = self.anc.shape[1]
+        return self.anc & (tree_visible[:, None, :] | torch.eye(r, dtype=torch.bool, device=self.device))
 
 
 def verify_tree(model, drafter: TreeDrafter, main: DeviceInputs, steps: list[TreeDraftStep],
