@@ -303,3 +303,19 @@ def make_self_predicting_checkpoint(path, config, *, seed: int = 0, residual_sca
             tensors[p + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / SINGLE_NAME), metadata={"format": "pt"})
     return path
+
+
+def write_medusa_heads(path, config, *, num_heads: int = 3, seed: int = 0, scale: float = 0.05,
+                       own_lm_head: bool = False, prefix: str = "medusa_head.") -> Path:
+    """Random Medusa-1 heads (one residual block each; ``own_lm_head``: each with its lm_head)
+    in ``path/medusa_lm_head.safetensors``, the layout mindspec.modeling.medusa_heads reads."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden, vocab = config.hidden_size, config.vocab_size
+    tensors = {}
+    for i in range(num_heads):
+        tensors[f"{prefix}{i}.0.linear.weight"] = torch.randn(hidden, hidden, generator=gen) * scale
+        tensors[f"{prefix}{i}.0.linear.bias"] = torch.randn(hidden, generator=gen) * scale
+        if own_lm_head:
+            tensors[f"{prefix}{i}.1.weight"] = torch.randn(vocab, hidden, generator=gen) * 0.2
+    save_file(tensors, str(Path(path) / "medusa_lm_head.safetensors"))
+    return Path(path)
