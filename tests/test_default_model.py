@@ -45,6 +45,22 @@ def test_mtp_k3_is_lossless_and_accepts_well(prompts, mode):
         assert stats.mean_accepted_length >= 2.4
 
 
+@pytest.mark.parametrize("plugin_params, floor", [
+    ({"plugin_type": "mtp", "tree": "dynamic", "num_speculative_tokens": 5, "tree_topk": 3, "num_draft_tokens": 12,
+      "mtp_mode": "eagle"}, 4.0),
+    ({"plugin_type": "medusa"}, 1.8),
+], ids=["eagle_tree", "medusa"])
+def test_trees_are_lossless_and_accept_well(prompts, plugin_params, floor):
+    """On held-out prompts: an MTP tree accepts more than the K=3 chain can emit (4 tokens a
+    step), and the shipped Medusa heads' drafts are accepted too; output as without speculation."""
+    ps, llm = prompts
+    expected = [o.token_ids for o in llm.generate(ps, GREEDY)]
+    tree = LLM(model=str(DEFAULT_MODEL_DIR), dtype="float32", num_blocks=256, cache_block_size=16, progress=False,
+               plugin_params=plugin_params)
+    assert [o.token_ids for o in tree.generate(ps, GREEDY)] == expected
+    assert tree.engine.spec_stats.mean_accepted_length >= floor
+
+
 def test_first_command_prints_python():
     exe = shutil.which("mindspec")
     cmd = [exe] if exe else [sys.executable, "-m", "mindspec.cli"]

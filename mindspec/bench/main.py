@@ -27,6 +27,7 @@ import torch
 from mindspec.bench import llama_cpp, model_shapes, prefix_cache, profile, speed, split_fuse, workloads
 from mindspec.bench.llama_cpp import LlamaCppError
 from mindspec.backends.cpu.backend import default_cpu_threads
+from mindspec.modeling.loader import MEDUSA_HEADS_FILE
 from mindspec.modeling.step_accounting import account_decode_steps
 from mindspec.text_generator.sampling.params import SamplingParams
 
@@ -113,7 +114,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split-fuse", action=argparse.BooleanOptionalAction, default=False,
                    help="also measure SplitFuse (MTP off and K=3 adaptive with prompts chunked into decode steps)")
     p.add_argument("--trees", action=argparse.BooleanOptionalAction, default=False,
-                   help="also measure MTP draft trees (dynamic eagle trees of several sizes, vanilla dynamic and static)")
+                   help="also measure draft trees (dynamic eagle trees of several sizes, vanilla dynamic and static; "
+                        "Medusa heads where the checkpoint has them)")
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure transformers generate on the same checkpoint")
     p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
@@ -216,7 +218,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
         configs = speed.default_configs(ks, hf_config.get("num_nextn_predict_layers", 0),
                                         hf_config.get("bos_token_id", 0), hf_config.get("eos_token_id", 1),
-                                        args.compile, args.asynchronous, args.split_fuse, args.trees)
+                                        args.compile, args.asynchronous, args.split_fuse, args.trees,
+                                        medusa=(Path(model_dir) / MEDUSA_HEADS_FILE).is_file())
         if shape:
             configs = speed.simulated(configs, shape["simulated_acceptance"])
         if args.configs:

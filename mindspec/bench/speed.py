@@ -84,17 +84,23 @@ def tree(depth: int, mode: str, topk: int, nodes: int) -> dict:
             "tree_topk": topk, "num_draft_tokens": nodes}
 
 
-def tree_configs(mtp_modules: int) -> list[Config]:
+def tree_configs(mtp_modules: int, medusa: bool = False) -> list[Config]:
+    """Draft trees; ``medusa``: the checkpoint has Medusa heads, measured with their default tree
+    and as a chain of their first choices."""
     out = [Config(f"eagle tree d{d} k{t} n{n}", tree(d, "eagle", t, n)) for d, t, n in EAGLE_TREES]
     if mtp_modules >= 3:
         out += [Config("vanilla tree d3 k3 n8", tree(3, "vanilla", 3, 8)),
                 Config("vanilla tree static 10", {"plugin_type": "mtp", "mtp_mode": "vanilla",
                                                   "tree_choices": VANILLA_STATIC_TREE})]
+    if medusa:
+        out += [Config("medusa tree", {"plugin_type": "medusa"}),
+                Config("medusa chain 3", {"plugin_type": "medusa", "tree_choices": [[0], [0, 0], [0, 0, 0]]})]
     return out
 
 
 def default_configs(ks: list[int], mtp_modules: int, bos: int, eos: int, compiled: bool,
-                    asynchronous: bool = True, split_fuse: bool = False, trees: bool = False) -> list[Config]:
+                    asynchronous: bool = True, split_fuse: bool = False, trees: bool = False,
+                    medusa: bool = False) -> list[Config]:
     """MTP off; vanilla (K up to the checkpoint's modules) and eagle at fixed K; K=3 adaptive (both modes);
     relaxed acceptance; with ``asynchronous``, async scheduling of MTP off and K=3; with
     ``compiled``, the compiled decode step for the main ones; with ``split_fuse``, SplitFuse for
@@ -123,7 +129,7 @@ def default_configs(ks: list[int], mtp_modules: int, bos: int, eos: int, compile
         out += [Config(f"{mode} K=3 adaptive +splitfuse", mtp(3, mode, adaptive=True), split_fuse=True)
                 for mode in dict.fromkeys([best, "eagle"])]
     if trees:
-        out += tree_configs(mtp_modules)
+        out += tree_configs(mtp_modules, medusa)
     if compiled:
         out += [Config("mtp off +compile", decode_graphs=True),
                 Config(f"{best} K=3 +compile", mtp(3, best), decode_graphs=True),
@@ -137,7 +143,7 @@ def simulated(configs: list[Config], rates: list[float]) -> list[Config]:
     are dropped."""
     out = []
     for c in configs:
-        if not c.speculative or c.plugin_params["plugin_type"] != "mtp":  # suffix drafts are verified for real
+        if not c.speculative or c.plugin_params["plugin_type"] != "mtp":  # suffix, medusa: verified for real
             out.append(c)
             continue
         k = c.plugin_params["num_speculative_tokens"]

@@ -29,6 +29,10 @@ verification keeps every choice lossless, a stale entry only weakens that module
 same reason a vanilla prefill runs only the modules that the controller's choice at the coming
 batch size uses (all K until measured); the others start behind by the prompt.
 
+Draft trees (``tree_choices`` or ``"tree": "dynamic"``; tree_steps.py, docs/trees.md): every
+decode step drafts a tree per sequence with the K modules (vanilla) or the one reused (eagle) and
+verifies it whole; adaptive speculation is off, every module's entries are written each step.
+
 Suffix drafts (``suffix_drafting``, ``"plugin_type": "mtp,suffix"``): a sequence whose suffix
 drafts (plugins/suffix) promise more tokens than its MTP drafts verifies those instead, written
 into its rows on the host. A step whose sequences all verify suffix drafts (or none) runs no

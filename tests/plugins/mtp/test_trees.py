@@ -157,3 +157,19 @@ def test_tree_refuses_async_scheduling_by_name(tmp_path):
     make_checkpoint(tmp_path, tiny_v3_config(num_nextn_predict_layers=3), seed=1)
     with pytest.raises(EngineError, match="asyncScheduling is not available with MTP draft trees"):
         _llm(tmp_path, _tree_params("dynamic", "eagle"), async_scheduling=True)
+
+
+def test_relaxed_tree_accepts_at_least_strict_inside_the_thinking_span(case):
+    """Relaxed acceptance on a tree: with the whole output declared a thinking span it keeps at
+    least the nodes strict keeps; with delta 0 it is strict (identical output)."""
+    kind, path, prompts, expected = case
+    think = {"decoding_policy": "relaxed", "relaxed_topk": 3, "think_start_token_id": 0, "think_end_token_id": 1}
+    strict_zero = _llm(path, _tree_params("dynamic", "vanilla", **think, relaxed_delta=0.0))
+    assert [o.token_ids for o in strict_zero.generate(prompts, GREEDY)] == expected
+    prompts_in_think = [[0] + p for p in prompts]
+    rates = {}
+    for delta in (0.0, 0.3):
+        llm = _llm(path, _tree_params("dynamic", "vanilla", **think, relaxed_delta=delta))
+        outs = llm.generate(prompts_in_think, GREEDY)
+        rates[delta] = sum(o.spec_decode.num_accepted_tokens for o in outs) / sum(o.spec_decode.num_steps for o in outs)
+    assert rates[0.3] >= rates[0.0]
