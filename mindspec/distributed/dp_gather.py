@@ -23,12 +23,13 @@ class OutputGather:
     def __init__(self, group, world_size: int):
         self.group, self.world_size = group, world_size
 
-    def all_gather(self, parts: list[torch.Tensor], shapes: list[list[Shape]]) -> list[list[torch.Tensor]]:
-        """parts: this rank's tensors; shapes[r]: rank r's shapes of the same parts -> per rank,
-        its parts as float32 (this rank's included, as received)."""
+    def all_gather(self, parts: list[torch.Tensor], shapes: list[list[Shape]], device=None) -> list[list[torch.Tensor]]:
+        """parts: this rank's tensors (none: a rank that ran nothing, on ``device``); shapes[r]:
+        rank r's shapes of the same parts -> per rank, its parts as float32 (this rank's
+        included, as received)."""
         sizes = [sum(prod(s) for s in rank_shapes) for rank_shapes in shapes]
         width = max(max(sizes), 1)
-        device = parts[0].device
+        device = parts[0].device if parts else device
         send = torch.zeros(width, dtype=torch.float32, device=device)
         flat = torch.cat([p.reshape(-1).to(torch.float32) for p in parts]) if parts else send[:0]
         send[: flat.numel()] = flat

@@ -19,6 +19,7 @@ from typing import Optional
 import numpy as np
 
 from mindspec.modeling.forward_metadata import ModelInputs
+from mindspec.modeling.tree_speculation import TreeStepHost
 
 LM_LAST, LM_ALL, LM_FIRST, LM_NONE = "last", "all", "first", "none"  # logits rows of a dummy sequence
 
@@ -245,3 +246,33 @@ def shard(
         num_sub_pad=int(sum(pad.sub_q_lens)),
         rows=rows,
     )
+
+
+def tree_shard(steps: list[TreeStepHost], owners: np.ndarray, rank: int) -> tuple[list[TreeStepHost], np.ndarray]:
+    """A tree step's draft steps for ``rank``'s sequences alone (no padding: trees run without
+    expert parallelism, so ranks need not run equal rows), with every row index re-based to the
+    rank's rows -> (local steps, the global rows of step 0 whose hidden states the rank needs)."""
+    local_steps, prev_map, prev_global, prev_local = [], None, 0, 0
+    for step in steps:
+        rows = rank_rows(step.inputs, owners, rank)
+        local = local_inputs(step.inputs, rows)
+        seqs = rows.seqs
+        src = step.window_src[rows.token_rows]
+        if prev_map is not None:
+            src = np.where(src >= 0, prev_map[np.maximum(src, 0)], -1)
+            root = step.root_src[seqs]
+            appended = prev_local + np.arange(len(seqs))  # the root or zero row appended per sequence
+            root_src = np.where(root < prev_global, prev_map[np.minimum(root, prev_global - 1)], appended)
+        else:
+            root_src = np.zeros(len(seqs), dtype=np.int64)
+        q = local.q_lens.astype(np.int64)
+        window = step.window_lens[seqs]
+        local_steps.append(TreeStepHost(
+            module_idx=step.module_idx, inputs=local, window_src=src.astype(np.int64), window_lens=window,
+            tree_first=(np.cumsum(q) - q + window).astype(np.int64), root_src=root_src.astype(np.int64),
+            tree_visible=step.tree_visible[seqs],
+        ))
+        prev_map = np.full(step.inputs.num_tokens, -1, dtype=np.int64)
+        prev_map[rows.token_rows] = np.arange(len(rows.token_rows))
+        prev_global, prev_local = step.inputs.num_tokens, len(rows.token_rows)
+    return local_steps, rank_rows(steps[0].inputs, owners, rank).token_rows

@@ -25,7 +25,7 @@ from mindspec.modeling.model_wrapper import ModelWrapper
 from mindspec.modeling.draft_tree import TreeShape
 from mindspec.modeling.tree_speculation import DraftTree, TreeStepHost
 
-PLAIN, PREFILL_MTP, SPECULATIVE = 0, 1, 2  # forward kinds, compared across ranks every step
+PLAIN, PREFILL_MTP, SPECULATIVE, TREE = 0, 1, 2, 3  # forward kinds, compared across ranks every step
 
 
 @dataclass
@@ -92,11 +92,45 @@ class Generator:
     @torch.inference_mode()
     def forward_tree(self, model_inputs: ModelInputs, steps: list[TreeStepHost], hidden_states: torch.Tensor,
                      shape: TreeShape, eagle: bool) -> GeneratorOutput:
-        """A tree speculation step: draft a tree per sequence, verify it in one forward."""
+        """A tree speculation step: draft a tree per sequence, verify it in one forward. With dp,
+        each rank drafts and verifies its own sequences' trees and the results are gathered."""
         if self.dp_size > 1:
-            raise ValueError("draft trees are not split over dp ranks (dp = 1 only)")
+            return self._forward_tree_dp(model_inputs, steps, hidden_states, shape, eagle)
         out, tree = self.model_wrapper.forward_tree_host(model_inputs, steps, hidden_states.to(self.device), shape, eagle)
         return GeneratorOutput(logits=out.logits, hidden_states=out.hidden_states, tree=tree)
+
+    def _forward_tree_dp(self, inputs: ModelInputs, steps: list[TreeStepHost], hidden_states: torch.Tensor,
+                         shape: TreeShape, eagle: bool) -> GeneratorOutput:
+        if self.parallel.ep_size > 1:  # its collectives would need every rank to run equal rows
+            raise ValueError("draft trees with expert parallelism (moe_ep > 1) are not supported; use moe_ep 1")
+        owners = self.assigner.assign(inputs)
+        self.gather.check_same([TREE, inputs.num_seqs, inputs.num_tokens, len(steps),
+                                int(np.dot(owners + 1, np.arange(1, len(owners) + 1)))],
+                               "kind, sequences, tokens, draft steps, owners", self.device)
+        rows = [dp_plan.rank_rows(inputs, owners, r) for r in range(self.dp_size)]
+        me, width = rows[self.dp_rank], shape.num_nodes + 1
+        parts = []
+        if len(me.seqs):
+            local_steps, hidden_rows = dp_plan.tree_shard(steps, owners, self.dp_rank)
+            hidden = hidden_states[torch.from_numpy(hidden_rows).to(hidden_states.device)].to(self.device)
+            out, tree = self.model_wrapper.forward_tree_host(dp_plan.local_inputs(inputs, me), local_steps, hidden,
+                                                             shape, eagle)
+            parts = [out.logits, out.hidden_states, torch.stack([tree.tokens, tree.parents, tree.depths], dim=1)]
+        vocab, hidden_size = self.model_wrapper.config.vocab_size, self.model_wrapper.config.hidden_size
+        shapes = [[(len(r.lm_rows), vocab), (len(r.token_rows), hidden_size), (len(r.seqs), 3, width)] for r in rows]
+        every = self.gather.all_gather(parts, shapes, self.device)
+        logits = torch.empty(len(inputs.lm_head_indices), vocab, device=self.device)
+        states = torch.empty(inputs.num_tokens, hidden_size, dtype=self.model_wrapper.dtype, device=self.device)
+        trees = torch.empty(inputs.num_seqs, 3, width, dtype=torch.long, device=self.device)
+        for r, got in zip(rows, every):
+            logits[torch.from_numpy(r.lm_rows).to(self.device)] = got[0]
+            states[torch.from_numpy(r.token_rows).to(self.device)] = got[1].to(states.dtype)
+            trees[torch.from_numpy(r.seqs).to(self.device)] = got[2].round().long()
+        self.dp_stats.steps += 1
+        self.dp_stats.sequences += len(me.seqs)
+        self.dp_stats.idle_steps += int(len(me.seqs) == 0)
+        tree = DraftTree(tokens=trees[:, 0], parents=trees[:, 1], depths=trees[:, 2])
+        return GeneratorOutput(logits=logits, hidden_states=states, tree=tree)
 
     # ---- one rank's forward ------------------------------------------------------------------
     def _run(self, inputs, subs, hidden_states, mtp_modules, lm_head_local_dp, lm_rows_only=None,

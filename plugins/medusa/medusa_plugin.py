@@ -11,7 +11,8 @@ speculation; ``typical``: Medusa's typical acceptance).
 Options (``plugin_params``): ``tree_choices`` (default: DEFAULT_TREE cut to the heads used),
 ``num_speculative_tokens`` (heads used, default all; the tree's depth when both are given),
 ``decoding_policy`` (strict | typical), ``posterior_threshold``, ``posterior_alpha``.
-Heads: mindspec/modeling/medusa_heads.py. Not with async scheduling, dp > 1 or PD.
+Heads: mindspec/modeling/medusa_heads.py. Under async scheduling a decode step's tree is built
+when the running step's results are known (fill_in_model_result). Not with dp > 1 or PD.
 """
 from __future__ import annotations
 
@@ -74,8 +75,6 @@ def parse_medusa_params(options: dict, num_heads: int) -> MedusaParams:
 
 class MedusaPlugin(Plugin):
     name = "medusa"
-    supports_async_scheduling = False
-    async_refusal = "plugin_type 'medusa'"
 
     def __init__(self, generator, cache_config, **options):
         wrapper = self.model_wrapper = generator.model_wrapper
@@ -124,6 +123,18 @@ class MedusaPlugin(Plugin):
         self.verifier.keep_layout(inputs, num_tokens, tables)
         inputs.extra["tree_mask"] = self.mask.expand(len(seqs), -1, -1)
         return inputs
+
+    def prepare_masks_for_filling(self, batch: StepBatch, inputs: StepInputs, pending: np.ndarray) -> StepInputs:
+        """Async scheduling: the drafts come from the hidden state of the running step's last
+        accepted row, so a decode step's tree is built at fill time."""
+        if not batch.is_prefill:
+            inputs.extra["tree_deferred"] = True
+        return inputs
+
+    def fill_in_model_result(self, batch: StepBatch, inputs: StepInputs, pending: np.ndarray,
+                             accepted: list[list[int]]) -> None:
+        if inputs.extra.pop("tree_deferred", False):
+            self.model_inputs_update(batch, inputs)
 
     def forward(self, batch: StepBatch, inputs: StepInputs, generator):
         return generator.forward(inputs.model_inputs, tree_mask=inputs.extra.get("tree_mask"))

@@ -181,6 +181,9 @@ class MtpPlugin(Plugin):
         inputs.extra["mtp_started"] = time.perf_counter()
         if batch.is_prefill:
             return self.model_inputs_update(batch, inputs)
+        if self.trees:  # a tree step's window follows what the running step accepts: built at fill time
+            inputs.extra["tree_deferred"] = True
+            return inputs
         inputs.extra["mtp_k"] = self.k
         # A sequence whose prefill is still running has no state yet: its pending count is its window.
         # Otherwise K drafts use every module, so the window is the deepest module's lag (_window).
@@ -191,6 +194,9 @@ class MtpPlugin(Plugin):
     def fill_in_model_result(self, batch: StepBatch, inputs: StepInputs, pending: np.ndarray,
                              accepted: list[list[int]]) -> None:
         if batch.is_prefill:
+            return
+        if inputs.extra.pop("tree_deferred", False):  # the views hold the real tokens now
+            self._tree_inputs(batch, inputs)
             return
         layout = async_fill.fill(inputs, pending, accepted, self.k, self.mode)
         inputs.extra["mtp_layout"] = layout
@@ -458,11 +464,9 @@ class MtpPlugin(Plugin):
         shape = self.params.tree_shape()
         if shape is None:
             return None
-        if generator.dp_size > 1:
-            raise PluginParamsError("plugin_params: draft trees run with dp = 1 only (got dp = "
-                                    f"{generator.dp_size}); use a chain (no tree_choices / \"tree\")")
-        self.supports_async_scheduling = False
-        self.async_refusal = "MTP draft trees (tree_choices / \"tree\")"
+        if generator.parallel.ep_size > 1:
+            raise PluginParamsError("plugin_params: draft trees do not run with expert parallelism "
+                                    f"(moe_ep = {generator.parallel.ep_size}); use moe_ep 1")
         return TreeSteps(shape, self.mode == "eagle", self.block_size, self.dummy_block_id)
 
     def _suffix_drafts(self) -> Optional[SuffixDrafts]:

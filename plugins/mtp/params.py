@@ -165,8 +165,7 @@ def _check_tree(params: MtpParams, options: dict) -> MtpParams:
     if params.tree is None:
         return params
     refused = [("suffix_drafting", params.suffix_drafting), ("simulated_acceptance", params.simulated_acceptance),
-               ("adaptive_speculation", options.get("adaptive_speculation") is True),
-               ("pd_role", params.pd_role != "standard")]
+               ("adaptive_speculation", options.get("adaptive_speculation") is True)]
     for key, on in refused:
         if on:
             raise PluginParamsError(f"plugin_params.{key} cannot be combined with a draft tree (\"tree\": {params.tree!r})")

@@ -121,3 +121,10 @@ def test_medusa_without_heads_says_so(tmp_path):
     make_self_predicting_checkpoint(tmp_path, cfg, seed=1)
     with pytest.raises(PluginParamsError, match="needs Medusa heads: no medusa_lm_head.safetensors"):
         _llm(tmp_path, {"plugin_type": "medusa"})
+
+
+def test_medusa_under_async_scheduling_is_lossless(checkpoint):
+    _, path, prompts = checkpoint
+    llm = _llm(path, {"plugin_type": "medusa"}, async_scheduling=True)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == [o.token_ids for o in _llm(path).generate(prompts, GREEDY)]
+    assert llm.engine.async_stepper.stats.ahead_steps > 0

@@ -60,8 +60,6 @@ BAD = [
      "adaptive_speculation cannot be combined with a draft tree"),
     ({"plugin_type": "mtp", "tree": "dynamic", "num_speculative_tokens": 2, "suffix_drafting": True},
      "suffix_drafting cannot be combined with a draft tree"),
-    ({"plugin_type": "mtp", "tree": "dynamic", "num_speculative_tokens": 2, "pd_role": "decode"},
-     "pd_role cannot be combined with a draft tree"),
     ({"plugin_type": "mtp", "tree": "dynamic", "num_speculative_tokens": 2, "simulated_acceptance": [0.5, 0.4]},
      "simulated_acceptance cannot be combined with a draft tree"),
 ]

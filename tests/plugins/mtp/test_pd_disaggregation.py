@@ -34,6 +34,19 @@ def test_decode_node_matches_a_single_engine(checkpoint, mode):
 
 
 @pytest.mark.parametrize("mode", ["eagle", "vanilla"])
+def test_decode_node_with_draft_trees_matches_a_single_engine(checkpoint, mode):
+    """Tree steps from adopted sequences (no hidden states before the hand-off): rows before it
+    write to the dummy block, so the received MTP KV stays intact; the output is one engine's."""
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(2, 250, int(n)).tolist() for n in (2, 9, 14)]
+    tree = {"tree": "dynamic", "tree_topk": 2, "num_draft_tokens": 5, "mtp_mode": mode}
+    expected = [o.token_ids for o in _llm(checkpoint, mtp_mode=mode).generate(prompts, GREEDY)]
+    outs = _decode_after_handoff(checkpoint, prompts, **tree)
+    assert [o.token_ids for o in outs] == expected
+    assert sum(o.spec_decode.num_accepted_tokens for o in outs) > 0
+
+
+@pytest.mark.parametrize("mode", ["eagle", "vanilla"])
 def test_decode_node_with_suffix_drafts_matches_mtp_off(checkpoint, mode, monkeypatch):
     """MTP with suffix drafts on the decode node: steps of suffix drafts alone (no MTP draft
     step) and mixed ones, starting from adopted sequences whose hidden states are zeros."""

@@ -151,12 +151,17 @@ def test_tree_with_prefix_caching_and_split_fuse_is_lossless(case, mode):
     assert all(o.num_cached_tokens >= 4 * (len(shared) // 4) - 4 for o in outs[1:])
 
 
-def test_tree_refuses_async_scheduling_by_name(tmp_path):
-    from mindspec.engine.llm_engine import EngineError
-
-    make_checkpoint(tmp_path, tiny_v3_config(num_nextn_predict_layers=3), seed=1)
-    with pytest.raises(EngineError, match="asyncScheduling is not available with MTP draft trees"):
-        _llm(tmp_path, _tree_params("dynamic", "eagle"), async_scheduling=True)
+@pytest.mark.parametrize("mode", ["eagle", "vanilla"])
+def test_tree_under_async_scheduling_is_lossless(case, mode):
+    """Async scheduling builds a tree step's layout when the running step's tokens are known
+    (fill_in_model_result); greedy and seeded output stay those of plain decoding."""
+    kind, path, prompts, expected = case
+    llm = _llm(path, _tree_params("dynamic", mode), async_scheduling=True)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    assert llm.engine.async_stepper.stats.ahead_steps > 0
+    seeded = [SamplingParams(temperature=0.8, top_k=20, seed=s, max_tokens=12, ignore_eos=True) for s in range(4)]
+    assert [o.token_ids for o in llm.generate(prompts[:4], seeded)] == \
+        [o.token_ids for o in _llm(path).generate(prompts[:4], seeded)]
 
 
 def test_relaxed_tree_accepts_at_least_strict_inside_the_thinking_span(case):
