@@ -29,9 +29,10 @@ verification keeps every choice lossless, a stale entry only weakens that module
 same reason a vanilla prefill runs only the modules that the controller's choice at the coming
 batch size uses (all K until measured); the others start behind by the prompt.
 
-Draft trees (``tree_choices`` or ``"tree": "dynamic"``; tree_steps.py, docs/trees.md): every
-decode step drafts a tree per sequence with the K modules (vanilla) or the one reused (eagle) and
-verifies it whole; adaptive speculation is off, every module's entries are written each step.
+Draft trees (``tree_choices`` or ``"tree": "dynamic"``; tree_steps.py, docs/trees.md): a decode
+step drafts a tree per sequence with the K modules (vanilla) or the one reused (eagle) and
+verifies it whole; adaptive speculation chooses per batch size between tree steps and plain
+steps (tree_choice.py).
 
 Suffix drafts (``suffix_drafting``, ``"plugin_type": "mtp,suffix"``): a sequence whose suffix
 drafts (plugins/suffix) promise more tokens than its MTP drafts verifies those instead, written
@@ -67,6 +68,7 @@ from .adaptive import ROW_YIELD, AdaptiveSpeculation
 from .hidden_history import HiddenHistory
 from .tree_inputs import hidden_positions as tree_hidden_positions
 from .params import MtpParams, parse_mtp_params
+from .tree_choice import TreeOrPlain
 from .tree_steps import TreeSteps
 
 CATCH_UP = 32  # most MTP entries a module may lack: module 0 is then caught up, later ones give up the oldest
@@ -120,7 +122,9 @@ class MtpPlugin(Plugin):
         self.states: dict[int, MtpSeqState] = {}
         self.complete_prefill = False  # prefix caching: every prefill writes every MTP cache
         self.history = HiddenHistory(self.keep_hidden)
-        self.adaptive = AdaptiveSpeculation(range(self.k + 1), self.params.adaptive_speculation)
+        # chains: draft counts per sequence; trees: tree or plain steps per batch size
+        self.adaptive = AdaptiveSpeculation(range(self.k + 1), self.params.adaptive_speculation and not self.trees)
+        self.tree_choice = TreeOrPlain(self.params.adaptive_speculation and self.trees is not None)
         self.simulation_rng = np.random.default_rng(0)  # simulated_acceptance's draws: the same every run
         # relaxed and typical acceptance read the target probabilities; strict needs the sampled tokens only
         self.needs_sampling_metadata = self.params.decoding_policy != "strict" and self.params.simulated_acceptance is None
@@ -134,7 +138,10 @@ class MtpPlugin(Plugin):
         if batch.is_mixed:
             return self._mixed_inputs(batch, inputs)
         if self.trees:
-            return self._tree_inputs(batch, inputs)
+            if self.tree_choice.tree_step(len(batch)):
+                return self._tree_inputs(batch, inputs)
+            inputs.extra["mtp_k"] = 0  # a plain decode step (tree_choice.py)
+            return inputs
         kinds = _kinds(batch)
         counts = np.asarray(self.adaptive.draft_counts([s.seq_id for s in batch.seqs], kinds), dtype=np.int64)
         behind = np.array([self.states[s.seq_id].lag[0] >= CATCH_UP for s in batch.seqs])
@@ -344,6 +351,8 @@ class MtpPlugin(Plugin):
         # More entries than a speculative step leaves (K+1): plain steps came before, not fewer drafts.
         caught_up = speculated and int(inputs.extra["mtp_layout"].last_accepted.max()) > self.k + 1
         seconds = None if caught_up else time.perf_counter() - inputs.extra["mtp_started"]  # adaptive.py
+        if self.trees:  # a plain step of tree_choice.py
+            self.tree_choice.record(len(states), False, int(counts.sum()), seconds)
         drafted = inputs.extra["mtp_counts"] if verified else np.zeros(len(states), dtype=np.int64)
         accepted = np.asarray(outputs.num_draft_accepted if verified else drafted, dtype=np.int64)
         if self.suffix:
@@ -364,6 +373,9 @@ class MtpPlugin(Plugin):
             self._lag_behind(state, count, self.cache_modules)  # every module ran
             state.hidden_end += count
             self._follow_think(state, outputs.accepted[b])
+        caught_up = int(inputs.extra["mtp_layout"].last_accepted.max()) > self.k + 1  # plain steps came before
+        seconds = None if caught_up else time.perf_counter() - inputs.extra["mtp_started"]
+        self.tree_choice.record(len(states), True, int(counts.sum()), seconds)
 
     def _prefilled(self, batch: StepBatch, inputs: StepInputs, hidden: torch.Tensor) -> None:
         """New states for a prefill's sequences; their last ``keep`` hidden states kept."""

@@ -160,12 +160,11 @@ def _tree_options(options: dict) -> dict:
     return out
 
 
-def _check_tree(params: MtpParams, options: dict) -> MtpParams:
-    """Combinations a tree step does not take; adaptive speculation (chains only) is off."""
+def _check_tree(params: MtpParams) -> MtpParams:
+    """Combinations a tree step does not take."""
     if params.tree is None:
         return params
-    refused = [("suffix_drafting", params.suffix_drafting), ("simulated_acceptance", params.simulated_acceptance),
-               ("adaptive_speculation", options.get("adaptive_speculation") is True)]
+    refused = [("suffix_drafting", params.suffix_drafting), ("simulated_acceptance", params.simulated_acceptance)]
     for key, on in refused:
         if on:
             raise PluginParamsError(f"plugin_params.{key} cannot be combined with a draft tree (\"tree\": {params.tree!r})")
@@ -173,7 +172,7 @@ def _check_tree(params: MtpParams, options: dict) -> MtpParams:
         params.tree_shape()
     except TreeShapeError as exc:
         raise PluginParamsError(f"plugin_params.{exc}") from None
-    return replace(params, adaptive_speculation=False)
+    return params
 
 
 def parse_mtp_params(options: dict) -> MtpParams:
@@ -208,4 +207,4 @@ def parse_mtp_params(options: dict) -> MtpParams:
     if params.suffix_drafting and params.simulated_acceptance is not None:
         raise PluginParamsError("plugin_params.simulated_acceptance cannot be combined with suffix_drafting "
                                 "(simulated rates are per MTP draft position)")
-    return _check_tree(params, options)
+    return _check_tree(params)

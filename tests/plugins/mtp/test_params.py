@@ -56,8 +56,6 @@ BAD = [
     ({"plugin_type": "mtp", "tree": "dynamic", "num_speculative_tokens": 2, "tree_topk": 2, "num_draft_tokens": 7},
      r"num_draft_tokens must be in 1\.\.6"),
     ({"plugin_type": "mtp", "num_speculative_tokens": 2, "num_draft_tokens": 4}, "num_draft_tokens needs a draft tree"),
-    ({"plugin_type": "mtp", "tree": "dynamic", "num_speculative_tokens": 2, "adaptive_speculation": True},
-     "adaptive_speculation cannot be combined with a draft tree"),
     ({"plugin_type": "mtp", "tree": "dynamic", "num_speculative_tokens": 2, "suffix_drafting": True},
      "suffix_drafting cannot be combined with a draft tree"),
     ({"plugin_type": "mtp", "tree": "dynamic", "num_speculative_tokens": 2, "simulated_acceptance": [0.5, 0.4]},
@@ -107,7 +105,7 @@ def test_simulated_acceptance_is_kept_as_rates():
 
 def test_tree_options_parse_to_a_shape():
     static = _mtp({"plugin_type": "mtp", "tree_choices": [[0], [1], [0, 0]]})
-    assert static.num_speculative_tokens == 2 and static.tree == "static" and not static.adaptive_speculation
+    assert static.num_speculative_tokens == 2 and static.tree == "static" and static.adaptive_speculation
     assert static.tree_shape().num_nodes == 3
     dynamic = _mtp('{"plugin_type": "mtp", "tree": "dynamic", "num_speculative_tokens": 4, "tree_topk": 3, '
                    '"num_draft_tokens": 10}')

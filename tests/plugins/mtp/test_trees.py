@@ -76,7 +76,8 @@ def test_chain_shaped_tree_is_the_chain(case, mode):
     kind, path, prompts, expected = case
     chain = _llm(path, {"plugin_type": "mtp", "mtp_mode": mode, "num_speculative_tokens": 3,
                         "adaptive_speculation": False}).generate(prompts, GREEDY)
-    tree = _llm(path, {"plugin_type": "mtp", "mtp_mode": mode, "tree_choices": [[0], [0, 0], [0, 0, 0]]})
+    tree = _llm(path, {"plugin_type": "mtp", "mtp_mode": mode, "tree_choices": [[0], [0, 0], [0, 0, 0]],
+                       "adaptive_speculation": False})
     outs = tree.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == expected
     assert [o.spec_decode.accepted_per_position for o in outs] == [o.spec_decode.accepted_per_position for o in chain]
@@ -178,3 +179,16 @@ def test_relaxed_tree_accepts_at_least_strict_inside_the_thinking_span(case):
         outs = llm.generate(prompts_in_think, GREEDY)
         rates[delta] = sum(o.spec_decode.num_accepted_tokens for o in outs) / sum(o.spec_decode.num_steps for o in outs)
     assert rates[0.3] >= rates[0.0]
+
+
+def test_adaptive_tree_or_plain_steps_stay_lossless(case, monkeypatch):
+    """Adaptive speculation alternates tree and plain steps (here forced to alternate): the
+    plain steps' skipped MTP entries are written by the next tree step's window."""
+    from mindspec.plugins.mtp.tree_choice import TreeOrPlain
+
+    kind, path, prompts, expected = case
+    flips = iter(range(10**6))
+    monkeypatch.setattr(TreeOrPlain, "tree_step", lambda self, batch_size: next(flips) % 3 != 1)
+    for mode in ("eagle", "vanilla"):
+        llm = _llm(path, _tree_params("dynamic", mode))
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
