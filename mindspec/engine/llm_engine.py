@@ -76,7 +76,7 @@ class LLMEngine:
             self.scheduler.final_kv_tokens = self.plugin_manager.final_kv_tokens
         self.requests: dict[int, RequestState] = {}
         # Engine-wide speculative counters (all requests since start), for metrics and benchmarks.
-        self.spec_stats = SpecDecodeStats.for_drafts(max(1, self.plugin_manager.num_lookahead_tokens))
+        self.spec_stats = SpecDecodeStats.for_drafts(max(1, self.plugin_manager.draft_positions))
         self._ids = itertools.count()
         self.async_stepper = self._async_stepper() if args.scheduler.async_scheduling else None
         # Host work per batch-1 decode step, measured after warm-up (step_accounting.py): /metrics.
@@ -359,7 +359,7 @@ class LLMEngine:
     def _record_spec(self, state: RequestState, outputs: StepOutputs, b: int) -> None:
         # this step's drafts: at most K (adaptive speculation), or the sequence's own count
         k = outputs.num_drafts[b] if outputs.num_drafts is not None else outputs.draft_tokens.shape[1]
-        state.spec_decode = state.spec_decode or SpecDecodeStats.for_drafts(self.plugin_manager.num_lookahead_tokens)
+        state.spec_decode = state.spec_decode or SpecDecodeStats.for_drafts(self.plugin_manager.draft_positions)
         for stats in (state.spec_decode, self.spec_stats):
             stats.add_step(k, outputs.num_draft_accepted[b])
 

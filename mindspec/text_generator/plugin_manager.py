@@ -48,6 +48,11 @@ class PluginManager:
         return max((p.num_lookahead_tokens for p in self.plugins), default=0)
 
     @property
+    def draft_positions(self) -> int:
+        """The most drafts one sequence can have accepted in a step (a tree's depth, else the lookahead)."""
+        return max((getattr(p, "draft_positions", p.num_lookahead_tokens) for p in self.plugins), default=0)
+
+    @property
     def kv_context_tokens(self) -> int:
         return max((p.kv_context_tokens for p in self.plugins), default=0)
 

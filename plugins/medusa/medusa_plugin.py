@@ -90,6 +90,7 @@ class MedusaPlugin(Plugin):
         self.shape = TreeShape.static(self.params.tree_choices)
         self.verifier = TreeVerifier(self.shape, cache_config.block_size)
         self.num_lookahead_tokens = self.shape.num_nodes
+        self.draft_positions = self.shape.depth
         self.needs_sampling_metadata = self.params.decoding_policy != "strict"
         self.block_size = cache_config.block_size
         # each node's depth, rank and parent row (row 0: the fed token), from the static tree

@@ -117,6 +117,7 @@ class MtpPlugin(Plugin):
         self.num_lookahead_tokens = max(self.k, self.params.suffix_max_drafts if self.suffix else 0,
                                         self.trees.shape.lookahead if self.trees else 0)
         self.kv_context_tokens = self.k
+        self.draft_positions = self.k if self.trees else self.num_lookahead_tokens  # a tree's depth is K
         self.keep_hidden = self.k + CATCH_UP  # vanilla's history (K-1) + the entries to catch up
         self.cache_modules = len(set(self.modules))  # MTP caches this plugin keeps: K (vanilla) or 1
         self.states: dict[int, MtpSeqState] = {}

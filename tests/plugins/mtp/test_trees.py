@@ -56,6 +56,8 @@ def test_tree_greedy_equals_no_speculation(case, mode, tree):
         # the tree's paths are accepted, and sequences of one batch accept different lengths
         assert sum(s.num_accepted_tokens for s in stats) > 0.3 * sum(s.num_steps for s in stats)
         assert len({s.num_accepted_tokens for s in stats}) > 1
+    # acceptance per position: one entry per depth, not per verified node
+    assert len(llm.engine.spec_stats.accepted_per_position) == llm.engine.plugin_manager.plugins[0].k
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_usable_blocks
     assert not llm.engine.plugin_manager.plugins[0].states
