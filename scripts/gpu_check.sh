@@ -6,6 +6,7 @@
 #   bash scripts/gpu_check.sh compare [extra bench args...]   # the MTP/transformers comparison
 #   bash scripts/gpu_check.sh shapes [extra bench args...]    # published model shapes, simulated acceptance
 #   DTYPE=bfloat16 bash scripts/gpu_check.sh profile          # one decode step through the engine: host vs device
+#   bash scripts/gpu_check.sh trees [extra bench args...]     # draft trees and Medusa against chains (shipped model)
 #   bash scripts/gpu_check.sh py SCRIPT [ARGS...]
 #
 # `all` runs every GPU measurement: tests, the kernel benchmarks, the comparison on the shipped
@@ -56,6 +57,12 @@ if [[ $WHAT == all ]]; then  # the shipped model: MTP off against K=3 at batch 1
   timeout "${BENCH_TIMEOUT:-300}" $PY -m mindspec.cli bench --backend cuda --compare --out "$OUT/compare" \
     --batches 1,16 --ks 3 --rounds 3 --no-hf --configs "mtp off,vanilla K=3,eagle K=3,mtp off +async,vanilla K=3 +async" \
     2>&1 | tee "$OUT/compare.log" | tail -20
+fi
+if [[ $WHAT == trees ]]; then  # draft trees (eager tree steps) against chains (graphs) on the shipped model
+  timeout "${BENCH_TIMEOUT:-540}" $PY -m mindspec.cli bench --backend cuda --trees --out "$OUT/trees" \
+    --batches 1,16 --ks 3 --rounds 3 --no-hf --no-async --no-profile \
+    --configs "mtp off,vanilla K=3,eagle K=3,eagle tree d4 k2 n6,eagle tree d5 k3 n12,vanilla tree d3 k3 n8,medusa tree" \
+    "$@" 2>&1 | tee "$OUT/trees.log" | tail -20
 fi
 if [[ $WHAT == shapes || $WHAT == all ]]; then  # realistic sizes: random weights, simulated acceptance
   EXTRA=(); [[ $WHAT == shapes ]] && EXTRA=("$@")
