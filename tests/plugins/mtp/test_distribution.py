@@ -35,13 +35,16 @@ def _filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return probs
 
 
-def _target_joint(hf, params) -> dict[tuple[int, int], float]:
-    p1 = _filtered_probs(hf_logits(hf, PROMPT)[-1], params)
+def _target_joint(hf, params, prefix: tuple[int, ...] = ()) -> dict[tuple[int, ...], float]:
+    """P(the next params.max_tokens - len(prefix) tokens) after PROMPT + prefix, cell by cell."""
+    p = _filtered_probs(hf_logits(hf, PROMPT + list(prefix))[-1], params)
     joint = {}
-    for t1 in torch.nonzero(p1).flatten().tolist():
-        p2 = _filtered_probs(hf_logits(hf, PROMPT + [t1])[-1], params)
-        for t2 in torch.nonzero(p2).flatten().tolist():
-            joint[(t1, t2)] = float(p1[t1] * p2[t2])
+    for t in torch.nonzero(p).flatten().tolist():
+        if len(prefix) + 1 == params.max_tokens:
+            joint[prefix + (t,)] = float(p[t])
+            continue
+        for cell, q in _target_joint(hf, params, prefix + (t,)).items():
+            joint[cell] = float(p[t]) * q
     return joint
 
 
@@ -68,10 +71,11 @@ def test_mtp_sampling_matches_target_distribution(checkpoint, params):
 @pytest.mark.slow
 def test_tree_sampling_matches_target_distribution(checkpoint):
     """A dynamic tree (three candidates per node, so sibling candidates are rejected in turn
-    before the residual is sampled) emits the target distribution too."""
-    params = SamplingParams(temperature=1.0, top_k=4, max_tokens=2, ignore_eos=True)
+    before the residual is sampled) emits the target distribution too: three tokens, the third
+    drawn at an accepted node's row or, after a rejection, by the next step."""
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
     tree = {"plugin_type": "mtp", "tree": "dynamic", "num_speculative_tokens": 2, "tree_topk": 3,
-            "num_draft_tokens": 6}
+            "num_draft_tokens": 6, "adaptive_speculation": False}
     _check_distribution(checkpoint, params, tree, NUM_SAMPLES // 2)
 
 
@@ -80,7 +84,7 @@ def _check_distribution(checkpoint, params, plugin_params, num_samples):
               max_batch_size=2048, max_prefill_batch_size=2048, max_prefill_tokens=10**6,
               plugin_params=plugin_params)
     outs = llm.generate([PROMPT] * num_samples, params)
-    counts: dict[tuple[int, int], int] = {}
+    counts: dict[tuple[int, ...], int] = {}
     for o in outs:
         key = tuple(o.token_ids)
         counts[key] = counts.get(key, 0) + 1
