@@ -47,7 +47,7 @@ def test_mtp_k3_is_lossless_and_accepts_well(prompts, mode):
 
 @pytest.mark.parametrize("plugin_params, floor", [
     ({"plugin_type": "mtp", "tree": "dynamic", "num_speculative_tokens": 5, "tree_topk": 3, "num_draft_tokens": 12,
-      "mtp_mode": "eagle"}, 4.0),
+      "mtp_mode": "eagle", "adaptive_speculation": False}, 4.0),
     ({"plugin_type": "medusa"}, 1.8),
 ], ids=["eagle_tree", "medusa"])
 def test_trees_are_lossless_and_accept_well(prompts, plugin_params, floor):
