@@ -52,7 +52,6 @@ def verification_inputs(last_tokens: np.ndarray, num_tokens: np.ndarray, tables:
     )
 
 
-
 class TreeVerifier:
     def __init__(self, shape: TreeShape, block_size: int):
         self.shape = shape
@@ -123,7 +122,6 @@ class TreeVerifier:
         model_wrapper.copy_cache_entries(slots_for(tables, seq_idx, np.array(src), self.block_size),
                                          slots_for(tables, seq_idx, np.array(dst), self.block_size),
                                          model_wrapper.config.num_hidden_layers)
-
 
 
 def _path_tokens(tokens: np.ndarray, parents: np.ndarray, row: int) -> list[int]:
