@@ -79,19 +79,21 @@ EAGLE_TREES = ((4, 2, 6), (4, 3, 10), (5, 3, 12), (5, 4, 16))
 VANILLA_STATIC_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0]]
 
 
-def tree(depth: int, mode: str, topk: int, nodes: int) -> dict:
+def tree(depth: int, mode: str, topk: int, nodes: int, adaptive: bool = False) -> dict:
     return {"plugin_type": "mtp", "mtp_mode": mode, "tree": "dynamic", "num_speculative_tokens": depth,
-            "tree_topk": topk, "num_draft_tokens": nodes}
+            "tree_topk": topk, "num_draft_tokens": nodes, "adaptive_speculation": adaptive}
 
 
 def tree_configs(mtp_modules: int, medusa: bool = False) -> list[Config]:
     """Draft trees; ``medusa``: the checkpoint has Medusa heads, measured with their default tree
     and as a chain of their first choices."""
     out = [Config(f"eagle tree d{d} k{t} n{n}", tree(d, "eagle", t, n)) for d, t, n in EAGLE_TREES]
+    d, t, n = EAGLE_TREES[0]  # the adaptive choice of tree or plain steps, on the smallest tree
+    out.append(Config(f"eagle tree d{d} k{t} n{n} adaptive", tree(d, "eagle", t, n, adaptive=True)))
     if mtp_modules >= 3:
         out += [Config("vanilla tree d3 k3 n8", tree(3, "vanilla", 3, 8)),
                 Config("vanilla tree static 10", {"plugin_type": "mtp", "mtp_mode": "vanilla",
-                                                  "tree_choices": VANILLA_STATIC_TREE})]
+                                                  "tree_choices": VANILLA_STATIC_TREE, "adaptive_speculation": False})]
     if medusa:
         out += [Config("medusa tree", {"plugin_type": "medusa"}),
                 Config("medusa chain 3", {"plugin_type": "medusa", "tree_choices": [[0], [0, 0], [0, 0, 0]]})]
