@@ -23,33 +23,21 @@ import numpy as np
 import torch
 
 from mindspec.modeling.draft_tree import TreeShape
-from mindspec.modeling.forward_metadata import ModelInputs, slots_for, token_positions
+from mindspec.modeling.forward_metadata import ModelInputs, slots_for
 from mindspec.text_generator.sampling.sampler import penalised_logits, processed_probs
 from mindspec.text_generator.step import StepBatch, StepInputs, StepOutputs
 
+from mindspec.plugins.mtp import decode_inputs as di
 from mindspec.plugins.mtp import decoding_policy as policy
 
 
 def verification_inputs(last_tokens: np.ndarray, num_tokens: np.ndarray, tables: np.ndarray, block_size: int,
-                          num_nodes: int) -> ModelInputs:
-    """[t(n-1), nodes...] per sequence at cache indices n-1 .. n-1+N, every row at position n-1
-    (the drafter adds each node's depth) and with logits; node tokens are the drafter's to fill."""
-    rows = num_nodes + 1
-    q_lens = np.full(len(num_tokens), rows, dtype=np.int32)
-    seq_idx, cache_idx = token_positions(num_tokens - 1, q_lens)
-    ids = np.zeros(len(cache_idx), dtype=np.int64)
-    ids[::rows] = last_tokens
-    return ModelInputs(
-        input_ids=ids,
-        positions=np.repeat(num_tokens - 1, rows),
-        slots=slots_for(tables, seq_idx, cache_idx, block_size),
-        block_tables=tables,
-        seq_lens=(num_tokens - 1 + rows).astype(np.int32),
-        q_lens=q_lens,
-        lm_head_indices=np.arange(len(cache_idx), dtype=np.int64),
-        is_prefill=False,
-        block_size=block_size,
-    )
+                         num_nodes: int) -> ModelInputs:
+    """A chain's verification rows for N drafts (decode_inputs.main_inputs: [t(n-1), nodes...] at
+    cache indices n-1 .. n-1+N, every row with logits), every row at position n-1: the drafter adds
+    each node's depth; node tokens are the drafter's to fill."""
+    inputs = di.main_inputs(last_tokens, num_tokens, tables, block_size, num_nodes)
+    return inputs.with_(positions=np.repeat(num_tokens - 1, num_nodes + 1))
 
 
 class TreeVerifier:

@@ -63,6 +63,16 @@ class TreeShape:
         drafter's tree rows (decode_inputs: they sit after the sequence's entries)."""
         return max(self.num_nodes, self.draft_rows)
 
+    def static_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A static tree's verification rows, breadth first, row 0 the root: (depth [N + 1], each
+        node's top-k rank [N], parent row [N + 1], -1 for the root)."""
+        offsets = np.concatenate([[0], np.cumsum(self.candidates)])
+        parents = [np.full(1, -1), np.zeros(self.candidates[0], dtype=np.int64)]  # the root; depth 1's
+        for d in range(2, self.depth + 1):  # the expanded parent's row: 1 + its candidate index at depth d-1
+            parents.append(1 + offsets[d - 2] + self.chosen[d - 2][self.parent_of[d - 1]])
+        depth = np.concatenate([[0], np.repeat(np.arange(1, self.depth + 1), self.candidates)])
+        return depth.astype(np.int64), np.concatenate(self.rank_of), np.concatenate(parents).astype(np.int64)
+
     # ---- construction --------------------------------------------------------------------------
     @classmethod
     def static(cls, choices: Sequence[Sequence[int]]) -> "TreeShape":

@@ -64,7 +64,7 @@ class TreeDraftStep:
     root_src: torch.Tensor  # [B] the previous step's root row; past its rows: the appended root (eagle) or zeros
     # [B, R] bool: False for a row whose entry lies before position 0 (MTP Vanilla, a sequence
     # shorter than the path): it writes nothing and its descendants do not attend to it
-    tree_visible: Optional[torch.Tensor] = None
+    tree_visible: torch.Tensor
 
 
 @dataclass
@@ -115,6 +115,8 @@ class TreeDrafter:
         self.rank_of = [torch.from_numpy(r).to(self.device) for r in shape.rank_of]
         self.chosen = [None if c is None else torch.from_numpy(c).to(self.device) for c in shape.chosen]
         self.block_first = np.concatenate([[0], np.cumsum(shape.expanded[1:])]).astype(np.int64)  # tree row of X_e
+        self.offsets = np.concatenate([[0], np.cumsum(shape.candidates)]).astype(np.int64)  # flat index of depth d's
+        self.depth_of = torch.from_numpy(np.repeat(np.arange(1, shape.depth + 1), shape.candidates)).to(self.device)
 
     def draft(self, steps: list[TreeDraftStep], first_hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """-> candidates per depth: tokens, scores, and the expanded candidates (see ``select``)."""
@@ -123,6 +125,7 @@ class TreeDrafter:
         num_seqs = len(s0.window_lens)
         logits = out.logits.view(num_seqs, 1, -1)  # [B, E_0 = 1, V]
         root = out.hidden_states[s0.inputs.lm_head_indices]  # [B, H] step 0's root output (eagle)
+        appended = root if self.eagle else torch.zeros_like(root)  # the row root_src points past the previous step's
         prev, prev_step = out.hidden_states, s0
         score = torch.zeros(num_seqs, 1, device=self.device)
         tokens, scores, exp_idx = [], [], []
@@ -145,7 +148,7 @@ class TreeDrafter:
             ids, src = rows.inputs(step, prev_step)
             anc = rows.visible(step.tree_visible)
             mask = anc if self.eagle else step_mask(anc, step.window_lens, max(step.inputs.meta.q_lens_host))
-            hidden = torch.cat([prev, root if self.eagle else torch.zeros_like(root)])
+            hidden = torch.cat([prev, appended])
             # the last step feeds no other: only its expanded rows run past attention
             out = self._run(step, ids, hidden[src], mask, last=d == shape.depth - 1)
             logits = out.logits.view(num_seqs, shape.expanded[d], -1)
@@ -158,12 +161,9 @@ class TreeDrafter:
         shape = self.shape
         num_seqs = tokens[0].shape[0]
         flat_tokens, flat_scores = torch.cat(tokens, dim=1), torch.cat(scores, dim=1)  # [B, sum C]
-        sizes = shape.candidates
-        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        depth = torch.from_numpy(np.repeat(np.arange(1, shape.depth + 1), sizes)).to(self.device)
-        parent_flat = [torch.full((num_seqs, sizes[0]), -1, dtype=torch.long, device=self.device)]
+        parent_flat = [torch.full((num_seqs, shape.candidates[0]), -1, dtype=torch.long, device=self.device)]
         for d in range(2, shape.depth + 1):  # depth d's parent: the expanded node exp_idx[d-2][parent_of]
-            parent_flat.append(int(offsets[d - 2]) + exp_idx[d - 2][:, self.parent_of[d - 1]])
+            parent_flat.append(int(self.offsets[d - 2]) + exp_idx[d - 2][:, self.parent_of[d - 1]])
         parent_flat = torch.cat(parent_flat, dim=1)  # [B, sum C]
         if shape.dynamic:  # best scores; ties keep the shallower (a parent before its children)
             order = torch.sort(flat_scores, dim=1, descending=True, stable=True).indices[:, : shape.num_nodes]
@@ -174,7 +174,7 @@ class TreeDrafter:
         row_of.scatter_(1, chosen, torch.arange(1, shape.num_nodes + 1, device=self.device).expand(num_seqs, -1))
         parents = parent_flat.gather(1, chosen)
         parent_rows = torch.where(parents < 0, torch.zeros_like(parents), row_of.gather(1, parents.clamp_min(0)))
-        return flat_tokens.gather(1, chosen), parent_rows, depth[chosen]
+        return flat_tokens.gather(1, chosen), parent_rows, self.depth_of[chosen]
 
     def _run(self, step: TreeDraftStep, ids: torch.Tensor, hidden: torch.Tensor, mask: Optional[torch.Tensor],
              last: bool = False):
@@ -221,10 +221,8 @@ class _TreeRows:
         src[flat] = parent_src.reshape(-1)
         return ids, src
 
-    def visible(self, tree_visible: Optional[torch.Tensor]) -> torch.Tensor:
+    def visible(self, tree_visible: torch.Tensor) -> torch.Tensor:
         """The ancestor mask less the rows a step hides (entries before position 0)."""
-        if tree_visible is None:
-            return self.anc
         r = self.anc.shape[1]
         return self.anc & (tree_visible[:, None, :] | torch.eye(r, dtype=torch.bool, device=self.device))
 

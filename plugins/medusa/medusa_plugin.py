@@ -93,12 +93,7 @@ class MedusaPlugin(Plugin):
         self.draft_positions = self.shape.depth
         self.needs_sampling_metadata = self.params.decoding_policy != "strict"
         self.block_size = cache_config.block_size
-        # each node's depth, rank and parent row (row 0: the fed token), from the static tree
-        paths = sorted(self.params.tree_choices, key=lambda p: (len(p), p))
-        row = {p: r + 1 for r, p in enumerate(paths)}
-        self.depth = np.array([0] + [len(p) for p in paths], dtype=np.int64)
-        self.rank = np.array([r[-1] for r in paths], dtype=np.int64)
-        self.parents = np.array([-1] + [row.get(p[:-1], 0) for p in paths], dtype=np.int64)
+        self.depth, self.rank, self.parents = self.shape.static_rows()  # row 0: the fed token
         self.mask = ancestor_mask(torch.from_numpy(self.parents)[None], self.shape.depth)[0]  # [N + 1, N + 1]
         self.top_k = int(self.rank.max()) + 1
         self.hidden: dict[int, torch.Tensor] = {}  # seq_id -> [hidden] at the row of its newest token

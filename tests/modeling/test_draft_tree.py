@@ -19,6 +19,11 @@ def test_static_tree_levels_parents_and_ranks():
     assert [c.tolist() for c in shape.chosen] == [[0, 1], [0]]
     assert shape.top_k(0) == 3 and shape.top_k(1) == 3 and shape.top_k(2) == 2
     assert shape.draft_rows == 3 and shape.lookahead == 7
+    # rows: root, [0], [1], [2], [0, 0], [0, 2], [1, 0], [0, 0, 1]
+    depth, rank, parents = shape.static_rows()
+    assert depth.tolist() == [0, 1, 1, 1, 2, 2, 2, 3]
+    assert rank.tolist() == [0, 1, 2, 0, 2, 0, 1]
+    assert parents.tolist() == [-1, 0, 0, 0, 1, 1, 2, 4]
 
 
 def test_chain_is_a_static_tree_of_one_path():
