@@ -36,6 +36,12 @@ class AttentionPlan:
     tok_seq: Optional[torch.Tensor]  # [T] int64
     tok_pos: Optional[torch.Tensor]  # [T] int64
     bias: torch.Tensor  # [B, Q, 1, S] float32, 0 where key s is visible to query q, else -inf
+    # With a tree mask: the column of key s among sequence b's new rows, -1 for context and past
+    # the sequence [B, S]; ``bias`` then holds the context part until ``with_tree`` adds the tree's
+    # (on the device: the mask is drafted there, and a compiled step computes it inside).
+    tree_cols: Optional[torch.Tensor] = None
+    _tree: Optional[torch.Tensor] = field(default=None, repr=False)  # the mask ``bias`` includes
+    _context: Optional[torch.Tensor] = field(default=None, repr=False)  # ``bias`` before any tree
     _head_bias: dict = field(default_factory=dict, repr=False)
 
     # Sizes come from tensor shapes, not the int fields, so that a compiled forward sees them as
@@ -59,6 +65,23 @@ class AttentionPlan:
             bias = self._head_bias[key] = self.bias.expand(B, Q, num_heads, S).reshape(B, Q * num_heads, S).to(dtype)
         return bias
 
+    @property
+    def context_bias(self) -> torch.Tensor:
+        """``bias`` without the tree mask's part (all of it when there is no tree)."""
+        return self.bias if self._tree is None else self._context
+
+    def with_tree(self, tree_mask: torch.Tensor) -> None:
+        """``bias`` allows the keys among the new rows that ``tree_mask`` [B, Q, Q] allows."""
+        if tree_mask is self._tree:
+            return
+        context = self.context_bias
+        B, Q, _, S = context.shape
+        cols = self.tree_cols
+        among = tree_mask[:, :Q].gather(2, cols.clamp_min(0)[:, None, :].expand(B, Q, S)) & (cols >= 0)[:, None, :]
+        self._context, self._tree = context, tree_mask
+        self.bias = torch.where(among[:, :, None, :], torch.zeros((), dtype=context.dtype), context)
+        self._head_bias.clear()
+
     def from_grid(self, x: torch.Tensor) -> torch.Tensor:
         """[B, Q, ...] -> flat [T, ...]."""
         if self.tok_seq is None:
@@ -71,6 +94,8 @@ def attention_plan(meta: AttentionMetadata, device: torch.device) -> AttentionPl
     plan = meta.scratch.get(PLAN_KEY)
     if plan is None:
         plan = meta.scratch[PLAN_KEY] = _build(meta, device)
+    if plan.tree_cols is not None:
+        plan.with_tree(meta.tree_mask)
     return plan
 
 
@@ -143,9 +168,12 @@ def _build(meta: AttentionMetadata, device: torch.device) -> AttentionPlan:
         seq = np.repeat(np.arange(B), q_lens)
         starts = np.cumsum(q_lens) - q_lens
         tok_seq, tok_pos = _tensor(seq, device), _tensor(np.arange(len(seq)) - starts[seq], device)
+    tree_cols = None
+    if meta.tree_mask is not None:
+        tree_cols = _tensor(_tree_cols(q_lens, seq_lens, S), device)
     return AttentionPlan(
         num_seqs=B, max_q=Q, max_s=S, tok_seq=tok_seq, tok_pos=tok_pos,
-        bias=_tensor(_bias(meta, q_lens, seq_lens, Q, S), device),
+        bias=_tensor(_bias(meta, q_lens, seq_lens, Q, S), device), tree_cols=tree_cols,
     )
 
 
@@ -162,20 +190,21 @@ def _cache_rows(meta: AttentionMetadata, seq_lens: np.ndarray, block_size: int, 
 
 def _bias(meta: AttentionMetadata, q_lens: np.ndarray, seq_lens: np.ndarray, Q: int, S: int) -> np.ndarray:
     """Key s is visible to new token i of sequence b when s < seq_len and s is context, or
-    (bottom-right causal) s <= ctx + i, or the tree mask allows it among the new tokens."""
-    B = len(q_lens)
+    (bottom-right causal) s <= ctx + i; with a tree mask, only context here (``with_tree`` adds
+    the new tokens the mask allows)."""
     k_idx = np.arange(S)[None, None, :]
     i_idx = np.arange(Q)[None, :, None]
     ctx = (seq_lens - q_lens)[:, None, None]  # cached tokens before the new ones
     in_seq = k_idx < seq_lens[:, None, None]
-    if meta.tree_mask is None:
-        among_new = k_idx <= ctx + i_idx
-    else:
-        tree = meta.tree_mask.cpu().numpy().astype(bool)[:, :Q]  # [B, Q, max_q]
-        j = np.broadcast_to(np.clip(k_idx - ctx, 0, tree.shape[-1] - 1), (B, Q, S))
-        among_new = np.take_along_axis(tree, j, axis=2)
+    among_new = k_idx <= ctx + i_idx if meta.tree_mask is None else False
     allowed = in_seq & ((k_idx < ctx) | among_new)
     # Padding query cells (i >= q_len) are dropped later; let them see key 0 so softmax has no NaN.
     allowed = allowed | ((i_idx >= q_lens[:, None, None]) & (k_idx == 0))
     bias = np.where(allowed, np.float32(0), np.float32(-np.inf))
-    return bias.reshape(B, Q, 1, S)  # [B, Q, 1, S]
+    return bias.reshape(len(q_lens), Q, 1, S)  # [B, Q, 1, S]
+
+
+def _tree_cols(q_lens: np.ndarray, seq_lens: np.ndarray, S: int) -> np.ndarray:
+    """[B, S] the column of key s among the sequence's new rows, -1 outside them."""
+    col = np.arange(S)[None, :] - (seq_lens - q_lens)[:, None]
+    return np.where((col >= 0) & (col < q_lens[:, None]), col, -1).astype(np.int64)

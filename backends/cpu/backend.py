@@ -266,17 +266,20 @@ class CpuBackend(Backend):
     def step_tensors(self, meta: AttentionMetadata, name: str) -> list[tuple[torch.Tensor, dict[int, str]]]:
         plan = attention_plan(meta, self.device)
         s = f"{name}_context"
-        tensors = [(meta.slots, {}), (plan.bias, {3: s}), (cache_rows(meta, meta.block_size, self.device), {1: s})]
+        tensors = [(meta.slots, {}), (plan.context_bias, {3: s}), (cache_rows(meta, meta.block_size, self.device), {1: s})]
+        if plan.tree_cols is not None:  # a tree step: the mask is computed inside, its columns here
+            tensors.append((plan.tree_cols, {1: s}))
         if plan.tok_seq is not None:  # sequences with different q_lens: the grid scatter's indices
             tensors += [(plan.tok_seq, {}), (plan.tok_pos, {})]
         return tensors
 
     def bind_step_tensors(self, meta: AttentionMetadata, tensors: list[torch.Tensor]) -> AttentionMetadata:
-        slots, bias, rows, *grid = tensors
-        tok_seq, tok_pos = grid or (None, None)
+        slots, bias, rows, *rest = tensors
+        tree_cols = rest.pop(0) if meta.tree_mask is not None else None
+        tok_seq, tok_pos = rest or (None, None)
         bound = replace(meta, slots=slots, scratch={})
         bound.scratch[PLAN_KEY] = AttentionPlan(num_seqs=meta.num_seqs, max_q=meta.max_q_len, max_s=0,
-                                                tok_seq=tok_seq, tok_pos=tok_pos, bias=bias)
+                                                tok_seq=tok_seq, tok_pos=tok_pos, bias=bias, tree_cols=tree_cols)
         bound.scratch[(ROWS_KEY, meta.block_size)] = rows
         return bound
 

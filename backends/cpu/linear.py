@@ -44,9 +44,17 @@ def packing_enabled() -> bool:
     )
 
 
+def packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs weights of ``dtype`` on this cpu (bfloat16 needs AVX-512 BF16 or
+    AVX-NE-CONVERT: on an AVX2-only cpu bfloat16 weights stay on F.linear)."""
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype in PACKED_DTYPES
+
+
 def pack(weight: torch.Tensor, enabled: bool) -> Optional[torch.Tensor]:
     """weight [out, in] -> oneDNN's blocked copy, or None where it would not be used."""
-    if not enabled or weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES:
+    if not enabled or weight.dim() != 2 or weight.device.type != "cpu" or not packs(weight.dtype):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
 

@@ -116,9 +116,12 @@ def test_tree_mask():
     expected = _reference(meta, seqs, q_nope, q_pe, w_uk, w_uv)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
     # and a tree mask that is plain causal gives the causal result
+    # (a changed mask on the same metadata is followed: the plan adds the mask's part on the device)
     meta.tree_mask = torch.tril(torch.ones(3, 4, 4, dtype=torch.bool))
     causal = _absorbed(be, cache, meta, q_nope, q_pe, w_uk, w_uv)
+    assert not torch.allclose(causal, out)
     meta.tree_mask = None
+    meta.scratch.clear()  # a forward without a tree mask plans again
     torch.testing.assert_close(causal, _absorbed(be, cache, meta, q_nope, q_pe, w_uk, w_uv), atol=1e-6, rtol=1e-6)
 
 
