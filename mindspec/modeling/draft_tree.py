@@ -44,6 +44,15 @@ class TreeShape:
     dynamic: bool
 
     @property
+    def key(self) -> tuple:
+        """The shape by value, hashable (a compiled or captured tree step is specialised on it)."""
+        def arrays(xs):
+            return tuple(None if x is None else tuple(int(v) for v in x) for x in xs)
+
+        return (self.depth, self.expanded, arrays(self.parent_of), arrays(self.rank_of), arrays(self.chosen),
+                self.num_nodes, self.dynamic)
+
+    @property
     def candidates(self) -> tuple[int, ...]:
         """[D] C_d: candidates of depth d = 1..D."""
         return tuple(len(p) for p in self.parent_of)

@@ -160,6 +160,47 @@ class ExportedSteps:
                                                   sub_hidden_states, lm_head_local_dp, steps, caches)
         return ModelOutput(logits=outputs[0], hidden_states=outputs[1], draft_tokens=outputs[2])
 
+    def forward_tree(self, drafter, main, steps, first_hidden, caches):
+        """A padded tree step (tree_speculation.verify_tree) -> (ModelOutput, DraftTree). The
+        tree masks are drafted inside the package: the metadata are planned with a stand-in mask
+        (the plan exports the mask's columns; ``with_tree`` applies the real one inside)."""
+        from mindspec.models.deepseekv2.flash_causal_deepseekv2 import ModelOutput
+        from mindspec.modeling.forward_metadata import DeviceInputs
+        from mindspec.modeling.tree_speculation import DraftTree, TreeDraftStep, verify_tree
+
+        b = self.backend
+        for meta in [main.meta] + [s.inputs.meta for s in steps[1:]]:
+            if meta.tree_mask is None:
+                q = meta.max_q_len
+                meta.tree_mask = torch.ones(meta.num_seqs, q, q, dtype=torch.bool, device=main.input_ids.device)
+        per_step = [[(s.inputs.input_ids, {}), (s.inputs.positions, {}), (s.inputs.lm_head_indices, {}),
+                     (s.window_src, {}), (s.window_lens, {}), (s.tree_first, {}), (s.root_src, {}),
+                     (s.tree_visible, {}), *b.step_tensors(s.inputs.meta, f"d{i}")] for i, s in enumerate(steps)]
+        main_meta = b.step_tensors(main.meta, "m")
+        tensors, dims = _flatten([
+            (main.input_ids, {}), (main.positions, {}), (main.lm_head_indices, {}), (first_hidden, {}),
+            *main_meta, *[t for s in per_step for t in s], *b.cache_tensors(caches),
+        ])
+        sizes = [len(main_meta)] + [len(s) for s in per_step]
+        key = ("tree", _signature(tensors, dims), tuple(sizes), drafter.shape.key, drafter.eagle,
+               tuple(s.module_idx for s in steps))
+
+        def run(ids, pos, lm, hidden, *rest):
+            parts, at = [], 0
+            for n in sizes:
+                parts.append(list(rest[at : at + n]))
+                at += n
+            m = DeviceInputs(ids, pos, b.bind_step_tensors(main.meta, parts[0]), lm)
+            bound = [TreeDraftStep(s.module_idx, DeviceInputs(p[0], p[1], b.bind_step_tensors(s.inputs.meta, p[8:]), p[2]),
+                                   *p[3:8]) for s, p in zip(steps, parts[1:])]
+            out, tree = verify_tree(self.model, drafter, m, bound, hidden, b.bind_cache_tensors(caches, list(rest[at:])))
+            return out.logits, out.hidden_states, tree.tokens, tree.parents, tree.depths
+
+        outputs = self._run(key, run, tensors, dims)
+        if outputs is None:
+            return verify_tree(self.model, drafter, main, steps, first_hidden, caches)
+        return ModelOutput(logits=outputs[0], hidden_states=outputs[1]), DraftTree(*outputs[2:])
+
     # ---- packages ------------------------------------------------------------------------------
     def _run(self, key: tuple, run: Callable, tensors: list[torch.Tensor], dims: list[dict]):
         """The package's outputs for ``tensors``, or None: run this step eagerly."""

@@ -398,6 +398,56 @@ class DecodeGraphRunner:
         out = self._replay(entry)
         return _sliced(out, len(real.lm_head_indices), real.num_tokens, num_seqs, self._static(entry), main_map)
 
+    # ---- tree speculation -------------------------------------------------------------------------
+    def accepts_tree(self, inputs: ModelInputs, steps: list) -> bool:
+        """A tree step (draft steps and verification) of a batch that fits a bucket and the width."""
+        num_seqs = inputs.num_seqs
+        return (num_seqs > 0 and self.bucket(num_seqs) is not None and self._fits(inputs, num_seqs)
+                and all(self._fits(s.inputs, num_seqs) for s in steps))
+
+    def forward_tree(self, inputs: ModelInputs, steps: list, hidden_states: torch.Tensor, shape, eagle: bool):
+        """A tree step padded to its static shape (tree_padding.py) and replayed -> (ModelOutput
+        of the real verification rows, DraftTree of the real sequences)."""
+        from mindspec.modeling.tree_padding import TreePad, draft_rows, pad_tree_step
+        from mindspec.modeling.tree_speculation import DraftTree, TreeDraftStep
+
+        real_seqs, real_rows = inputs.num_seqs, inputs.num_tokens
+        pad = TreePad(self.bucket(real_seqs), draft_rows(steps), self.width, self.dummy_block, self.block_size)
+        main, padded, hidden_map = pad_tree_step(inputs, steps, pad)
+        # per draft step: window_src, window_lens, tree_first, root_src, then tree_visible (not step 0's: no tree)
+        extras = [a for d, s in enumerate(padded) for a in
+                  (s.window_src, s.window_lens, s.tree_first, s.root_src, *([s.tree_visible.reshape(-1)] if d else []))]
+        modules = [s.module_idx for s in padded]
+        tree_rows = [s.tree_visible.shape[1] for s in padded]
+        key = ("tree", pad.num_seqs, pad.rows, shape.key, eagle)
+
+        def make_fn(e: _Entry):
+            e.hidden = hidden_states.new_zeros((padded[0].inputs.num_tokens, hidden_states.shape[1]))
+            statics, seqs = e.statics, pad.num_seqs
+
+            def run():
+                device_steps, at = [], 0
+                for d, (module, r) in enumerate(zip(modules, tree_rows)):
+                    src, window, first, root = statics.extras[at : at + 4]
+                    at += 4
+                    visible = statics.extras[at].view(seqs, r).bool() if d else window.new_zeros((seqs, 0), dtype=torch.bool)
+                    at += 1 if d else 0
+                    device_steps.append(TreeDraftStep(module, statics.inputs[1 + d], src, window, first, root, visible))
+                return self.wrapper.forward_tree(statics.inputs[0], device_steps, e.hidden, shape, eagle, padded=True)
+
+            return run
+
+        entry = self._entry(key, [main] + [s.inputs for s in padded], extras, make_fn)
+        entry.hidden.index_copy_(0, torch.from_numpy(hidden_map).to(entry.hidden.device), hidden_states)
+        out, tree = self._replay(entry)
+        static = self._static(entry)
+
+        def rows(t: torch.Tensor, n: int) -> torch.Tensor:
+            return t[:n].clone() if static else t[:n]
+
+        out = replace(out, logits=rows(out.logits, real_rows), hidden_states=rows(out.hidden_states, real_rows))
+        return out, DraftTree(rows(tree.tokens, real_seqs), rows(tree.parents, real_seqs), rows(tree.depths, real_seqs))
+
     # ---- capture and replay ----------------------------------------------------------------------
     def _make_step(self, key: tuple, entry: _Entry, fn: Callable[[], object]):
         def run():

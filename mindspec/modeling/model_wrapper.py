@@ -22,7 +22,7 @@ from mindspec.modeling.graph_runner import DecodeGraphRunner, maybe_graph_runner
 from mindspec.modeling.loader import read_hf_config
 from mindspec.modeling.registry import model_class, supported_model_types
 from mindspec.modeling.draft_tree import TreeShape
-from mindspec.modeling.tree_speculation import TreeDrafter, TreeStepHost, verify_tree
+from mindspec.modeling.tree_speculation import TreeDrafter, TreeDraftStep, TreeStepHost, verify_tree
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -74,7 +74,7 @@ class ModelWrapper:
         capture = getattr(self.backend, "supports_graph_capture", False)
         export = decode_graphs and not capture and getattr(self.backend, "supports_step_export", False)
         self.compiled = ExportedSteps(self.model, self.backend, self.model_dir, self.dtype) if export else None
-        self._tree_drafters: dict[tuple[int, bool], TreeDrafter] = {}
+        self._tree_drafters: dict[tuple, TreeDrafter] = {}
 
     @property
     def config(self):
@@ -190,16 +190,26 @@ class ModelWrapper:
         return self.forward_speculative(to_device(inputs, self.device), steps, mtp_modules, hidden_states, lm, narrow,
                                         verify_source=source)
 
+    def forward_tree(self, main: DeviceInputs, steps: list[TreeDraftStep], hidden_states: torch.Tensor,
+                     shape: TreeShape, eagle: bool, padded: bool = False):
+        """Tree speculation (tree_speculation.py): draft a tree per sequence with the MTP steps,
+        verify it -> (ModelOutput with logits of every verification row, DraftTree). ``padded``:
+        a step the graph runner padded to a static shape, compiled where the backend exports steps."""
+        key = (shape.key, eagle)
+        drafter = self._tree_drafters.get(key)
+        if drafter is None:
+            drafter = self._tree_drafters[key] = TreeDrafter(self.model, shape, eagle)
+        if self.compiled and padded:
+            return self.compiled.forward_tree(drafter, main, steps, hidden_states, self.caches)
+        return verify_tree(self.model, drafter, main, steps, hidden_states, self.caches)
+
     def forward_tree_host(self, inputs: ModelInputs, steps: list[TreeStepHost], hidden_states: torch.Tensor,
                           shape: TreeShape, eagle: bool):
-        """Tree speculation (tree_speculation.py), eagerly: draft a tree per sequence with the MTP
-        steps, verify it -> (ModelOutput with logits of every verification row, DraftTree)."""
-        key = (id(shape), eagle)
-        drafter = self._tree_drafters.get(key)
-        if drafter is None or drafter.shape is not shape:
-            drafter = self._tree_drafters[key] = TreeDrafter(self.model, shape, self.caches, eagle)
+        """``forward_tree`` from host inputs (padded and replayed when the graph runner takes them)."""
+        if self.graph_runner is not None and self.graph_runner.accepts_tree(inputs, steps):
+            return self.graph_runner.forward_tree(inputs, steps, hidden_states, shape, eagle)
         device_steps = [s.to_device(self.device) for s in steps]
-        return verify_tree(self.model, drafter, to_device(inputs, self.device), device_steps, hidden_states, self.caches)
+        return self.forward_tree(to_device(inputs, self.device), device_steps, hidden_states, shape, eagle)
 
     def copy_cache_entries(self, src_slots: np.ndarray, dst_slots: np.ndarray, num_layers: int) -> None:
         """Cache entries src_slots[i] -> dst_slots[i] in the first ``num_layers`` caches (the main

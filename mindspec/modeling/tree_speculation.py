@@ -48,7 +48,7 @@ class TreeStepHost:
             return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
 
         return TreeDraftStep(self.module_idx, to_device(self.inputs, device), tensor(self.window_src),
-                             self.window_lens, tensor(self.tree_first), tensor(self.root_src),
+                             tensor(self.window_lens), tensor(self.tree_first), tensor(self.root_src),
                              torch.from_numpy(np.ascontiguousarray(self.tree_visible)).to(device))
 
 
@@ -59,7 +59,7 @@ class TreeDraftStep:
     module_idx: int
     inputs: DeviceInputs  # window rows then tree rows per sequence; tree rows' tokens are filled here
     window_src: torch.Tensor  # [T] row of the previous step's output feeding each window row (-1: tree row)
-    window_lens: np.ndarray  # [B] window rows per sequence (the last holds the root)
+    window_lens: torch.Tensor  # [B] window rows per sequence (the last holds the root)
     tree_first: torch.Tensor  # [B] flat row of each sequence's first tree row
     root_src: torch.Tensor  # [B] the previous step's root row; past its rows: the appended root (eagle) or zeros
     # [B, R] bool: False for a row whose entry lies before position 0 (MTP Vanilla, a sequence
@@ -78,21 +78,21 @@ def ancestor_mask(parents: torch.Tensor, depth: int) -> torch.Tensor:
     """parents [B, R] (parent row of each row, -1: none) -> [B, R, R] bool: row i may attend
     row j when j is i or one of its ancestors (at most ``depth`` generations up)."""
     b, r = parents.shape
-    mask = torch.eye(r, dtype=torch.bool, device=parents.device).expand(b, r, r).clone()
-    up = torch.arange(r, device=parents.device).expand(b, r)
-    for _ in range(depth):
+    cols = torch.arange(r, device=parents.device)
+    mask = (cols[:, None] == cols[None, :]).expand(b, r, r)
+    up = cols.expand(b, r)
+    for _ in range(depth):  # no early exit: the step stays free of host reads (captured, compiled)
         up = torch.where(up >= 0, parents.gather(1, up.clamp_min(0)), up)  # one generation further
-        if not bool((up >= 0).any()):
-            break
-        mask |= torch.nn.functional.one_hot(up.clamp_min(0), r).bool() & (up >= 0)[:, :, None]
+        mask = mask | (up[:, :, None] == cols)  # up = -1 matches no column
     return mask
 
 
-def step_mask(anc: torch.Tensor, window_lens: np.ndarray, max_q: int) -> torch.Tensor:
+def step_mask(anc: torch.Tensor, window_lens: torch.Tensor, max_q: int) -> torch.Tensor:
     """[B, max_q, max_q] mask among a step's new rows: window rows causal, tree rows see every
-    window row of their sequence and their ancestors (anc [B, R, R])."""
+    window row of their sequence and their ancestors (anc [B, R, R]); rows past a sequence's
+    window and tree rows (padding) see its window."""
     b, r, _ = anc.shape
-    w = torch.as_tensor(window_lens, device=anc.device)[:, None, None]
+    w = window_lens[:, None, None]
     i = torch.arange(max_q, device=anc.device)[None, :, None]
     j = torch.arange(max_q, device=anc.device)[None, None, :]
     ti, tj = (i - w), (j - w)
@@ -105,10 +105,9 @@ def step_mask(anc: torch.Tensor, window_lens: np.ndarray, max_q: int) -> torch.T
 class TreeDrafter:
     """Draft steps and selection of one tree step (stateless between steps)."""
 
-    def __init__(self, model, shape: TreeShape, caches: list[LatentCache], eagle: bool):
+    def __init__(self, model, shape: TreeShape, eagle: bool):
         self.model = model
         self.shape = shape
-        self.caches = caches
         self.eagle = eagle
         self.device = model.backend.device
         self.parent_of = [torch.from_numpy(p).to(self.device) for p in shape.parent_of]
@@ -118,10 +117,11 @@ class TreeDrafter:
         self.offsets = np.concatenate([[0], np.cumsum(shape.candidates)]).astype(np.int64)  # flat index of depth d's
         self.depth_of = torch.from_numpy(np.repeat(np.arange(1, shape.depth + 1), shape.candidates)).to(self.device)
 
-    def draft(self, steps: list[TreeDraftStep], first_hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def draft(self, steps: list[TreeDraftStep], first_hidden: torch.Tensor,
+              caches: list[LatentCache]) -> tuple[torch.Tensor, ...]:
         """-> candidates per depth: tokens, scores, and the expanded candidates (see ``select``)."""
         shape, s0 = self.shape, steps[0]
-        out = self._run(s0, s0.inputs.input_ids, first_hidden, None)
+        out = self._run(s0, s0.inputs.input_ids, first_hidden, None, caches)
         num_seqs = len(s0.window_lens)
         logits = out.logits.view(num_seqs, 1, -1)  # [B, E_0 = 1, V]
         root = out.hidden_states[s0.inputs.lm_head_indices]  # [B, H] step 0's root output (eagle)
@@ -150,7 +150,7 @@ class TreeDrafter:
             mask = anc if self.eagle else step_mask(anc, step.window_lens, max(step.inputs.meta.q_lens_host))
             hidden = torch.cat([prev, appended])
             # the last step feeds no other: only its expanded rows run past attention
-            out = self._run(step, ids, hidden[src], mask, last=d == shape.depth - 1)
+            out = self._run(step, ids, hidden[src], mask, caches, last=d == shape.depth - 1)
             logits = out.logits.view(num_seqs, shape.expanded[d], -1)
             prev, prev_step = out.hidden_states, step
         return tokens, scores, exp_idx
@@ -177,11 +177,11 @@ class TreeDrafter:
         return flat_tokens.gather(1, chosen), parent_rows, self.depth_of[chosen]
 
     def _run(self, step: TreeDraftStep, ids: torch.Tensor, hidden: torch.Tensor, mask: Optional[torch.Tensor],
-             last: bool = False):
+             caches: list[LatentCache], last: bool = False):
         meta = step.inputs.meta
         meta.tree_mask = mask
         self.model.backend.prepare(meta)
-        return self.model.forward_mtp(step.module_idx, ids, hidden, step.inputs.positions, self.caches, meta,
+        return self.model.forward_mtp(step.module_idx, ids, hidden, step.inputs.positions, caches, meta,
                                       step.inputs.lm_head_indices, lm_rows_out=last)
 
 
@@ -231,7 +231,7 @@ def verify_tree(model, drafter: TreeDrafter, main: DeviceInputs, steps: list[Tre
                 first_hidden: torch.Tensor, caches: list[LatentCache]):
     """Draft the trees, then the main model over [root, nodes] per sequence -> (ModelOutput with
     logits of every row, DraftTree)."""
-    tokens, scores, exp_idx = drafter.draft(steps, first_hidden)
+    tokens, scores, exp_idx = drafter.draft(steps, first_hidden, caches)
     node_tokens, node_parents, node_depths = drafter.select(tokens, scores, exp_idx)
     num_seqs = node_tokens.shape[0]
     root_ids = main.input_ids.view(num_seqs, -1)[:, :1]

@@ -39,7 +39,7 @@ def test_ancestor_mask_matches_walking_up():
 
 def test_step_mask_window_causal_tree_rows_see_window_and_ancestors():
     anc = ancestor_mask(torch.tensor([[-1, -1, 0], [-1, 0, 1]]), 2)  # two sequences, 3 tree rows each
-    window = np.array([2, 0])
+    window = torch.tensor([2, 0])
     mask = step_mask(anc, window, max_q=5)
     for b in range(2):
         w = window[b]
@@ -137,8 +137,8 @@ def test_drafted_trees_match_a_walk_over_paths(shape, eagle):
     steps = ti.draft_steps(tokens, layout, tables, 4, shape, eagle, np.zeros(3, dtype=np.int64), 99)
     seq_idx, positions = ti.hidden_positions(layout)
     first_hidden = torch.stack([main_hidden[b][p] for b, p in zip(seq_idx, positions)])
-    drafter = TreeDrafter(toy, shape, [], eagle)
-    got = drafter.select(*drafter.draft([s.to_device("cpu") for s in steps], first_hidden))
+    drafter = TreeDrafter(toy, shape, eagle)
+    got = drafter.select(*drafter.draft([s.to_device("cpu") for s in steps], first_hidden, []))
     node_tokens, parents, depths = (t.numpy() for t in got)
     for b in range(3):
         want = _reference_tree(toy, shape, eagle, tokens[b], main_hidden[b], lengths[b])
