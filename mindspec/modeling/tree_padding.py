@@ -3,7 +3,8 @@
 A tree step's sizes per sequence are the tree's (``TreeShape``: R_d tree rows in draft step d,
 N + 1 verification rows) except the draft steps' *windows*, which depend on how many tokens each
 sequence accepted last time. Padding makes every sequence of draft step d ``rows[d]`` rows long
-and the batch a bucket of sequences, so the step's shapes depend on the bucket and ``rows``:
+(the most a window can need plus R_d: ``draft_rows``) and the batch a bucket of sequences, so a
+tree configuration has one shape per bucket:
 
 - a real sequence keeps its rows first (window, then tree rows); the rows after them write
   nothing (slot -1), repeat its last position, feed from no real row and attend only its window
@@ -39,14 +40,18 @@ class TreePad:
     block_size: int
 
 
-def draft_rows(steps: list[TreeStepHost]) -> tuple[int, ...]:
-    """Rows per sequence of each draft step: its longest sequence's, rounded up to even where
-    sequences differ (a window of either parity then shares one shape)."""
+def draft_rows(steps: list[TreeStepHost], depth: int, eagle: bool) -> tuple[int, ...]:
+    """Rows per sequence of each draft step: the most any sequence can need, so that one shape
+    serves every step of a bucket. Step 0's window is the tokens accepted last time (at most
+    depth + 1) plus MTP Vanilla's history (at most depth - 1); MTP Vanilla's step d drops d of
+    them, MTP Eagle's later steps have none. A step that needs more (not made by tree_inputs)
+    gets its most rows, rounded up to even."""
+    window = depth + 1 + (0 if eagle else depth - 1)
     rows = []
-    for s in steps:
-        q = s.inputs.q_lens
-        most = int(q.max())
-        rows.append(most + most % 2 if (q != most).any() else most)
+    for d, s in enumerate(steps):
+        bound = window if d == 0 else (0 if eagle else max(0, window - d))
+        most, need = int(s.inputs.q_lens.max()), bound + s.tree_visible.shape[1]
+        rows.append(need if most <= need else most + most % 2)
     return tuple(rows)
 
 

@@ -147,7 +147,7 @@ class TreeDrafter:
             step = steps[d]
             ids, src = rows.inputs(step, prev_step)
             anc = rows.visible(step.tree_visible)
-            mask = anc if self.eagle else step_mask(anc, step.window_lens, max(step.inputs.meta.q_lens_host))
+            mask = step_mask(anc, step.window_lens, max(step.inputs.meta.q_lens_host))
             hidden = torch.cat([prev, appended])
             # the last step feeds no other: only its expanded rows run past attention
             out = self._run(step, ids, hidden[src], mask, caches, last=d == shape.depth - 1)

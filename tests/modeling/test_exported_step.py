@@ -16,6 +16,8 @@ K = 2
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 VANILLA = {"plugin_type": "mtp", "num_speculative_tokens": K, "adaptive_speculation": False}
 EAGLE = {**VANILLA, "mtp_mode": "eagle"}
+TREE = {"plugin_type": "mtp", "tree": "dynamic", "num_speculative_tokens": K, "tree_topk": 2, "num_draft_tokens": 4,
+        "adaptive_speculation": False}
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +37,7 @@ def cache_dir(tmp_path_factory):
 
 def _llm(path, plugin_params=None, **kw):
     return LLM(model=str(path), dtype="float32", cache_block_size=4, num_blocks=128, progress=False,
-               plugin_params=plugin_params, max_batch_size=2, **kw)
+               plugin_params=plugin_params, **{"max_batch_size": 2, **kw})
 
 
 def _prompts():
@@ -70,6 +72,20 @@ def test_compiled_steps_give_the_eager_tokens_and_a_restart_loads_them(checkpoin
     assert _tokens(third, GREEDY) == expected
     recovered = third.engine.model_wrapper.compiled.stats
     assert recovered.compiled == 1 and recovered.failed == 0 and broken.stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_a_tree_step_compiles_once_per_bucket(checkpoint, cache_dir):
+    """Every tree step of a bucket has one shape (windows padded to the most they can need), so
+    one package serves them all: drafting, selection and verification inside it."""
+    expected = _tokens(_llm(checkpoint, TREE, decode_graphs=False, max_batch_size=1), GREEDY)
+    llm = _llm(checkpoint, TREE, decode_graphs=True, max_batch_size=1)
+    assert _tokens(llm, GREEDY) == expected
+    stats = llm.engine.model_wrapper.compiled.stats
+    trees = [name for name in stats.by_key if name.startswith("tree-")]
+    assert len(trees) == 1 and stats.by_key[trees[0]] == "compiled" and stats.failed == 0
+    runner = llm.engine.model_wrapper.graph_runner
+    assert sum(k[0] == "tree" for k in runner.shape_keys) == 1 and stats.calls >= 10
 
 
 @pytest.mark.slow

@@ -90,8 +90,11 @@ def test_padded_rows_are_static_and_re_based():
     cfg = tiny_v3_config(num_nextn_predict_layers=DEPTH)
     tables = _tables(SEQ_LENS, shape.lookahead + DEPTH + 1)
     _, main, steps, _ = _tree_step(cfg, shape, False, tables)
-    rows = draft_rows(steps)
-    assert rows == tuple(int(s.inputs.q_lens.max()) + int(s.inputs.q_lens.max()) % 2 for s in steps)
+    rows = draft_rows(steps, DEPTH, eagle=False)
+    # the most a window can need (4 accepted, 2 of history, one fewer per step) and the tree rows
+    assert rows == (6, 5 + 2, 4 + 4)
+    eagle_steps = _tree_step(cfg, shape, True, tables)[2]
+    assert draft_rows(eagle_steps, DEPTH, eagle=True) == (4, 2, 4)  # MTP Eagle's later steps: tree rows alone
     pad = TreePad(num_seqs=8, rows=rows, width=12, dummy_block=NUM_BLOCKS - 1, block_size=BLOCK_SIZE)
     padded_main, padded, hidden_map = pad_tree_step(main, steps, pad)
     assert padded_main.num_tokens == 8 * (shape.num_nodes + 1)
