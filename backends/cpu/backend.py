@@ -94,9 +94,14 @@ class _LastCall:
     Every layer of a forward passes the same positions and slots tensors (the model never writes
     them in place), so what is derived from them is computed by the first layer and reused by the
     others; holding the key keeps its id from being reused by another tensor. (The per-forward
-    ``meta.scratch`` cannot hold these: ``rope`` and ``write_latent_cache`` receive no metadata.)"""
+    ``meta.scratch`` cannot hold these: ``rope`` and ``write_latent_cache`` receive no metadata.)
+    ``prepare`` clears it: a static buffer (graph_runner.py) is the same tensor in every forward
+    with new values."""
 
     def __init__(self):
+        self.clear()
+
+    def clear(self) -> None:
         self.key: Optional[tuple] = None
         self.value = None
 
@@ -243,6 +248,8 @@ class CpuBackend(Backend):
             return super().mem_get_info()
 
     def prepare(self, meta: AttentionMetadata) -> None:
+        self._rope_memo.clear()  # a new forward: its positions and slots may be old tensors with new values
+        self._spill_memo.clear()
         groups = attention_groups(meta, self.device)
         for m in [meta] if groups is None else [g.meta for g in groups]:
             attention_plan(m, self.device)

@@ -108,15 +108,20 @@ class ExportedSteps:
         from mindspec.models.deepseekv2.flash_causal_deepseekv2 import ModelOutput
 
         b = self.backend
+        tree = [] if meta.tree_mask is None else [(meta.tree_mask, {})]  # a tree verification's mask
         tensors, dims = _flatten([
-            (input_ids, {}), (positions, {}), (lm_head_indices, {}),
+            (input_ids, {}), (positions, {}), (lm_head_indices, {}), *tree,
             *b.step_tensors(meta, "m"), *b.cache_tensors(caches),
         ])
         key = ("decode", _signature(tensors, dims))
-        n_meta = len(tensors) - 3 - len(caches)
+        n_meta = len(tensors) - 3 - len(tree) - len(caches)
 
         def run(ids, pos, lm, *rest):
+            if tree:
+                mask, rest = rest[0], rest[1:]
             m = b.bind_step_tensors(meta, list(rest[:n_meta]))
+            if tree:
+                m.tree_mask = mask
             out = self.model.forward(ids, pos, b.bind_cache_tensors(caches, list(rest[n_meta:])), m, lm)
             return out.logits, out.hidden_states
 

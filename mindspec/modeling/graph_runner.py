@@ -19,8 +19,9 @@ occupies the first rows and sequences unchanged; the rest is padding:
   rows come after a sequence's real rows, write nothing and are dropped from the outputs, so the
   shape depends on the batch size and the most drafts only;
 - block tables are widened to a fixed width with the dummy block; a batch whose tables are wider,
-  whose sequences have unequal q outside a verification, that has a tree mask or is a prefill, is
-  run eagerly.
+  whose sequences have unequal q outside a verification, or is a prefill, is run eagerly;
+- a tree verification of host drafts (Medusa) keeps its mask in a static buffer too; a tree
+  speculation step (MTP draft trees) is padded by tree_padding.py to one shape per bucket.
 
 Outputs are sliced back to the real rows (and cloned: the next replay overwrites them). With
 ``capture=False`` the runner does all of this but calls the step eagerly over the static
@@ -295,9 +296,11 @@ class DecodeGraphRunner:
     def accepts(self, inputs: ModelInputs, sub_steps: Optional[list[ModelInputs]] = None,
                 tree_mask: Optional[torch.Tensor] = None) -> bool:
         num_seqs = inputs.num_seqs
-        if tree_mask is not None or num_seqs == 0 or self.bucket(num_seqs) is None or not self._fits(inputs, num_seqs):
+        if num_seqs == 0 or self.bucket(num_seqs) is None or not self._fits(inputs, num_seqs):
             return False
         max_q = int(inputs.q_lens.max())
+        if tree_mask is not None:  # a tree verification of host drafts (Medusa): every row, one row count
+            return sub_steps is None and bool((inputs.q_lens == max_q).all()) and verifies_every_row(inputs)
         if max_q > self.max_verify_rows:
             return False
         if inputs.drafts_in_inputs is not None and inputs.drafts_in_inputs.any():
@@ -332,14 +335,25 @@ class DecodeGraphRunner:
             return inputs, None
         return pad_verify_rows(inputs)
 
-    def forward(self, inputs: ModelInputs):
+    def forward(self, inputs: ModelInputs, tree_mask: Optional[torch.Tensor] = None):
+        """``tree_mask`` [B, q, q] on the device: a tree verification (the mask is a static buffer
+        too; padding sequences attend causally)."""
         real, (inputs, row_map) = inputs, self._uniform_rows(inputs)
         num_seqs = inputs.num_seqs
         lm_per_seq = len(inputs.lm_head_indices) // num_seqs
         spec = self._spec(inputs)
-        key = ("decode", spec.num_seqs, spec.q, lm_per_seq)
-        entry = self._entry(key, [pad_inputs(inputs, spec, lm_per_seq)], [],
-                            lambda e: lambda: self.wrapper.forward(e.statics.inputs[0], padded=True))
+        key = ("decode", spec.num_seqs, spec.q, lm_per_seq) + (("tree",) if tree_mask is not None else ())
+
+        def make_fn(e: _Entry):
+            static = e.statics.inputs[0]
+            if tree_mask is not None:
+                causal = torch.ones(spec.q, spec.q, dtype=torch.bool, device=tree_mask.device).tril()
+                static.meta.tree_mask = causal.expand(spec.num_seqs, -1, -1).clone()
+            return lambda: self.wrapper.forward(static, padded=True)
+
+        entry = self._entry(key, [pad_inputs(inputs, spec, lm_per_seq)], [], make_fn)
+        if tree_mask is not None:
+            entry.statics.inputs[0].meta.tree_mask[:num_seqs].copy_(tree_mask)
         out = self._replay(entry)
         return _sliced(out, len(real.lm_head_indices), real.num_tokens, None, self._static(entry), row_map)
 

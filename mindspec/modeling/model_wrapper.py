@@ -119,7 +119,7 @@ class ModelWrapper:
         """``forward`` from host inputs: a decode batch the graph runner takes is padded and
         replayed, anything else moves to the device and runs eagerly."""
         if self.graph_runner is not None and self.graph_runner.accepts(inputs, tree_mask=tree_mask):
-            return self.graph_runner.forward(inputs)
+            return self.graph_runner.forward(inputs, tree_mask)
         return self.forward(to_device(inputs, self.device, tree_mask))
 
     def lm_head_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

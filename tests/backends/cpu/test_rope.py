@@ -141,3 +141,25 @@ def test_rope_rows_are_built_on_the_device_of_x():
     rot = RotaryEmbedding(inv_freq=inv_freq.to("meta"), attention_factor=1.0)
     out = CpuBackend().rope(torch.randn(2, 3, 8, device="meta"), torch.tensor([0, 5]), rot)
     assert out.device.type == "meta" and out.shape == (2, 3, 8)
+
+
+def test_a_positions_buffer_refilled_for_the_next_forward_is_read_again():
+    """Every layer of one forward reuses the rotation of its positions tensor; a static buffer
+    (graph_runner.py) is the same tensor in the next forward with new values: ``prepare``, which
+    starts a forward, forgets the rotation."""
+    from mindspec.backend import AttentionMetadata
+
+    be = CpuBackend()
+    x = torch.randn(3, 2, 8, generator=torch.Generator().manual_seed(1))
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
+    rot = RotaryEmbedding(inv_freq=inv_freq, attention_factor=1.0)
+    positions = torch.tensor([0, 1, 2])
+    be.rope(x, positions, rot)
+    positions.copy_(torch.tensor([5, 9, 40]))
+    meta = AttentionMetadata(slots=torch.zeros(3, dtype=torch.long), block_tables=torch.zeros(1, 1, dtype=torch.int32),
+                             seq_lens=torch.tensor([3], dtype=torch.int32), q_lens=torch.tensor([3], dtype=torch.int32),
+                             q_start_loc=torch.tensor([0, 3], dtype=torch.int32), seq_lens_host=[3], q_lens_host=[3],
+                             is_prefill=True, block_size=4)
+    be.prepare(meta)
+    torch.testing.assert_close(be.rope(x, positions, rot).double(), ref.rope(x, positions, inv_freq, 1.0),
+                               atol=1e-5, rtol=1e-5)

@@ -128,3 +128,22 @@ def test_medusa_under_async_scheduling_is_lossless(checkpoint):
     llm = _llm(path, {"plugin_type": "medusa"}, async_scheduling=True)
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == [o.token_ids for o in _llm(path).generate(prompts, GREEDY)]
     assert llm.engine.async_stepper.stats.ahead_steps > 0
+
+
+def test_medusa_verification_through_the_graph_runner_is_lossless(checkpoint):
+    """The verification forward padded to buckets with its tree mask in a static buffer (what a
+    captured graph or a compiled package replays), run eagerly over the buffers here."""
+    from mindspec.modeling.graph_runner import DecodeGraphRunner
+
+    _, path, prompts = checkpoint
+    expected = [o.token_ids for o in _llm(path).generate(prompts, GREEDY)]
+    llm = _llm(path, {"plugin_type": "medusa"})
+    wrapper = llm.engine.model_wrapper
+    runner = wrapper.graph_runner = DecodeGraphRunner(wrapper, buckets=(1, 2, 4, 8), capture=False)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    assert [llm.generate([p], GREEDY)[0].token_ids for p in prompts[:2]] == expected[:2]
+    from mindspec.plugins.medusa.medusa_plugin import DEFAULT_TREE
+
+    rows = 1 + sum(len(c) <= 3 for c in DEFAULT_TREE)  # the root and the default tree's nodes for 3 heads
+    trees = [k for k in runner.shape_keys if k[-1] == "tree"]
+    assert {k[1] for k in trees} >= {1, 8} and all(k[2] == rows for k in trees)
