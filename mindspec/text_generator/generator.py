@@ -25,7 +25,7 @@ from mindspec.modeling.model_wrapper import ModelWrapper
 from mindspec.modeling.draft_tree import TreeShape
 from mindspec.modeling.tree_speculation import DraftTree, TreeStepHost
 
-PLAIN, PREFILL_MTP, SPECULATIVE, TREE = 0, 1, 2, 3  # forward kinds, compared across ranks every step
+PLAIN, PREFILL_MTP, SPECULATIVE, TREE, TREE_VERIFY = 0, 1, 2, 3, 4  # forward kinds, compared across ranks every step
 
 
 @dataclass
@@ -78,7 +78,7 @@ class Generator:
         ``q_lens`` are the per-sequence row counts (the dp split reads them from the inputs)."""
         if tree_mask is not None:  # a verification of trees drafted on the host side (Medusa)
             if self.dp_size > 1:
-                raise ValueError("draft trees are not split over dp ranks (dp = 1 only)")
+                return self._verify_tree_dp(model_inputs, tree_mask.to(self.device))
             out = self.model_wrapper.forward_host(model_inputs, tree_mask=tree_mask.to(self.device))
             return GeneratorOutput(logits=out.logits, hidden_states=out.hidden_states)
         if self.dp_size == 1:
@@ -101,13 +101,7 @@ class Generator:
 
     def _forward_tree_dp(self, inputs: ModelInputs, steps: list[TreeStepHost], hidden_states: torch.Tensor,
                          shape: TreeShape, eagle: bool) -> GeneratorOutput:
-        if self.parallel.ep_size > 1:  # its collectives would need every rank to run equal rows
-            raise ValueError("draft trees with expert parallelism (moe_ep > 1) are not supported; use moe_ep 1")
-        owners = self.assigner.assign(inputs)
-        self.gather.check_same([TREE, inputs.num_seqs, inputs.num_tokens, len(steps),
-                                int(np.dot(owners + 1, np.arange(1, len(owners) + 1)))],
-                               "kind, sequences, tokens, draft steps, owners", self.device)
-        rows = [dp_plan.rank_rows(inputs, owners, r) for r in range(self.dp_size)]
+        owners, rows = self._tree_rows(inputs, TREE, len(steps))
         me, width = rows[self.dp_rank], shape.num_nodes + 1
         parts = []
         if len(me.seqs):
@@ -116,21 +110,54 @@ class Generator:
             out, tree = self.model_wrapper.forward_tree_host(dp_plan.local_inputs(inputs, me), local_steps, hidden,
                                                              shape, eagle)
             parts = [out.logits, out.hidden_states, torch.stack([tree.tokens, tree.parents, tree.depths], dim=1)]
+        logits, states, trees = self._gather_tree_rows(inputs, rows, parts, width)
+        tree = DraftTree(tokens=trees[:, 0], parents=trees[:, 1], depths=trees[:, 2])
+        return GeneratorOutput(logits=logits, hidden_states=states, tree=tree)
+
+    def _verify_tree_dp(self, inputs: ModelInputs, tree_mask: torch.Tensor) -> GeneratorOutput:
+        """A verification of host-drafted trees (Medusa) with dp: each rank verifies its own
+        sequences' trees; the results are gathered."""
+        _, rows = self._tree_rows(inputs, TREE_VERIFY, 0)
+        me = rows[self.dp_rank]
+        parts = []
+        if len(me.seqs):
+            out = self.model_wrapper.forward_host(dp_plan.local_inputs(inputs, me),
+                                                  tree_mask=tree_mask[torch.from_numpy(me.seqs).to(self.device)])
+            parts = [out.logits, out.hidden_states]
+        logits, states, _ = self._gather_tree_rows(inputs, rows, parts, None)
+        return GeneratorOutput(logits=logits, hidden_states=states)
+
+    def _tree_rows(self, inputs: ModelInputs, kind: int, num_steps: int) -> tuple[np.ndarray, list[dp_plan.RankRows]]:
+        """The owner rank of each sequence and each rank's rows of a tree step (sequences whole, no padding: trees run without expert
+        parallelism, so ranks need not run equal rows)."""
+        if self.parallel.ep_size > 1:  # its collectives would need every rank to run equal rows
+            raise ValueError("draft trees with expert parallelism (moe_ep > 1) are not supported; use moe_ep 1")
+        owners = self.assigner.assign(inputs)
+        self.gather.check_same([kind, inputs.num_seqs, inputs.num_tokens, num_steps,
+                                int(np.dot(owners + 1, np.arange(1, len(owners) + 1)))],
+                               "kind, sequences, tokens, draft steps, owners", self.device)
+        return owners, [dp_plan.rank_rows(inputs, owners, r) for r in range(self.dp_size)]
+
+    def _gather_tree_rows(self, inputs: ModelInputs, rows: list[dp_plan.RankRows], parts: list[torch.Tensor],
+                          width: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """Every rank's (logits, hidden states[, trees [seqs, 3, width]]) in the batch's order."""
         vocab, hidden_size = self.model_wrapper.config.vocab_size, self.model_wrapper.config.hidden_size
-        shapes = [[(len(r.lm_rows), vocab), (len(r.token_rows), hidden_size), (len(r.seqs), 3, width)] for r in rows]
+        shapes = [[(len(r.lm_rows), vocab), (len(r.token_rows), hidden_size)] +
+                  ([(len(r.seqs), 3, width)] if width else []) for r in rows]
         every = self.gather.all_gather(parts, shapes, self.device)
         logits = torch.empty(len(inputs.lm_head_indices), vocab, device=self.device)
         states = torch.empty(inputs.num_tokens, hidden_size, dtype=self.model_wrapper.dtype, device=self.device)
-        trees = torch.empty(inputs.num_seqs, 3, width, dtype=torch.long, device=self.device)
+        trees = torch.empty(inputs.num_seqs, 3, width, dtype=torch.long, device=self.device) if width else None
         for r, got in zip(rows, every):
             logits[torch.from_numpy(r.lm_rows).to(self.device)] = got[0]
             states[torch.from_numpy(r.token_rows).to(self.device)] = got[1].to(states.dtype)
-            trees[torch.from_numpy(r.seqs).to(self.device)] = got[2].round().long()
+            if width:
+                trees[torch.from_numpy(r.seqs).to(self.device)] = got[2].round().long()
+        me = rows[self.dp_rank]
         self.dp_stats.steps += 1
         self.dp_stats.sequences += len(me.seqs)
         self.dp_stats.idle_steps += int(len(me.seqs) == 0)
-        tree = DraftTree(tokens=trees[:, 0], parents=trees[:, 1], depths=trees[:, 2])
-        return GeneratorOutput(logits=logits, hidden_states=states, tree=tree)
+        return logits, states, trees
 
     # ---- one rank's forward ------------------------------------------------------------------
     def _run(self, inputs, subs, hidden_states, mtp_modules, lm_head_local_dp, lm_rows_only=None,

@@ -12,7 +12,10 @@ Options (``plugin_params``): ``tree_choices`` (default: DEFAULT_TREE cut to the 
 ``num_speculative_tokens`` (heads used, default all; the tree's depth when both are given),
 ``decoding_policy`` (strict | typical), ``posterior_threshold``, ``posterior_alpha``.
 Heads: mindspec/modeling/medusa_heads.py. Under async scheduling a decode step's tree is built
-when the running step's results are known (fill_in_model_result). Not with dp > 1 or PD.
+when the running step's results are known (fill_in_model_result). With dp each rank verifies its
+own sequences' trees (not with moe_ep > 1); on a PD decode node an adopted sequence's first
+drafts come from a zero hidden state (the hand-off carries KV, not hidden states): they are
+verified like any others, so the output is unchanged.
 """
 from __future__ import annotations
 
@@ -84,8 +87,9 @@ class MedusaPlugin(Plugin):
                                           cfg.vocab_size, wrapper.model.lm_head)
         except MedusaHeadsError as exc:
             raise PluginParamsError(str(exc)) from None
-        if generator.dp_size > 1:
-            raise PluginParamsError(f"plugin_type 'medusa' runs with dp = 1 only (got dp = {generator.dp_size})")
+        if generator.parallel.ep_size > 1:  # tree verification runs each rank's own rows, unequal across ranks
+            raise PluginParamsError("plugin_type 'medusa' does not run with expert parallelism "
+                                    f"(moe_ep = {generator.parallel.ep_size}); use moe_ep 1")
         self.params = parse_medusa_params(options, self.heads.num_heads)
         self.shape = TreeShape.static(self.params.tree_choices)
         self.verifier = TreeVerifier(self.shape, cache_config.block_size)
@@ -153,6 +157,10 @@ class MedusaPlugin(Plugin):
         for seq, rows in zip(batch.seqs, outputs.accepted_rows):
             if rows:  # the hidden state that produced its newest token drafts its next step
                 self.hidden[seq.seq_id] = outputs.hidden_states[int(lm_rows[rows[-1]])].clone()
+
+    def adopt_prefilled(self, seq, hidden_size: int, dtype: torch.dtype, device) -> None:
+        """A sequence prefilled on another node: no hidden state came with it."""
+        self.hidden[seq.seq_id] = torch.zeros(hidden_size, dtype=dtype, device=device)
 
     def plugin_cache_clear(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:

@@ -147,3 +147,18 @@ def test_medusa_verification_through_the_graph_runner_is_lossless(checkpoint):
     rows = 1 + sum(len(c) <= 3 for c in DEFAULT_TREE)  # the root and the default tree's nodes for 3 heads
     trees = [k for k in runner.shape_keys if k[-1] == "tree"]
     assert {k[1] for k in trees} >= {1, 8} and all(k[2] == rows for k in trees)
+
+
+def test_medusa_on_a_pd_decode_node_matches_one_engine(checkpoint):
+    """Sequences prefilled on another node arrive without a hidden state: their first drafts
+    come from zeros and are verified like any others."""
+    _, path, prompts = checkpoint
+    expected = [o.token_ids for o in _llm(path).generate(prompts, GREEDY)]
+    prefill_node = _llm(path)
+    decode_node = _llm(path, {"plugin_type": "medusa"})
+    handoffs = [prefill_node.engine.prefill_for_handoff(p, GREEDY) for p in prompts]
+    states = [decode_node.engine.add_prefilled_request(h, GREEDY) for h in handoffs]
+    outs = decode_node.engine.run(states)
+    assert [o.token_ids for o in outs] == expected
+    assert sum(o.spec_decode.num_steps for o in outs) > 0
+    assert not decode_node.engine.plugin_manager.plugins[0].hidden
