@@ -426,7 +426,8 @@ class DecodeGraphRunner:
         from mindspec.modeling.tree_speculation import DraftTree, TreeDraftStep
 
         real_seqs, real_rows = inputs.num_seqs, inputs.num_tokens
-        pad = TreePad(self.bucket(real_seqs), draft_rows(steps, shape.depth, eagle), self.width, self.dummy_block, self.block_size)
+        pad = TreePad(self.bucket(real_seqs), draft_rows(steps, shape.depth, eagle), shape.num_nodes + 1, self.width,
+                      self.dummy_block, self.block_size)
         main, padded, hidden_map = pad_tree_step(inputs, steps, pad)
         # per draft step: window_src, window_lens, tree_first, root_src, then tree_visible (not step 0's: no tree)
         extras = [a for d, s in enumerate(padded) for a in

@@ -35,6 +35,7 @@ class TreePad:
 
     num_seqs: int  # the bucket
     rows: tuple[int, ...]  # [D] rows per sequence of each draft step
+    verify_rows: int  # N + 1: the root and the nodes
     width: int  # block-table columns
     dummy_block: int
     block_size: int
@@ -58,20 +59,23 @@ def draft_rows(steps: list[TreeStepHost], depth: int, eagle: bool) -> tuple[int,
 def pad_tree_step(main: ModelInputs, steps: list[TreeStepHost], pad: TreePad) -> tuple[ModelInputs, list[TreeStepHost], np.ndarray]:
     """-> (padded verification inputs, padded draft steps, the padded row of each of step 0's
     rows [T0]: where its hidden state goes)."""
-    nodes = int(main.q_lens[0])
+    nodes = pad.verify_rows
     spec = PadSpec(pad.num_seqs, nodes, pad.num_seqs * nodes, pad.width, pad.dummy_block, pad.block_size)
     padded_main = pad_inputs(main, spec, nodes)
     padded, maps = [], []
-    prev_total = prev_padded = 0
+    prev_total = prev_padded = prev_tree = 0
     for d, (step, rows) in enumerate(zip(steps, pad.rows)):
-        new_step, row_map = _pad_draft_step(step, d, rows, pad, maps[-1] if maps else None, prev_total, prev_padded)
+        tree = step.tree_visible.shape[1]
+        expanded = 1 if d == 0 else tree - prev_tree  # lm_head rows per sequence: the root, then E_d
+        new_step, row_map = _pad_draft_step(step, d, rows, expanded, pad, maps[-1] if maps else None, prev_total,
+                                            prev_padded)
         padded.append(new_step)
         maps.append(row_map)
-        prev_total, prev_padded = step.inputs.num_tokens, pad.num_seqs * rows
+        prev_total, prev_padded, prev_tree = step.inputs.num_tokens, pad.num_seqs * rows, tree
     return padded_main, padded, maps[0]
 
 
-def _pad_draft_step(step: TreeStepHost, d: int, rows: int, pad: TreePad, prev_map, prev_total: int,
+def _pad_draft_step(step: TreeStepHost, d: int, rows: int, expanded: int, pad: TreePad, prev_map, prev_total: int,
                     prev_padded: int) -> tuple[TreeStepHost, np.ndarray]:
     x = step.inputs
     real, seqs = x.num_seqs, pad.num_seqs
@@ -82,7 +86,7 @@ def _pad_draft_step(step: TreeStepHost, d: int, rows: int, pad: TreePad, prev_ma
     seq_idx = np.repeat(np.arange(real), q)
     row_map = seq_idx * rows + np.arange(len(seq_idx)) - np.repeat(np.cumsum(q) - q, q)
     total = seqs * rows
-    last = x.positions[np.cumsum(q) - 1]
+    last = x.positions[np.cumsum(q) - 1] if real else np.zeros(0, dtype=np.int64)
 
     def spread(values: np.ndarray, real_fill, pad_fill) -> np.ndarray:
         out = np.concatenate([np.repeat(np.asarray(real_fill), rows) if np.ndim(real_fill) else
@@ -94,11 +98,8 @@ def _pad_draft_step(step: TreeStepHost, d: int, rows: int, pad: TreePad, prev_ma
     pad_window = 1 if d == 0 else 0  # step 0: the root alone; later steps: tree rows alone
     window = np.concatenate([step.window_lens, np.full(len(pad_seqs), pad_window)]).astype(np.int64)
     tree_first = np.arange(seqs, dtype=np.int64) * rows + window
-    if d == 0:
-        pad_lm = pad_seqs * rows
-    else:
-        expanded = len(x.lm_head_indices) // real  # E_d: the step's lm_head rows, the deepest tree rows
-        pad_lm = (tree_first[real:, None] + tree - expanded + np.arange(expanded)).reshape(-1)
+    # a padding sequence's lm_head rows: its root (step 0), then its deepest tree rows
+    pad_lm = pad_seqs * rows if d == 0 else (tree_first[real:, None] + tree - expanded + np.arange(expanded)).reshape(-1)
     window_src = step.window_src
     if prev_map is not None:
         window_src = np.where(window_src >= 0, prev_map[np.maximum(window_src, 0)], -1)

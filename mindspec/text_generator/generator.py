@@ -10,7 +10,7 @@ the same tokens. The plugin manager and the model never know dp happened.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
@@ -21,8 +21,10 @@ from mindspec.distributed.dp_gather import OutputGather
 from mindspec.distributed.parallel_state import ParallelContext
 from mindspec.modeling.draft_rows import lm_rows_only_steps
 from mindspec.modeling.forward_metadata import ModelInputs, to_device
+from mindspec.modeling.graph_runner import PadSpec, pad_inputs
 from mindspec.modeling.model_wrapper import ModelWrapper
 from mindspec.modeling.draft_tree import TreeShape
+from mindspec.modeling.tree_padding import TreePad, draft_rows, pad_tree_step
 from mindspec.modeling.tree_speculation import DraftTree, TreeStepHost
 
 PLAIN, PREFILL_MTP, SPECULATIVE, TREE, TREE_VERIFY = 0, 1, 2, 3, 4  # forward kinds, compared across ranks every step
@@ -104,11 +106,15 @@ class Generator:
         owners, rows = self._tree_rows(inputs, TREE, len(steps))
         me, width = rows[self.dp_rank], shape.num_nodes + 1
         parts = []
-        if len(me.seqs):
+        expert_parallel = self.parallel.ep_size > 1  # every rank runs the same shape, with or without sequences
+        if len(me.seqs) or expert_parallel:
             local_steps, hidden_rows = dp_plan.tree_shard(steps, owners, self.dp_rank)
             hidden = hidden_states[torch.from_numpy(hidden_rows).to(hidden_states.device)].to(self.device)
-            out, tree = self.model_wrapper.forward_tree_host(dp_plan.local_inputs(inputs, me), local_steps, hidden,
-                                                             shape, eagle)
+            local = dp_plan.local_inputs(inputs, me)
+            if expert_parallel:
+                out, tree = self._equal_tree_step(local, local_steps, hidden, inputs, steps, rows, shape, eagle)
+            else:
+                out, tree = self.model_wrapper.forward_tree_host(local, local_steps, hidden, shape, eagle)
             parts = [out.logits, out.hidden_states, torch.stack([tree.tokens, tree.parents, tree.depths], dim=1)]
         logits, states, trees = self._gather_tree_rows(inputs, rows, parts, width)
         tree = DraftTree(tokens=trees[:, 0], parents=trees[:, 1], depths=trees[:, 2])
@@ -120,18 +126,54 @@ class Generator:
         _, rows = self._tree_rows(inputs, TREE_VERIFY, 0)
         me = rows[self.dp_rank]
         parts = []
-        if len(me.seqs):
-            out = self.model_wrapper.forward_host(dp_plan.local_inputs(inputs, me),
-                                                  tree_mask=tree_mask[torch.from_numpy(me.seqs).to(self.device)])
+        local = dp_plan.local_inputs(inputs, me)
+        mask = tree_mask[torch.from_numpy(me.seqs).to(self.device)]
+        if self.parallel.ep_size > 1:  # every rank runs the same shape: padded to the most sequences of a rank
+            out = self._equal_verification(local, mask, inputs, rows)
+            parts = [out.logits[: local.num_tokens], out.hidden_states[: local.num_tokens]]
+        elif len(me.seqs):
+            out = self.model_wrapper.forward_host(local, tree_mask=mask)
             parts = [out.logits, out.hidden_states]
         logits, states, _ = self._gather_tree_rows(inputs, rows, parts, None)
         return GeneratorOutput(logits=logits, hidden_states=states)
 
+    def _equal_tree_step(self, local: ModelInputs, local_steps: list[TreeStepHost], hidden: torch.Tensor,
+                         inputs: ModelInputs, steps: list[TreeStepHost], rows: list[dp_plan.RankRows],
+                         shape: TreeShape, eagle: bool):
+        """With expert parallelism the MoE collectives need the same rows on every rank: the rank's
+        trees padded to the most sequences any rank has, each draft step to rows per sequence
+        taken from the whole batch (tree_padding.py), so every rank runs the same shape -> the
+        rank's own rows of (ModelOutput, DraftTree)."""
+        pad = TreePad(max(1, max(len(r.seqs) for r in rows)), draft_rows(steps, shape.depth, eagle), shape.num_nodes + 1,
+                      self._table_width(inputs, [s.inputs for s in steps]), *self._dummy())
+        main, padded, hidden_map = pad_tree_step(local, local_steps, pad)
+        first = hidden.new_zeros((padded[0].inputs.num_tokens, hidden.shape[1]))
+        first.index_copy_(0, torch.from_numpy(hidden_map).to(first.device), hidden)
+        out, tree = self.model_wrapper.forward_tree(to_device(main, self.device), [s.to_device(self.device) for s in padded],
+                                                    first, shape, eagle)
+        n, b = local.num_tokens, local.num_seqs
+        out = replace(out, logits=out.logits[:n], hidden_states=out.hidden_states[:n])
+        return out, DraftTree(tokens=tree.tokens[:b], parents=tree.parents[:b], depths=tree.depths[:b])
+
+    def _equal_verification(self, local: ModelInputs, mask: torch.Tensor, inputs: ModelInputs,
+                            rows: list[dp_plan.RankRows]):
+        """A verification of host-drafted trees padded, as ``_equal_tree_step``, to the most
+        sequences any rank has (padding sequences attend causally, in the dummy block)."""
+        q, most = int(inputs.q_lens[0]), max(1, max(len(r.seqs) for r in rows))
+        spec = PadSpec(most, q, most * q, self._table_width(inputs, []), *self._dummy())
+        full = torch.ones(most, q, q, dtype=torch.bool, device=self.device).tril()
+        full[: local.num_seqs] = mask
+        return self.model_wrapper.forward(to_device(pad_inputs(local, spec, q), self.device, full))
+
+    def _table_width(self, inputs: ModelInputs, others: list[ModelInputs]) -> int:
+        return max([1, inputs.block_tables.shape[1]] + [o.block_tables.shape[1] for o in others])
+
+    def _dummy(self) -> tuple[int, int]:
+        cc = self.model_wrapper.cache_config
+        return cc.dummy_block_id, cc.block_size
+
     def _tree_rows(self, inputs: ModelInputs, kind: int, num_steps: int) -> tuple[np.ndarray, list[dp_plan.RankRows]]:
-        """The owner rank of each sequence and each rank's rows of a tree step (sequences whole, no padding: trees run without expert
-        parallelism, so ranks need not run equal rows)."""
-        if self.parallel.ep_size > 1:  # its collectives would need every rank to run equal rows
-            raise ValueError("draft trees with expert parallelism (moe_ep > 1) are not supported; use moe_ep 1")
+        """The owner rank of each sequence and each rank's rows of a tree step (sequences whole)."""
         owners = self.assigner.assign(inputs)
         self.gather.check_same([kind, inputs.num_seqs, inputs.num_tokens, num_steps,
                                 int(np.dot(owners + 1, np.arange(1, len(owners) + 1)))],

@@ -13,7 +13,7 @@ Options (``plugin_params``): ``tree_choices`` (default: DEFAULT_TREE cut to the 
 ``decoding_policy`` (strict | typical), ``posterior_threshold``, ``posterior_alpha``.
 Heads: mindspec/modeling/medusa_heads.py. Under async scheduling a decode step's tree is built
 when the running step's results are known (fill_in_model_result). With dp each rank verifies its
-own sequences' trees (not with moe_ep > 1); on a PD decode node an adopted sequence's first
+own sequences' trees (with moe_ep > 1 padded to the same rows on every rank); on a PD decode node an adopted sequence's first
 drafts come from a zero hidden state (the hand-off carries KV, not hidden states): they are
 verified like any others, so the output is unchanged.
 """
@@ -87,9 +87,6 @@ class MedusaPlugin(Plugin):
                                           cfg.vocab_size, wrapper.model.lm_head)
         except MedusaHeadsError as exc:
             raise PluginParamsError(str(exc)) from None
-        if generator.parallel.ep_size > 1:  # tree verification runs each rank's own rows, unequal across ranks
-            raise PluginParamsError("plugin_type 'medusa' does not run with expert parallelism "
-                                    f"(moe_ep = {generator.parallel.ep_size}); use moe_ep 1")
         self.params = parse_medusa_params(options, self.heads.num_heads)
         self.shape = TreeShape.static(self.params.tree_choices)
         self.verifier = TreeVerifier(self.shape, cache_config.block_size)

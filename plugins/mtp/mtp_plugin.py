@@ -477,9 +477,6 @@ class MtpPlugin(Plugin):
         shape = self.params.tree_shape()
         if shape is None:
             return None
-        if generator.parallel.ep_size > 1:
-            raise PluginParamsError("plugin_params: draft trees do not run with expert parallelism "
-                                    f"(moe_ep = {generator.parallel.ep_size}); use moe_ep 1")
         return TreeSteps(shape, self.mode == "eagle", self.block_size, self.dummy_block_id)
 
     def _suffix_drafts(self) -> Optional[SuffixDrafts]:

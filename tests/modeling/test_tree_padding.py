@@ -95,7 +95,7 @@ def test_padded_rows_are_static_and_re_based():
     assert rows == (6, 5 + 2, 4 + 4)
     eagle_steps = _tree_step(cfg, shape, True, tables)[2]
     assert draft_rows(eagle_steps, DEPTH, eagle=True) == (4, 2, 4)  # MTP Eagle's later steps: tree rows alone
-    pad = TreePad(num_seqs=8, rows=rows, width=12, dummy_block=NUM_BLOCKS - 1, block_size=BLOCK_SIZE)
+    pad = TreePad(num_seqs=8, rows=rows, verify_rows=shape.num_nodes + 1, width=12, dummy_block=NUM_BLOCKS - 1, block_size=BLOCK_SIZE)
     padded_main, padded, hidden_map = pad_tree_step(main, steps, pad)
     assert padded_main.num_tokens == 8 * (shape.num_nodes + 1)
     real = len(SEQ_LENS)
