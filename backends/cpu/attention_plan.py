@@ -90,12 +90,20 @@ class AttentionPlan:
 
 
 def attention_plan(meta: AttentionMetadata, device: torch.device) -> AttentionPlan:
-    """The plan for ``meta``, built on first use and memoised in ``meta.scratch``."""
+    """The plan for ``meta``, built on first use and memoised in ``meta.scratch``, with its tree
+    mask applied."""
+    plan = host_plan(meta, device)
+    if plan.tree_cols is not None:
+        plan.with_tree(meta.tree_mask)
+    return plan
+
+
+def host_plan(meta: AttentionMetadata, device: torch.device) -> AttentionPlan:
+    """The plan as built from the host lengths (a tree mask's part not applied: what an exported
+    step takes as inputs)."""
     plan = meta.scratch.get(PLAN_KEY)
     if plan is None:
         plan = meta.scratch[PLAN_KEY] = _build(meta, device)
-    if plan.tree_cols is not None:
-        plan.with_tree(meta.tree_mask)
     return plan
 
 

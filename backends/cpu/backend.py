@@ -30,7 +30,7 @@ from mindspec.backend import (
 
 from . import linear as packed_linear
 from . import moe
-from .attention_plan import PLAN_KEY, ROWS_KEY, AttentionPlan, attention_groups, attention_plan, cache_rows
+from .attention_plan import PLAN_KEY, ROWS_KEY, AttentionPlan, attention_groups, attention_plan, cache_rows, host_plan
 
 logger = logging.getLogger(__name__)
 
@@ -271,7 +271,7 @@ class CpuBackend(Backend):
         return True
 
     def step_tensors(self, meta: AttentionMetadata, name: str) -> list[tuple[torch.Tensor, dict[int, str]]]:
-        plan = attention_plan(meta, self.device)
+        plan = host_plan(meta, self.device)  # a tree mask is applied inside the exported step
         s = f"{name}_context"
         tensors = [(meta.slots, {}), (plan.context_bias, {3: s}), (cache_rows(meta, meta.block_size, self.device), {1: s})]
         if plan.tree_cols is not None:  # a tree step: the mask is computed inside, its columns here

@@ -422,8 +422,8 @@ class DecodeGraphRunner:
     def forward_tree(self, inputs: ModelInputs, steps: list, hidden_states: torch.Tensor, shape, eagle: bool):
         """A tree step padded to its static shape (tree_padding.py) and replayed -> (ModelOutput
         of the real verification rows, DraftTree of the real sequences)."""
-        from mindspec.modeling.tree_padding import TreePad, draft_rows, pad_tree_step
-        from mindspec.modeling.tree_speculation import DraftTree, TreeDraftStep
+        from mindspec.modeling.tree_padding import TreePad, draft_rows, pad_tree_step, real_outputs
+        from mindspec.modeling.tree_speculation import TreeDraftStep
 
         real_seqs, real_rows = inputs.num_seqs, inputs.num_tokens
         pad = TreePad(self.bucket(real_seqs), draft_rows(steps, shape.depth, eagle), shape.num_nodes + 1, self.width,
@@ -455,13 +455,7 @@ class DecodeGraphRunner:
         entry = self._entry(key, [main] + [s.inputs for s in padded], extras, make_fn)
         entry.hidden.index_copy_(0, torch.from_numpy(hidden_map).to(entry.hidden.device), hidden_states)
         out, tree = self._replay(entry)
-        static = self._static(entry)
-
-        def rows(t: torch.Tensor, n: int) -> torch.Tensor:
-            return t[:n].clone() if static else t[:n]
-
-        out = replace(out, logits=rows(out.logits, real_rows), hidden_states=rows(out.hidden_states, real_rows))
-        return out, DraftTree(rows(tree.tokens, real_seqs), rows(tree.parents, real_seqs), rows(tree.depths, real_seqs))
+        return real_outputs(out, tree, real_rows, real_seqs, copy=self._static(entry))
 
     # ---- capture and replay ----------------------------------------------------------------------
     def _make_step(self, key: tuple, entry: _Entry, fn: Callable[[], object]):

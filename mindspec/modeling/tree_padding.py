@@ -20,13 +20,13 @@ zero row per sequence) moves to the padded appended rows.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from mindspec.modeling.forward_metadata import ModelInputs
 from mindspec.modeling.graph_runner import PadSpec, pad_inputs
-from mindspec.modeling.tree_speculation import TreeStepHost
+from mindspec.modeling.tree_speculation import DraftTree, TreeStepHost
 
 
 @dataclass(frozen=True)
@@ -128,3 +128,13 @@ def _pad_draft_step(step: TreeStepHost, d: int, rows: int, expanded: int, pad: T
         module_idx=step.module_idx, inputs=inputs, window_src=spread(window_src.astype(np.int64), -1, -1),
         window_lens=window, tree_first=tree_first, root_src=root_src.astype(np.int64), tree_visible=visible,
     ), row_map
+
+
+def real_outputs(out, tree: DraftTree, num_rows: int, num_seqs: int, copy: bool = False):
+    """A padded tree step's outputs cut to the real verification rows and sequences (``copy``:
+    out of buffers the next replay overwrites) -> (ModelOutput, DraftTree)."""
+    def cut(t, n):
+        return t[:n].clone() if copy else t[:n]
+
+    out = replace(out, logits=cut(out.logits, num_rows), hidden_states=cut(out.hidden_states, num_rows))
+    return out, DraftTree(cut(tree.tokens, num_seqs), cut(tree.parents, num_seqs), cut(tree.depths, num_seqs))

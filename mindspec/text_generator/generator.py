@@ -10,7 +10,7 @@ the same tokens. The plugin manager and the model never know dp happened.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -24,7 +24,7 @@ from mindspec.modeling.forward_metadata import ModelInputs, to_device
 from mindspec.modeling.graph_runner import PadSpec, pad_inputs
 from mindspec.modeling.model_wrapper import ModelWrapper
 from mindspec.modeling.draft_tree import TreeShape
-from mindspec.modeling.tree_padding import TreePad, draft_rows, pad_tree_step
+from mindspec.modeling.tree_padding import TreePad, draft_rows, pad_tree_step, real_outputs
 from mindspec.modeling.tree_speculation import DraftTree, TreeStepHost
 
 PLAIN, PREFILL_MTP, SPECULATIVE, TREE, TREE_VERIFY = 0, 1, 2, 3, 4  # forward kinds, compared across ranks every step
@@ -151,9 +151,7 @@ class Generator:
         first.index_copy_(0, torch.from_numpy(hidden_map).to(first.device), hidden)
         out, tree = self.model_wrapper.forward_tree(to_device(main, self.device), [s.to_device(self.device) for s in padded],
                                                     first, shape, eagle)
-        n, b = local.num_tokens, local.num_seqs
-        out = replace(out, logits=out.logits[:n], hidden_states=out.hidden_states[:n])
-        return out, DraftTree(tokens=tree.tokens[:b], parents=tree.parents[:b], depths=tree.depths[:b])
+        return real_outputs(out, tree, local.num_tokens, local.num_seqs)
 
     def _equal_verification(self, local: ModelInputs, mask: torch.Tensor, inputs: ModelInputs,
                             rows: list[dp_plan.RankRows]):

@@ -13,9 +13,9 @@ Options (``plugin_params``): ``tree_choices`` (default: DEFAULT_TREE cut to the 
 ``decoding_policy`` (strict | typical), ``posterior_threshold``, ``posterior_alpha``.
 Heads: mindspec/modeling/medusa_heads.py. Under async scheduling a decode step's tree is built
 when the running step's results are known (fill_in_model_result). With dp each rank verifies its
-own sequences' trees (with moe_ep > 1 padded to the same rows on every rank); on a PD decode node an adopted sequence's first
-drafts come from a zero hidden state (the hand-off carries KV, not hidden states): they are
-verified like any others, so the output is unchanged.
+own sequences' trees (with moe_ep > 1 padded to the same rows on every rank); on a PD decode
+node an adopted sequence's first drafts come from a zero hidden state (the hand-off carries KV,
+not hidden states): they are verified like any others, so the output is unchanged.
 """
 from __future__ import annotations
 
