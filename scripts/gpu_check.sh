@@ -59,7 +59,7 @@ if [[ $WHAT == all ]]; then  # the shipped model: MTP off against K=3 at batch 1
     2>&1 | tee "$OUT/compare.log" | tail -20
 fi
 if [[ $WHAT == trees ]]; then  # draft trees (eager tree steps) against chains (graphs) on the shipped model
-  timeout "${BENCH_TIMEOUT:-540}" $PY -m mindspec.cli bench --backend cuda --trees --out "$OUT/trees" \
+  timeout "${BENCH_TIMEOUT:-540}" $PY -m mindspec.cli bench --backend cuda --compare --trees --out "$OUT/trees" \
     --batches 1,16 --ks 3 --rounds 3 --no-hf --no-async --no-profile \
     --configs "mtp off,vanilla K=3,eagle K=3,eagle tree d4 k2 n6,eagle tree d5 k3 n12,vanilla tree d3 k3 n8,medusa tree" \
     "$@" 2>&1 | tee "$OUT/trees.log" | tail -20
