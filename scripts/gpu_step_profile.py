@@ -37,11 +37,12 @@ def timed_steps(engine, n: int) -> tuple[float, float]:
     budget = engine.scheduler.config.max_iter_times  # a request's most output tokens
     state = next(iter(engine.requests.values()), None)
     if state is None or state.seq.num_output_tokens + MAX_TOKENS_PER_STEP * n > budget:
-        for request_id in list(engine.requests):
-            engine.abort(request_id)
+        for running in list(engine.requests.values()):  # keyed by sequence id; abort takes request ids
+            engine.abort(running.request_id)
         engine.add_request(list(range(5, 40)), SamplingParams(temperature=0, max_tokens=budget, ignore_eos=True))
         engine.step()  # the prefill
         state = next(iter(engine.requests.values()))
+    assert len(engine.requests) == 1, "one request at a time: batch 1"
     seq = state.seq
     before = seq.num_output_tokens
     torch.cuda.synchronize()
