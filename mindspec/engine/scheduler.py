@@ -553,7 +553,7 @@ class Scheduler:
             seq.num_cached_tokens = seq.num_tokens if prefill_done else seq.num_cached_tokens + len(tokens)
             if seq.max_tokens == 0:  # scored the prompt only: the prefill's token is dropped
                 self._publish(seq, finished=True)
-                self._finish(seq, FinishReason.LENGTH)
+                self._finish(seq, FinishReason.LENGTH, leave_queues=False)
                 updates.append(SeqUpdate(seq, [], True))
                 continue
             appended = []
@@ -565,24 +565,32 @@ class Scheduler:
                     reason = FinishReason.LENGTH
                 if reason is not None:
                     self._publish(seq, finished=True)
-                    self._finish(seq, FinishReason(reason))
+                    self._finish(seq, FinishReason(reason), leave_queues=False)
                     break
             if not seq.is_finished:
                 self._publish(seq)
             updates.append(SeqUpdate(seq, appended, seq.is_finished))
+        self._drop_finished()
         return updates
 
     def _publish(self, seq: Sequence, finished: bool = False) -> None:
         if self.block_manager.prefix_cache is not None:
             self.block_manager.publish(seq, self.final_kv_tokens(seq, finished))
 
-    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+    def _finish(self, seq: Sequence, reason: FinishReason, leave_queues: bool = True) -> None:
+        """``leave_queues=False``: the caller drops finished sequences from the running and
+        prefilling lists itself, once for a whole batch (``_drop_finished``)."""
+        queued = seq.status is SequenceStatus.WAITING  # only waiting sequences are in the queue
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        if seq in self.running:
-            self.running.remove(seq)
-        if seq in self.prefilling:
-            self.prefilling.remove(seq)
-        if seq in self.waiting:
+        if queued:
             self.waiting.remove(seq)
+        elif leave_queues:
+            self._drop_finished()
         self.block_manager.free(seq)
+
+    def _drop_finished(self) -> None:
+        """One pass over the running and prefilling lists: removing each finished sequence on its
+        own scans the lists once per sequence, quadratic in the batch when a batch finishes."""
+        self.running = [s for s in self.running if s.status is not SequenceStatus.FINISHED]
+        self.prefilling = [s for s in self.prefilling if s.status is not SequenceStatus.FINISHED]

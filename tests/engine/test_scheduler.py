@@ -215,6 +215,48 @@ def test_postprocess_stops_early_and_frees():
     assert s.block_manager.num_free_blocks == free_before + 2
 
 
+class _Counted(list):
+    """A list that counts whole scans (membership tests, removals, comprehensions)."""
+    scans = 0
+
+    def __contains__(self, item):
+        _Counted.scans += 1
+        return super().__contains__(item)
+
+    def remove(self, item):
+        _Counted.scans += 1
+        super().remove(item)
+
+    def __iter__(self):
+        _Counted.scans += 1
+        return super().__iter__()
+
+
+def test_a_finishing_batch_scans_no_queue_per_sequence():
+    """With many requests queued, each finishing sequence used to scan the waiting queue (and the
+    running list) for itself: ~1 ms each with 100k queued. A batch now finishes with one pass."""
+    s = _sched(num_blocks=400, max_batch_size=64, max_prefill_batch_size=64)
+    for i in range(200):
+        s.add(_seq(i, 3, max_tokens=1))
+    batch = s.schedule()
+    assert len(batch.seqs) == 64 and s.num_waiting == 136
+
+    class NoScan(type(s.waiting)):
+        def __contains__(self, item):
+            raise AssertionError("the waiting queue was scanned for a running sequence")
+
+        def remove(self, item):
+            raise AssertionError("the waiting queue was scanned for a running sequence")
+
+    s.waiting = NoScan(s.waiting)
+    s.running = _Counted(s.running)
+    _Counted.scans = 0
+    updates = s.postprocess(batch, [[5]] * 64, never_stop)
+    assert all(u.finished for u in updates) and s.num_running == 0
+    assert _Counted.scans <= 1
+    assert s.block_manager.num_free_blocks == s.block_manager.num_usable_blocks
+
+
 def test_abort_frees_blocks():
     s = _sched()
     s.add(_seq(0, 9))
