@@ -17,6 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
+from .fp8 import SCALE_SUFFIX, BlockFp8Format, checkpoint_quantization, dequantize
 from .random_checkpoint import MANIFEST, RandomWeights
 from .errors import (
     CheckpointError,
@@ -105,10 +106,12 @@ def load_checkpoint(
     device: str = "cpu",
     progress: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """Load exactly the tensors in ``specs`` (optional ones may be absent) as ``dtype``."""
+    """Load exactly the tensors in ``specs`` (optional ones may be absent) as ``dtype``. A block
+    FP8 checkpoint (fp8.py) has each FP8 weight dequantized into ``dtype`` once its scale is read."""
     if dtype not in LOADABLE_DTYPES:
         raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
     files, _ = find_checkpoint_files(model_dir)
+    fp8 = _FP8Pairs(checkpoint_quantization(_config(model_dir), f"{Path(model_dir) / 'config.json'}"), dtype, device)
     ignored = [re.compile(p) for p in ignore]
     loaded: dict[str, torch.Tensor] = {}
     source: dict[str, Path] = {}
@@ -124,14 +127,83 @@ def load_checkpoint(
                 bar.update(1)
                 if any(p.fullmatch(name) for p in ignored):
                     continue
+                if fp8.is_scale(name):
+                    fp8.add_scale(name, file, handle.get_slice(name), specs, loaded)
+                    continue
                 _check_key(name, file, specs, source)
                 tensor = handle.get_slice(name)
-                _check_tensor(name, file, specs[name], tensor)
+                _check_tensor(name, file, specs[name], tensor, fp8.format)
+                source[name] = file
+                if tensor.get_dtype().startswith("F8"):
+                    fp8.add_weight(name, file, handle.get_tensor(name), loaded)
+                    continue
+                fp8.check_unscaled(name, file)
                 target = torch.float32 if specs[name].keep_dtype else dtype
                 loaded[name] = handle.get_tensor(name).to(device=device, dtype=target)
-                source[name] = file
+    fp8.check_paired()
     _check_complete(model_dir, specs, loaded)
     return loaded
+
+
+def _config(model_dir: str | Path) -> dict:
+    """config.json as a dict ({} where there is none or it is not an object: read_hf_config
+    reports those)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+class _FP8Pairs:
+    """Pairs each FP8 weight with its ``weight_scale_inv``, in whichever order and shard they
+    come, and dequantizes the pair as soon as both are read."""
+
+    def __init__(self, fmt: BlockFp8Format | None, dtype: torch.dtype, device: str):
+        self.format, self.dtype, self.device = fmt, dtype, device
+        self.weights: dict[str, tuple[torch.Tensor, Path]] = {}  # FP8 weights waiting for their scale
+        self.scales: dict[str, tuple[torch.Tensor, Path]] = {}  # scales waiting for their weight, by weight name
+
+    def is_scale(self, name: str) -> bool:
+        return self.format is not None and name.endswith(".weight" + SCALE_SUFFIX)
+
+    def add_scale(self, name: str, file: Path, tensor_slice, specs: dict[str, WeightSpec], loaded: dict) -> None:
+        weight = name[: -len(SCALE_SUFFIX)]
+        if weight not in specs:
+            raise UnexpectedTensorError(f"unexpected tensor {name!r} in {file.name}: the model has no weight {weight!r}")
+        if weight in loaded or len(specs[weight].shape) != 2:
+            raise CheckpointError(f"tensor {weight!r} is not FP8 but has a {name!r} in {file.name}")
+        want = self.format.scale_shape(specs[weight].shape)
+        shape = tuple(tensor_slice.get_shape())
+        if shape != want:
+            raise ShapeMismatchError(
+                f"tensor {name!r} in {file.name} has shape {list(shape)}, expected {list(want)} for "
+                f"{weight!r} {list(specs[weight].shape)} in {list(self.format.block)} blocks"
+            )
+        if weight in self.scales:
+            raise CheckpointError(f"tensor {name!r} appears in both {self.scales[weight][1].name} and {file.name}")
+        scale = tensor_slice[:]
+        if weight in self.weights:
+            loaded[weight] = self._dequantize(self.weights.pop(weight)[0], scale)
+        else:
+            self.scales[weight] = (scale, file)
+
+    def add_weight(self, name: str, file: Path, weight: torch.Tensor, loaded: dict) -> None:
+        if name in self.scales:
+            loaded[name] = self._dequantize(weight, self.scales.pop(name)[0])
+        else:
+            self.weights[name] = (weight, file)
+
+    def check_unscaled(self, name: str, file: Path) -> None:
+        if name in self.scales:
+            raise CheckpointError(f"tensor {name!r} in {file.name} is not FP8 but has a {name + SCALE_SUFFIX!r}")
+
+    def check_paired(self) -> None:
+        for name, (_, file) in self.weights.items():
+            raise MissingTensorError(f"FP8 tensor {name!r} in {file.name} has no {name + SCALE_SUFFIX!r} in the checkpoint")
+
+    def _dequantize(self, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return dequantize(weight, scale, self.format, self.dtype).to(self.device)
 
 
 def _open(file: Path, device: str = "cpu"):
@@ -146,7 +218,8 @@ def _open(file: Path, device: str = "cpu"):
 def _check_key(name: str, file: Path, specs: dict[str, WeightSpec], source: dict[str, Path]) -> None:
     if name.endswith("weight_scale_inv") or (name.endswith("_scale") and name not in specs):
         raise UnsupportedCheckpointError(
-            f"tensor {name!r} in {file.name} is an FP8 scale: FP8 checkpoints need dequantising to bf16 first"
+            f"tensor {name!r} in {file.name} is a quantization scale, but config.json has no block FP8 "
+            "quantization_config (only weight_scale_inv scales of block FP8 checkpoints are supported)"
         )
     if name not in specs:
         raise UnexpectedTensorError(f"unexpected tensor {name!r} in {file.name}: the model has no such weight")
@@ -154,12 +227,14 @@ def _check_key(name: str, file: Path, specs: dict[str, WeightSpec], source: dict
         raise CheckpointError(f"tensor {name!r} appears in both {source[name].name} and {file.name}")
 
 
-def _check_tensor(name: str, file: Path, spec: WeightSpec, tensor_slice) -> None:
+def _check_tensor(name: str, file: Path, spec: WeightSpec, tensor_slice, fp8: BlockFp8Format | None = None) -> None:
     dtype = tensor_slice.get_dtype()
-    if dtype.startswith("F8"):
+    if dtype.startswith("F8") and fp8 is None:
         raise UnsupportedCheckpointError(
-            f"tensor {name!r} in {file.name} is {dtype}: FP8 checkpoints need dequantising to bf16 first"
+            f"tensor {name!r} in {file.name} is {dtype} but config.json has no FP8 quantization_config"
         )
+    if dtype.startswith("F8") and dtype != "F8_E4M3":
+        raise UnsupportedCheckpointError(f"tensor {name!r} in {file.name} is {dtype}: only F8_E4M3 weights are supported")
     shape = tuple(tensor_slice.get_shape())
     if shape != tuple(spec.shape):
         raise ShapeMismatchError(

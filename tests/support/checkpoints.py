@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import json
+import re
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -319,3 +321,46 @@ def write_medusa_heads(path, config, *, num_heads: int = 3, seed: int = 0, scale
             tensors[f"{prefix}{i}.1.weight"] = torch.randn(vocab, hidden, generator=gen) * 0.2
     save_file(tensors, str(Path(path) / "medusa_lm_head.safetensors"))
     return Path(path)
+
+
+FP8_PROJECTIONS = re.compile(
+    r"model\.layers\.\d+\.(self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)"
+    r"|mlp\.(experts\.\d+\.|shared_experts\.)?(gate_proj|up_proj|down_proj))\.weight"
+)
+
+
+def make_block_fp8_checkpoint(src, dst, block: tuple[int, int] = (128, 128)) -> tuple[Path, Path]:
+    """DeepSeek's published FP8 layout of checkpoint ``src``: every decoder-block projection (the
+    MTP blocks' too) in float8_e4m3fn with a float32 ``weight_scale_inv`` per ``block``; embeddings,
+    norms, routers, eh_proj and heads unquantized. Written to ``dst`` in two shards with an index,
+    the scales in the other shard from their weights. Also writes ``dst``-dequantized, the same
+    weights dequantized to float32 (the reference the FP8 checkpoint must reproduce exactly).
+    Returns (fp8 dir, dequantized dir)."""
+    from mindspec.modeling.fp8 import BlockFp8Format, dequantize, quantize
+
+    src, dst = Path(src), Path(dst)
+    ref = dst.with_name(dst.name + "-dequantized")
+    fmt = BlockFp8Format(block)
+    weights, scales, plain = {}, {}, {}
+    for name, t in read_tensors(src).items():
+        if FP8_PROJECTIONS.fullmatch(name):
+            weights[name], scales[name + "_scale_inv"] = quantize(t, fmt)
+            plain[name] = dequantize(weights[name], scales[name + "_scale_inv"], fmt, torch.float32)
+        else:
+            weights[name] = plain[name] = t
+    for out in (dst, ref):
+        out.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if f.is_file() and not f.name.startswith("model") and f.suffix != ".safetensors":
+                shutil.copy(f, out / f.name)
+    save_file(plain, str(ref / SINGLE_NAME), metadata={"format": "pt"})
+    shards = {"model-00001-of-00002.safetensors": weights, "model-00002-of-00002.safetensors": scales}
+    for file, tensors in shards.items():
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / file), metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: f for f, ts in shards.items() for k in ts}}
+    (dst / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                     "weight_block_size": list(block)}
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst, ref

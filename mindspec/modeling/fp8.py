@@ -1,0 +1,82 @@
+"""Block-quantized FP8 weights as DeepSeek publishes them (V3, V3.1, R1).
+
+config.json's ``quantization_config`` reads ``{"quant_method": "fp8", "fmt": "e4m3",
+"activation_scheme": "dynamic", "weight_block_size": [128, 128]}``. Each quantized linear weight W
+[N, K] is stored as ``<name>.weight`` in float8_e4m3fn next to ``<name>.weight_scale_inv``, float32
+[ceil(N / bn), ceil(K / bk)]: W[i, j] = weight[i, j] * scale_inv[i // bn, j // bk]. Embeddings,
+norms, the router and the lm_head stay bf16 (no scale). V3.1's ``scale_fmt: "ue8m0"`` only rounds
+the scales to powers of two; they multiply the same way.
+
+The loader dequantizes each weight as it streams in (``dequantize``), into the model's dtype: the
+weights are then resident at that dtype, the route the npu backend takes (Ascend has no FP8
+matmul) and, for now, the cpu and cuda backends too.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .errors import UnsupportedCheckpointError
+
+SCALE_SUFFIX = "_scale_inv"  # "<name>.weight" + this = its scale's name
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+
+
+@dataclass(frozen=True)
+class BlockFp8Format:
+    block: tuple[int, int]  # (rows, columns) of a weight that share one scale
+
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        n, k = shape
+        return math.ceil(n / self.block[0]), math.ceil(k / self.block[1])
+
+
+def checkpoint_quantization(config: dict, where: str) -> BlockFp8Format | None:
+    """The checkpoint's FP8 format from config.json, None for an unquantized checkpoint; any other
+    quantization is one UnsupportedCheckpointError naming the field."""
+    q = config.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise UnsupportedCheckpointError(f"{where}: quantization_config must be an object, got {q!r}")
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise UnsupportedCheckpointError(
+            f"{where}: quantization_config.quant_method {method!r} is not supported (block FP8, \"fp8\", is)"
+        )
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise UnsupportedCheckpointError(f"{where}: quantization_config.fmt {fmt!r} is not supported (only \"e4m3\")")
+    block = q.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise UnsupportedCheckpointError(
+            f"{where}: quantization_config.weight_block_size must be two positive integers "
+            f"(per-tensor FP8 is not supported), got {block!r}"
+        )
+    return BlockFp8Format((block[0], block[1]))
+
+
+def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, fmt: BlockFp8Format, dtype: torch.dtype) -> torch.Tensor:
+    """weight float8_e4m3fn [N, K], scale_inv [ceil(N / bn), ceil(K / bk)] -> [N, K] in ``dtype``,
+    computed in float32 (a scale times an e4m3 value is exact there)."""
+    n, k = weight.shape
+    bn, bk = fmt.block
+    scales = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]  # [N, K]
+    return (weight.float() * scales).to(dtype)
+
+
+def quantize(weight: torch.Tensor, fmt: BlockFp8Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (float8_e4m3fn [N, K], float32 scale_inv): each block scaled so that its
+    largest magnitude maps to e4m3's largest (DeepSeek's and vLLM's weight quantization)."""
+    n, k = weight.shape
+    bn, bk = fmt.block
+    sn, sk = fmt.scale_shape((n, k))
+    padded = torch.zeros(sn * bn, sk * bk, dtype=torch.float32)
+    padded[:n, :k] = weight.float()
+    blocks = padded.view(sn, bn, sk, bk)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)  # [sn, sk]
+    scale_inv = amax / E4M3_MAX
+    q = (blocks / scale_inv[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).view(sn * bn, sk * bk)
+    return q[:n, :k].to(torch.float8_e4m3fn), scale_inv

@@ -1,0 +1,157 @@
+"""Block FP8 checkpoints (DeepSeek-V3/R1's published layout): the format, the loader's pairing of
+weights with their scales, its errors, and a model loaded from one against the same weights
+dequantized (transformers on the dequantized copy, mindspec's tokens with MTP on and off)."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from mindspec import LLM, SamplingParams
+from mindspec.modeling.errors import (
+    CheckpointError,
+    MissingTensorError,
+    ShapeMismatchError,
+    UnexpectedTensorError,
+    UnsupportedCheckpointError,
+)
+from mindspec.modeling.fp8 import BlockFp8Format, dequantize, quantize
+from mindspec.modeling.loader import WeightSpec, load_checkpoint
+from tests.support.checkpoints import load_hf_model, make_block_fp8_checkpoint, make_checkpoint, tiny_v3_config
+from tests.support.hf_reference import hf_logits
+
+FMT = BlockFp8Format((4, 8))
+QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [4, 8]}
+
+
+def test_dequantize_scales_each_block_by_its_own_scale():
+    # 10 x 20 in 4 x 8 blocks: 3 x 3 scales, the last row and column of blocks partial.
+    weight = torch.ones(10, 20).to(torch.float8_e4m3fn)
+    scale = torch.arange(9, dtype=torch.float32).view(3, 3) + 1
+    out = dequantize(weight, scale, FMT, torch.float32)
+    rows, cols = torch.arange(10)[:, None] // 4, torch.arange(20)[None, :] // 8
+    assert torch.equal(out, (rows * 3 + cols + 1).float())
+
+
+def test_quantize_round_trip_is_within_e4m3_rounding():
+    w = torch.randn(37, 50, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 1, 50)
+    q, scale = quantize(w, FMT)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (10, 7)
+    back = dequantize(q, scale, FMT, torch.float32)
+    per_elem_scale = scale.repeat_interleave(4, 0)[:37].repeat_interleave(8, 1)[:, :50]
+    # e4m3 keeps 3 mantissa bits: half a unit in the last place is 2^-4 of a normal value; below
+    # the smallest normal (2^-6) the spacing is 2^-9, so the error is at most 2^-10 there.
+    bound = w.abs() * 2.0**-4 + per_elem_scale * 2.0**-10
+    assert ((back - w).abs() <= bound + 1e-12).all()
+    # every block's largest magnitude maps to e4m3's largest
+    blocks = w.abs()[:36, :48].reshape(9, 4, 6, 8).amax(dim=(1, 3))
+    assert torch.allclose(scale[:9, :6] * 448, blocks)
+
+
+def _fp8_dir(tmp_path, quant=QUANT):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "quantization_config": quant}))
+    return tmp_path
+
+
+SPECS = {"w.weight": WeightSpec((10, 20)), "n.weight": WeightSpec((20,))}
+
+
+def _parts():
+    w = torch.randn(10, 20, generator=torch.Generator().manual_seed(1))
+    q, s = quantize(w, FMT)
+    return {"w.weight": q, "w.weight_scale_inv": s, "n.weight": torch.ones(20)}
+
+
+@pytest.mark.parametrize("order", ["scale first", "weight first"])
+def test_loader_pairs_weights_and_scales_across_shards(tmp_path, order):
+    parts = _parts()
+    first, second = ({"w.weight_scale_inv", "n.weight"}, {"w.weight"})
+    if order == "weight first":
+        first, second = second, first
+    _fp8_dir(tmp_path)
+    save_file({k: parts[k] for k in first}, str(tmp_path / "a.safetensors"))
+    save_file({k: parts[k] for k in second}, str(tmp_path / "b.safetensors"))
+    for dtype in (torch.float32, torch.bfloat16):
+        out = load_checkpoint(tmp_path, SPECS, dtype, progress=False)
+        assert set(out) == set(SPECS) and out["w.weight"].dtype == dtype
+        expected = dequantize(parts["w.weight"], parts["w.weight_scale_inv"], FMT, dtype)
+        assert torch.equal(out["w.weight"], expected)
+
+
+def _load(tmp_path, tensors, quant=QUANT):
+    _fp8_dir(tmp_path, quant)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    return load_checkpoint(tmp_path, SPECS, torch.float32, progress=False)
+
+
+def test_one_clear_error_per_malformed_fp8_checkpoint(tmp_path):
+    parts = _parts()
+    no_scale = {k: v for k, v in parts.items() if k != "w.weight_scale_inv"}
+    with pytest.raises(MissingTensorError, match=r"FP8 tensor 'w\.weight' in model\.safetensors has no 'w\.weight_scale_inv'"):
+        _load(tmp_path, no_scale)
+    with pytest.raises(ShapeMismatchError, match=r"'w\.weight_scale_inv'.*shape \[2, 3\], expected \[3, 3\].*\[4, 8\] blocks"):
+        _load(tmp_path, {**parts, "w.weight_scale_inv": torch.ones(2, 3)})
+    with pytest.raises(CheckpointError, match=r"'n\.weight'.*is not FP8 but has a 'n\.weight_scale_inv'"):
+        _load(tmp_path, {**parts, "n.weight_scale_inv": torch.ones(1, 3)})
+    with pytest.raises(UnexpectedTensorError, match=r"'x\.weight_scale_inv'.*no weight 'x\.weight'"):
+        _load(tmp_path, {**parts, "x.weight_scale_inv": torch.ones(1)})
+    with pytest.raises(UnsupportedCheckpointError, match=r"'w\.weight'.*F8_E5M2: only F8_E4M3"):
+        _load(tmp_path, {**parts, "w.weight": parts["w.weight"].to(torch.float8_e5m2)})
+
+
+@pytest.mark.parametrize("quant, field", [
+    ({"quant_method": "gptq"}, "quant_method 'gptq'"),
+    ({**QUANT, "fmt": "e5m2"}, "fmt 'e5m2'"),
+    ({**QUANT, "weight_block_size": None}, "weight_block_size"),
+    ({**QUANT, "weight_block_size": [128, 0]}, "weight_block_size"),
+    ("fp8", "quantization_config must be an object"),
+])
+def test_unsupported_quantization_configs_name_the_field(tmp_path, quant, field):
+    with pytest.raises(UnsupportedCheckpointError, match=field):
+        _load(tmp_path, _parts(), quant)
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    """A tiny V3 (MoE layers, two MTP modules) in the published FP8 layout with 16 x 16 blocks, so
+    most weights span several blocks at these widths, and its dequantized float32 twin."""
+    cfg = tiny_v3_config(num_nextn_predict_layers=2)
+    src = make_checkpoint(tmp_path_factory.mktemp("bf"), cfg, seed=5)
+    fp8, ref = make_block_fp8_checkpoint(src, tmp_path_factory.mktemp("fp8") / "model", block=(16, 16))
+    return fp8, ref, cfg
+
+
+def test_fp8_checkpoint_holds_fp8_weights_in_the_published_layout(fp8_checkpoint):
+    fp8, _, _ = fp8_checkpoint
+    index = json.loads((fp8 / "model.safetensors.index.json").read_text())["weight_map"]
+    scaled = {k[: -len("_scale_inv")] for k in index if k.endswith("_scale_inv")}
+    assert "model.layers.1.mlp.experts.0.down_proj.weight" in scaled
+    assert "model.layers.2.self_attn.kv_b_proj.weight" in scaled  # an MTP block's projection
+    assert "model.embed_tokens.weight" not in scaled and "lm_head.weight" not in scaled
+    assert all(index[w] != index[w + "_scale_inv"] for w in scaled)
+
+
+def test_model_from_fp8_equals_transformers_on_the_dequantized_weights(fp8_checkpoint):
+    """The same weights (the FP8 values times their scales, exact in float32): logits agree to
+    float32 rounding of different operation orders, as for any checkpoint (test_hf_parity.py)."""
+    fp8, ref, cfg = fp8_checkpoint
+    llm = LLM(model=str(fp8), dtype="float32", progress=False, cache_block_size=4, num_blocks=64)
+    hf = load_hf_model(ref)
+    prompt = np.random.default_rng(0).integers(2, cfg.vocab_size, 9).tolist()
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1))[0]
+    expected = hf_logits(hf, prompt + out.token_ids[:-1])[len(prompt) - 1 :]
+    assert out.token_ids == expected.argmax(-1).tolist()
+    chosen = torch.log_softmax(expected, -1).gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    assert np.allclose(out.logprobs, chosen.numpy(), atol=1e-4)  # the chosen tokens' log-probabilities
+
+
+@pytest.mark.parametrize("mtp_mode", [None, "eagle", "vanilla"])
+def test_fp8_and_dequantized_checkpoints_give_the_same_tokens(fp8_checkpoint, mtp_mode):
+    fp8, ref, cfg = fp8_checkpoint
+    params = None if mtp_mode is None else {"plugin_type": "mtp", "mtp_mode": mtp_mode, "num_speculative_tokens": 2}
+    prompts = [np.random.default_rng(n).integers(2, cfg.vocab_size, n).tolist() for n in (4, 11, 7)]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    runs = [LLM(model=str(p), dtype="float32", progress=False, cache_block_size=4, num_blocks=96,
+                plugin_params=params).generate(prompts, greedy) for p in (fp8, ref)]
+    assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
