@@ -8,6 +8,12 @@
 #   DTYPE=bfloat16 bash scripts/gpu_check.sh profile          # one decode step through the engine: host vs device
 #   bash scripts/gpu_check.sh trees [extra bench args...]     # draft trees and Medusa against chains (shipped model)
 #   bash scripts/gpu_check.sh py SCRIPT [ARGS...]
+#   bash scripts/gpu_check.sh session                          # a 15-minute device budget's first call
+#
+# `session` is what a session lent a GPU runs first, in one call of about 8 minutes (9 with the
+# machine's start), returning at most 8 files: the tests natively, draft trees and chains against
+# MTP off at batch 1 (float32), and the engine step profile in bf16 (MTP off, eagle and vanilla K=3:
+# wall, device and host time per step, the eagle step's host cProfile).
 #
 # `all` runs every GPU measurement: tests, the kernel benchmarks, the comparison on the shipped
 # model (batch 1 and 16, MTP off against K=3, sync and async) and DeepSeek-V2-Lite with random
@@ -72,6 +78,14 @@ if [[ $WHAT == shapes || $WHAT == all ]]; then  # realistic sizes: random weight
 fi
 if [[ $WHAT == profile || $WHAT == all ]]; then  # where a step's time goes: MTP off, vanilla and eagle K=3
   OUT="$OUT" timeout "${PROFILE_TIMEOUT:-240}" $PY scripts/gpu_step_profile.py 2>&1 | tee "$OUT/profile.log" | grep '^{'
+fi
+if [[ $WHAT == session ]]; then
+  TEST_TIMEOUT=${TEST_TIMEOUT:-270} bash "$0" tests
+  BENCH_TIMEOUT=120 bash "$0" trees --batches 1
+  mkdir -p "$OUT/profile"
+  DTYPE=bfloat16 CONFIGS=off,eagle3,vanilla3 OUT="$OUT/profile" timeout 120 $PY scripts/gpu_step_profile.py 2>&1 \
+    | grep '^{' | tee "$OUT/profile.log"
+  rm -f "$OUT"/profile/*_kernels.txt "$OUT"/profile/off_cprofile.txt "$OUT"/profile/vanilla3_cprofile.txt
 fi
 if [[ $WHAT == py ]]; then  # any script against this checkout: gpu_check.sh py SCRIPT ARGS...
   $PY "$@" 2>&1 | tee "$OUT/py.log" | tail -120
