@@ -104,16 +104,24 @@ class AcceptancePrior:
     def __init__(self, max_k: int):
         self.max_k = max_k
         self.finished: deque[np.ndarray] = deque(maxlen=PRIOR_SEQUENCES)
-        self.mean = np.full(max_k, np.nan)  # per position, NaN where no finished sequence reached it
+        self._mean: Optional[np.ndarray] = np.full(max_k, np.nan)  # None: recompute at the next read
 
     def add(self, seq: SequenceAcceptance) -> None:
-        """Computed here, once per finished sequence, not at every step that reads it."""
+        """Once per finished sequence; the mean is recomputed at the next read, so a step that
+        finishes a whole batch (thousands of sequences) computes it once, not once per sequence."""
         if seq.verified[0] > 0:
             self.finished.append(seq.own_alpha())
+            self._mean = None
+
+    @property
+    def mean(self) -> np.ndarray:
+        """[K] per position, NaN where no finished sequence reached it."""
+        if self._mean is None:
             rates = np.stack(self.finished)
             seen = (~np.isnan(rates)).sum(axis=0)
             with np.errstate(invalid="ignore"):
-                self.mean = np.where(seen > 0, np.nansum(rates, axis=0) / np.maximum(seen, 1), np.nan)
+                self._mean = np.where(seen > 0, np.nansum(rates, axis=0) / np.maximum(seen, 1), np.nan)
+        return self._mean
 
     def alpha(self, fallback: np.ndarray) -> np.ndarray:
         return np.where(np.isnan(self.mean), fallback, self.mean)
