@@ -27,6 +27,7 @@ from mindspec.backend import (
     RotaryEmbedding,
     RouterConfig,
 )
+from mindspec.modeling.fp8 import Fp8Weight
 
 from . import linear as packed_linear
 from . import moe
@@ -350,7 +351,13 @@ class CpuBackend(Backend):
     def linear(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
         return packed_linear.linear(x, w)
 
+    runs_fp8_experts = True  # block FP8 experts stay FP8, dequantized per call (moe.Fp8ExpertWeights)
+
     def expert_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
+        if isinstance(w13, Fp8Weight) and isinstance(w2, Fp8Weight):
+            return moe.Fp8ExpertWeights(w13=w13, w2=w2)
+        # One side FP8 alone (its blocks did not allow keeping gate and up together): both dense.
+        w13, w2 = (w.dequantize() if isinstance(w, Fp8Weight) else w for w in (w13, w2))
         E, two_i, H = w13.shape
         return moe.CpuExpertWeights(
             w13=w13, w2=w2,

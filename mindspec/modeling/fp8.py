@@ -7,14 +7,17 @@ config.json's ``quantization_config`` reads ``{"quant_method": "fp8", "fmt": "e4
 norms, the router and the lm_head stay bf16 (no scale). V3.1's ``scale_fmt: "ue8m0"`` only rounds
 the scales to powers of two; they multiply the same way.
 
-The loader dequantizes each weight as it streams in (``dequantize``), into the model's dtype: the
-weights are then resident at that dtype, the route the npu backend takes (Ascend has no FP8
-matmul) and, for now, the cpu and cuda backends too.
+The loader dequantizes each weight as it streams in (``dequantize``), into the model's dtype,
+except those the model asks to keep (``Fp8Weight``): the routed experts, most of a DeepSeek
+model's bytes, on a backend that runs them from FP8 (cpu: each expert dequantized when a token is
+routed to it). The npu backend dequantizes everything (Ascend has no FP8 matmul), as does cuda
+for now, and the cpu backend when decode steps are compiled (the packages bake weights in).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -59,12 +62,60 @@ def checkpoint_quantization(config: dict, where: str) -> BlockFp8Format | None:
 
 
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, fmt: BlockFp8Format, dtype: torch.dtype) -> torch.Tensor:
-    """weight float8_e4m3fn [N, K], scale_inv [ceil(N / bn), ceil(K / bk)] -> [N, K] in ``dtype``,
-    computed in float32 (a scale times an e4m3 value is exact there)."""
-    n, k = weight.shape
+    """weight float8_e4m3fn [..., N, K], scale_inv [..., ceil(N / bn), ceil(K / bk)] -> [..., N, K]
+    in ``dtype``, computed in float32 (a scale times an e4m3 value is exact there)."""
+    n, k = weight.shape[-2:]
     bn, bk = fmt.block
-    scales = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]  # [N, K]
+    scales = scale_inv.float().repeat_interleave(bn, -2)[..., :n, :].repeat_interleave(bk, -1)[..., :k]
     return (weight.float() * scales).to(dtype)
+
+
+@dataclass(eq=False)
+class Fp8Weight:
+    """A weight kept in FP8: e4m3 values [..., N, K] and their block scales; ``dtype`` is the
+    model's, the one it dequantizes to."""
+
+    weight: torch.Tensor  # float8_e4m3fn [..., N, K]
+    scale_inv: torch.Tensor  # float32 [..., ceil(N / bn), ceil(K / bk)]
+    format: BlockFp8Format
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size() + self.scale_inv.numel() * self.scale_inv.element_size()
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(self.weight, self.scale_inv, self.format, self.dtype)
+
+    def __getitem__(self, index) -> "Fp8Weight":
+        """Along the leading (expert) dimension only: weight[index] with its scales."""
+        return Fp8Weight(self.weight[index], self.scale_inv[index], self.format, self.dtype)
+
+
+def cat_rows(parts: Sequence[torch.Tensor | Fp8Weight]) -> torch.Tensor | Fp8Weight:
+    """Row concatenation of 2-D weights; FP8 parts stay FP8 when every part but the last fills
+    whole blocks of rows (their scales then concatenate too), else they are dequantized."""
+    if not any(isinstance(p, Fp8Weight) for p in parts):
+        return torch.cat(list(parts))
+    fp8 = [p for p in parts if isinstance(p, Fp8Weight)]
+    aligned = len(fp8) == len(parts) and len({(p.format, p.dtype) for p in fp8}) == 1 and all(
+        p.shape[0] % p.format.block[0] == 0 for p in fp8[:-1])
+    if not aligned:
+        return torch.cat([p.dequantize() if isinstance(p, Fp8Weight) else p for p in parts])
+    first = fp8[0]
+    return Fp8Weight(torch.cat([p.weight for p in fp8]), torch.cat([p.scale_inv for p in fp8]), first.format, first.dtype)
+
+
+def stack(parts: Sequence[torch.Tensor | Fp8Weight]) -> torch.Tensor | Fp8Weight:
+    """torch.stack of equal-shaped weights; all FP8 (one format) stays FP8."""
+    if all(isinstance(p, Fp8Weight) for p in parts) and len({(p.format, p.dtype) for p in parts}) == 1:
+        return Fp8Weight(torch.stack([p.weight for p in parts]), torch.stack([p.scale_inv for p in parts]),
+                         parts[0].format, parts[0].dtype)
+    return torch.stack([p.dequantize() if isinstance(p, Fp8Weight) else p for p in parts])
 
 
 def quantize(weight: torch.Tensor, fmt: BlockFp8Format) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
-from .fp8 import SCALE_SUFFIX, BlockFp8Format, checkpoint_quantization, dequantize
+from .fp8 import SCALE_SUFFIX, BlockFp8Format, Fp8Weight, checkpoint_quantization, dequantize
 from .random_checkpoint import MANIFEST, RandomWeights
 from .errors import (
     CheckpointError,
@@ -105,13 +105,16 @@ def load_checkpoint(
     ignore: tuple[str, ...] = (),
     device: str = "cpu",
     progress: bool = True,
-) -> dict[str, torch.Tensor]:
+    keep_fp8: str | None = None,
+) -> dict[str, torch.Tensor | Fp8Weight]:
     """Load exactly the tensors in ``specs`` (optional ones may be absent) as ``dtype``. A block
-    FP8 checkpoint (fp8.py) has each FP8 weight dequantized into ``dtype`` once its scale is read."""
+    FP8 checkpoint (fp8.py) has each FP8 weight dequantized into ``dtype`` once its scale is read,
+    except those whose name fully matches the regex ``keep_fp8``: they stay FP8 (Fp8Weight)."""
     if dtype not in LOADABLE_DTYPES:
         raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
     files, _ = find_checkpoint_files(model_dir)
-    fp8 = _FP8Pairs(checkpoint_quantization(_config(model_dir), f"{Path(model_dir) / 'config.json'}"), dtype, device)
+    fmt = checkpoint_quantization(_config(model_dir), f"{Path(model_dir) / 'config.json'}")
+    fp8 = _FP8Pairs(fmt, dtype, device, re.compile(keep_fp8) if keep_fp8 else None)
     ignored = [re.compile(p) for p in ignore]
     loaded: dict[str, torch.Tensor] = {}
     source: dict[str, Path] = {}
@@ -159,8 +162,8 @@ class _FP8Pairs:
     """Pairs each FP8 weight with its ``weight_scale_inv``, in whichever order and shard they
     come, and dequantizes the pair as soon as both are read."""
 
-    def __init__(self, fmt: BlockFp8Format | None, dtype: torch.dtype, device: str):
-        self.format, self.dtype, self.device = fmt, dtype, device
+    def __init__(self, fmt: BlockFp8Format | None, dtype: torch.dtype, device: str, keep: re.Pattern | None):
+        self.format, self.dtype, self.device, self.keep = fmt, dtype, device, keep
         self.weights: dict[str, tuple[torch.Tensor, Path]] = {}  # FP8 weights waiting for their scale
         self.scales: dict[str, tuple[torch.Tensor, Path]] = {}  # scales waiting for their weight, by weight name
 
@@ -184,13 +187,13 @@ class _FP8Pairs:
             raise CheckpointError(f"tensor {name!r} appears in both {self.scales[weight][1].name} and {file.name}")
         scale = tensor_slice[:]
         if weight in self.weights:
-            loaded[weight] = self._dequantize(self.weights.pop(weight)[0], scale)
+            loaded[weight] = self._pair(weight, self.weights.pop(weight)[0], scale)
         else:
             self.scales[weight] = (scale, file)
 
     def add_weight(self, name: str, file: Path, weight: torch.Tensor, loaded: dict) -> None:
         if name in self.scales:
-            loaded[name] = self._dequantize(weight, self.scales.pop(name)[0])
+            loaded[name] = self._pair(name, weight, self.scales.pop(name)[0])
         else:
             self.weights[name] = (weight, file)
 
@@ -201,6 +204,11 @@ class _FP8Pairs:
     def check_paired(self) -> None:
         for name, (_, file) in self.weights.items():
             raise MissingTensorError(f"FP8 tensor {name!r} in {file.name} has no {name + SCALE_SUFFIX!r} in the checkpoint")
+
+    def _pair(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | Fp8Weight:
+        if self.keep is not None and self.keep.fullmatch(name):
+            return Fp8Weight(weight.to(self.device), scale.float().to(self.device), self.format, self.dtype)
+        return self._dequantize(weight, scale)
 
     def _dequantize(self, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         # On a GPU (it has float8 arithmetic; Ascend does not) the host never holds more than the

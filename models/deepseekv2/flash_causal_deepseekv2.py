@@ -27,7 +27,7 @@ from .config import DeepseekV2Config, ModelConfigError
 from .decoder_layer import DecoderLayer
 from .mtp import MtpModule
 from .tensors import TensorBag
-from .weights import ignored_patterns, layer_prefix, model_specs, mtp_modules_in
+from .weights import ROUTED_EXPERTS, ignored_patterns, layer_prefix, model_specs, mtp_modules_in
 
 
 @dataclass
@@ -97,9 +97,12 @@ class FlashCausalDeepseekV2:
         dtype: torch.dtype = torch.bfloat16,
         num_mtp_modules: Optional[int] = None,
         progress: bool = True,
+        keep_fp8: bool = True,
     ) -> "FlashCausalDeepseekV2":
         """Load a Hugging Face-layout checkpoint; ``num_mtp_modules`` None loads every MTP module
-        the checkpoint holds (config.json's num_nextn_predict_layers at most)."""
+        the checkpoint holds (config.json's num_nextn_predict_layers at most). In a block FP8
+        checkpoint the routed experts stay FP8 where the backend runs them so (``keep_fp8`` and
+        ``backend.runs_fp8_experts``); every other weight is dequantized into ``dtype``."""
         cfg = DeepseekV2Config.from_model_dir(model_dir)
         keys = checkpoint_keys(model_dir)
         available = min(cfg.num_nextn_predict_layers, mtp_modules_in(cfg, keys))
@@ -117,6 +120,7 @@ class FlashCausalDeepseekV2:
             ignore=ignored_patterns(cfg, num_mtp_modules, keys),
             device=str(backend.device),
             progress=progress,
+            keep_fp8=ROUTED_EXPERTS if keep_fp8 and getattr(backend, "runs_fp8_experts", False) else None,
         )
         return cls(cfg, tensors, backend, num_mtp_modules)
 

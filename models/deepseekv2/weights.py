@@ -14,6 +14,9 @@ from mindspec.modeling.loader import WeightSpec
 from .config import DeepseekV2Config
 
 
+ROUTED_EXPERTS = r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight"  # regex, full match
+
+
 def layer_prefix(layer_idx: int) -> str:
     return f"model.layers.{layer_idx}."
 
