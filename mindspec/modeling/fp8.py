@@ -97,17 +97,21 @@ class Fp8Weight:
 
 
 def cat_rows(parts: Sequence[torch.Tensor | Fp8Weight]) -> torch.Tensor | Fp8Weight:
-    """Row concatenation of 2-D weights; FP8 parts stay FP8 when every part but the last fills
-    whole blocks of rows (their scales then concatenate too), else they are dequantized."""
+    """Row concatenation of 2-D weights. FP8 parts of one format stay FP8: their scales
+    concatenate when every part but the last fills whole blocks of rows; otherwise (a gate of 96
+    rows in 128-row blocks) each row takes its block's scales, a (1, bk) format. Mixed parts are
+    dequantized."""
     if not any(isinstance(p, Fp8Weight) for p in parts):
         return torch.cat(list(parts))
-    fp8 = [p for p in parts if isinstance(p, Fp8Weight)]
-    aligned = len(fp8) == len(parts) and len({(p.format, p.dtype) for p in fp8}) == 1 and all(
-        p.shape[0] % p.format.block[0] == 0 for p in fp8[:-1])
-    if not aligned:
+    if not all(isinstance(p, Fp8Weight) for p in parts) or len({(p.format, p.dtype) for p in parts}) != 1:
         return torch.cat([p.dequantize() if isinstance(p, Fp8Weight) else p for p in parts])
-    first = fp8[0]
-    return Fp8Weight(torch.cat([p.weight for p in fp8]), torch.cat([p.scale_inv for p in fp8]), first.format, first.dtype)
+    first = parts[0]
+    if all(p.shape[0] % p.format.block[0] == 0 for p in parts[:-1]):
+        scales, fmt = [p.scale_inv for p in parts], first.format
+    else:
+        bn, bk = first.format.block
+        scales, fmt = [p.scale_inv.repeat_interleave(bn, 0)[: p.shape[0]] for p in parts], BlockFp8Format((1, bk))
+    return Fp8Weight(torch.cat([p.weight for p in parts]), torch.cat(scales), fmt, first.dtype)
 
 
 def stack(parts: Sequence[torch.Tensor | Fp8Weight]) -> torch.Tensor | Fp8Weight:

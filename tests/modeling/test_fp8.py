@@ -191,3 +191,17 @@ def test_compiled_cpu_steps_get_dequantized_experts(fp8_checkpoint):
     wrapper = ModelWrapper(fp8, "cpu", "float32", num_mtp_modules=0, progress=False, decode_graphs=True)
     assert wrapper.compiled is not None
     assert not any(isinstance(e, Fp8ExpertWeights) for e in _routed_experts(wrapper.model))
+
+
+@pytest.mark.parametrize("rows", [(6, 10), (8, 10), (10, 6)])
+def test_cat_rows_keeps_fp8_and_its_values_whatever_the_block_alignment(rows):
+    """Gate and up projections concatenated: aligned parts keep their block scales, others get a
+    scale per row; either way the dequantized result is the two dequantized parts stacked."""
+    from mindspec.modeling.fp8 import Fp8Weight, cat_rows
+
+    gen = torch.Generator().manual_seed(2)
+    parts = [Fp8Weight(*quantize(torch.randn(n, 20, generator=gen), FMT), FMT, torch.float32) for n in rows]
+    joined = cat_rows(parts)
+    assert isinstance(joined, Fp8Weight) and joined.weight.dtype == torch.float8_e4m3fn
+    assert joined.format.block == ((4, 8) if rows[0] % 4 == 0 else (1, 8))
+    assert torch.equal(joined.dequantize(), torch.cat([p.dequantize() for p in parts]))
