@@ -250,6 +250,29 @@ def _cmd_configs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert_parser(sub) -> None:
+    p = sub.add_parser("convert", help="write a checkpoint in another format (block FP8, as DeepSeek publishes V3/R1)")
+    p.add_argument("src", help="a Hugging Face-layout DeepSeek checkpoint directory (float32, bf16 or fp16)")
+    p.add_argument("dst", help="the new checkpoint's directory (created; must be empty)")
+    p.add_argument("--to", choices=["fp8"], default="fp8", help="the format: fp8 (e4m3 with a scale per block)")
+    p.add_argument("--block", default="128,128", help="rows,columns of a weight that share a scale (default 128,128)")
+    _add_debug_arg(p, argparse.SUPPRESS)
+    p.set_defaults(func=_cmd_convert)
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from mindspec.modeling.fp8_convert import convert_to_block_fp8
+
+    try:
+        block = tuple(int(b) for b in args.block.split(","))
+    except ValueError:
+        block = ()
+    if len(block) != 2 or min(block) <= 0:
+        raise CliError(f"--block must be two positive integers like 128,128, got {args.block!r}")
+    print(convert_to_block_fp8(args.src, args.dst, block))
+    return 0
+
+
 def _bench_parser(sub) -> None:
     # `mindspec bench` parses its own arguments (mindspec.bench.main); listed here for --help.
     p = sub.add_parser("bench", help="decoding speed side by side (JSON + PNG); --backend cuda for the GPU kernels",
@@ -273,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     _serve_parser(sub)
     _configs_parser(sub)
+    _convert_parser(sub)
     _bench_parser(sub)
     return parser
 

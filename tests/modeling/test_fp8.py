@@ -205,3 +205,27 @@ def test_cat_rows_keeps_fp8_and_its_values_whatever_the_block_alignment(rows):
     assert isinstance(joined, Fp8Weight) and joined.weight.dtype == torch.float8_e4m3fn
     assert joined.format.block == ((4, 8) if rows[0] % 4 == 0 else (1, 8))
     assert torch.equal(joined.dequantize(), torch.cat([p.dequantize() for p in parts]))
+
+
+def test_mindspec_convert_writes_a_block_fp8_checkpoint_that_loads(tmp_path, fp8_checkpoint):
+    """`mindspec convert SRC DST --to fp8` on the shipped model: projections FP8 beside their
+    scales, the rest unchanged, tokenizer and Medusa heads copied; it serves the same prompts with
+    MTP (the shipped model's 96-row expert gates in 128-row blocks keep FP8 with per-row scales)."""
+    from mindspec.cli import main
+    from mindspec.config.defaults import default_model_dir
+    from mindspec.modeling.loader import checkpoint_keys
+
+    src, dst = default_model_dir(), tmp_path / "fp8"
+    assert main(["convert", str(src), str(dst), "--to", "fp8"]) == 0
+    keys = checkpoint_keys(dst)
+    assert "model.layers.1.mlp.experts.0.gate_proj.weight_scale_inv" in keys
+    assert "model.embed_tokens.weight_scale_inv" not in keys
+    assert (dst / "tokenizer.json").is_file() and (dst / "medusa_lm_head.safetensors").is_file()
+    assert json.loads((dst / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
+    assert main(["convert", str(src), str(dst)]) == 2  # not empty: one error, nothing overwritten
+    assert main(["convert", str(src), str(tmp_path / "x"), "--block", "128"]) == 2
+    mtp = {"plugin_type": "mtp", "num_speculative_tokens": 3}
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with_mtp = LLM(model=str(dst), dtype="float32", progress=False, plugin_params=mtp).generate(["def fib(n):"], greedy)
+    without = LLM(model=str(dst), dtype="float32", progress=False).generate(["def fib(n):"], greedy)
+    assert with_mtp[0].token_ids == without[0].token_ids and with_mtp[0].spec_decode.num_accepted_tokens > 0

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -323,12 +322,6 @@ def write_medusa_heads(path, config, *, num_heads: int = 3, seed: int = 0, scale
     return Path(path)
 
 
-FP8_PROJECTIONS = re.compile(
-    r"model\.layers\.\d+\.(self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)"
-    r"|mlp\.(experts\.\d+\.|shared_experts\.)?(gate_proj|up_proj|down_proj))\.weight"
-)
-
-
 def make_block_fp8_checkpoint(src, dst, block: tuple[int, int] = (128, 128)) -> tuple[Path, Path]:
     """DeepSeek's published FP8 layout of checkpoint ``src``: every decoder-block projection (the
     MTP blocks' too) in float8_e4m3fn with a float32 ``weight_scale_inv`` per ``block``; embeddings,
@@ -336,18 +329,17 @@ def make_block_fp8_checkpoint(src, dst, block: tuple[int, int] = (128, 128)) -> 
     the scales in the other shard from their weights. Also writes ``dst``-dequantized, the same
     weights dequantized to float32 (the reference the FP8 checkpoint must reproduce exactly).
     Returns (fp8 dir, dequantized dir)."""
-    from mindspec.modeling.fp8 import BlockFp8Format, dequantize, quantize
+    from mindspec.modeling.fp8 import SCALE_SUFFIX, BlockFp8Format, dequantize
+    from mindspec.modeling.fp8_convert import quantize_tensors
 
     src, dst = Path(src), Path(dst)
     ref = dst.with_name(dst.name + "-dequantized")
     fmt = BlockFp8Format(block)
-    weights, scales, plain = {}, {}, {}
-    for name, t in read_tensors(src).items():
-        if FP8_PROJECTIONS.fullmatch(name):
-            weights[name], scales[name + "_scale_inv"] = quantize(t, fmt)
-            plain[name] = dequantize(weights[name], scales[name + "_scale_inv"], fmt, torch.float32)
-        else:
-            weights[name] = plain[name] = t
+    quantized = quantize_tensors(read_tensors(src), fmt)
+    scales = {k: v for k, v in quantized.items() if k.endswith(SCALE_SUFFIX)}
+    weights = {k: v for k, v in quantized.items() if k not in scales}
+    plain = {k: dequantize(v, scales[k + SCALE_SUFFIX], fmt, torch.float32) if k + SCALE_SUFFIX in scales else v
+             for k, v in weights.items()}
     for out in (dst, ref):
         out.mkdir(parents=True, exist_ok=True)
         for f in src.iterdir():
