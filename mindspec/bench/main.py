@@ -26,6 +26,7 @@ import torch
 
 from mindspec.bench import llama_cpp, model_shapes, prefix_cache, profile, speed, split_fuse, workloads
 from mindspec.bench.llama_cpp import LlamaCppError
+from mindspec.bench.memory import resident_weight_bytes
 from mindspec.backends.cpu.backend import default_cpu_threads
 from mindspec.modeling.loader import MEDUSA_HEADS_FILE
 from mindspec.modeling.step_accounting import account_decode_steps
@@ -72,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="mindspec's and transformers' dtype (the cpu tables use float32)")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
+    p.add_argument("--also-model", default=None, metavar="[LABEL=]DIR",
+                   help="run every configuration on this checkpoint too, named 'CONFIG @LABEL' (say an FP8 "
+                        "conversion of --model: mindspec convert); tokens are compared with --model's MTP off")
     p.add_argument("--model-shape", default=None, choices=sorted(model_shapes.SHAPES),
                    help="instead of --model: random weights of this published shape (one MTP module, eagle drafts), "
                         "speculation with --simulated-acceptance")
@@ -224,6 +228,9 @@ def run(args: argparse.Namespace) -> int:
             configs = speed.simulated(configs, shape["simulated_acceptance"])
         if args.configs:
             configs = speed.select_configs(configs, args.configs)
+        if args.also_model:
+            label, _, path = args.also_model.rpartition("=")
+            configs = configs + speed.on_model(configs, path, label or Path(path).name)
         gguf = _gguf(args, model_dir) if args.compare == "llama.cpp" else None
     except (ValueError, LlamaCppError) as exc:
         print(f"mindspec bench: {exc}; nothing was measured", file=sys.stderr)
@@ -248,7 +255,8 @@ def run(args: argparse.Namespace) -> int:
         "prompts_per_batch": {f"batch {b}": speed.prompt_count(b, args.min_prompts, args.batching) for b in batches},
         "configs": {c.name: {"plugin_params": c.plugin_params, "decode_graphs": c.decode_graphs,
                                "async_scheduling": c.async_scheduling, "split_fuse": c.split_fuse,
-                               "lossless_policy": c.lossless}
+                               "lossless_policy": c.lossless, "model": c.model or model_dir,
+                               "resident_weight_bytes": resident_weight_bytes(llms[c.name].engine.model_wrapper.model)}
                     for c in configs},
         "results": {},
         "command": getattr(args, "command_line", "mindspec bench"),
@@ -329,8 +337,8 @@ def _llm(model_dir: str, config: "speed.Config", num_blocks: int, max_batch: int
     # configurations compile a package per batch-size bucket up to it: no more than measured. The
     # threads are --threads (set in run), not the engine's default for the model.
     limit = max_batch if config.decode_graphs else max(256, max_batch)
-    return LLM(model=model_dir, backend=backend, dtype=dtype, cache_block_size=16, num_blocks=num_blocks, progress=False,
-               cpu_threads=torch.get_num_threads(),
+    return LLM(model=config.model or model_dir, backend=backend, dtype=dtype, cache_block_size=16, num_blocks=num_blocks,
+               progress=False, cpu_threads=torch.get_num_threads(),
                plugin_params=config.plugin_params, decode_graphs=config.decode_graphs,
                async_scheduling=config.async_scheduling, max_batch_size=limit,
                max_prefill_batch_size=64, split_fuse=config.split_fuse)

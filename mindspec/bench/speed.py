@@ -59,6 +59,7 @@ class Config:
     async_scheduling: bool = False  # host post-processing overlaps the next step
     lossless: bool = True  # relaxed acceptance trades exactness for speed
     split_fuse: bool = False  # prompts prefilled in chunks inside decode steps
+    model: Optional[str] = None  # another checkpoint than the run's (--also-model)
 
     @property
     def speculative(self) -> bool:
@@ -160,6 +161,11 @@ def simulated(configs: list[Config], rates: list[float]) -> list[Config]:
             raise ValueError(f"{c.name} needs {k} simulated acceptance rates, {len(rates)} given")
         out.append(replace(c, plugin_params={**c.plugin_params, "simulated_acceptance": rates[:k]}, lossless=False))
     return out
+
+
+def on_model(configs: list[Config], model: str, label: str) -> list[Config]:
+    """Each configuration again on checkpoint ``model``, named "<name> @<label>"."""
+    return [replace(c, name=f"{c.name} @{label}", model=model) for c in configs]
 
 
 def select_configs(configs: list[Config], names: str) -> list[Config]:

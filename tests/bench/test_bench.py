@@ -62,6 +62,27 @@ def test_bench_writes_json_and_png(tmp_path):
     assert 1.0 <= rows["vanilla K=1"]["mean_accepted_length"] <= 2.0
 
 
+def test_also_model_runs_each_configuration_on_a_second_checkpoint_with_its_weight_bytes(tmp_path):
+    """An FP8 conversion of the shipped model beside it: every configuration twice, the FP8
+    model's resident weights smaller (its routed experts stay FP8 on cpu)."""
+    from mindspec.config.defaults import default_model_dir
+    from mindspec.modeling.fp8_convert import convert_to_block_fp8
+
+    fp8 = convert_to_block_fp8(default_model_dir(), tmp_path / "fp8")
+    out = tmp_path / "bench"
+    rc = main(["--batches", "1", "--rounds", "1", "--new-tokens", "8", "--min-prompts", "2", "--no-compile",
+               "--no-async", "--no-hf", "--no-profile", "--configs", "mtp off,eagle K=3", "--also-model",
+               f"fp8={fp8}", "--out", str(out)])
+    assert rc == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    configs = report["configs"]
+    assert set(configs) == {"mtp off", "eagle K=3", "mtp off @fp8", "eagle K=3 @fp8"}
+    assert configs["eagle K=3 @fp8"]["model"] == str(fp8)
+    assert configs["mtp off @fp8"]["resident_weight_bytes"] < 0.8 * configs["mtp off"]["resident_weight_bytes"]
+    rows = report["results"]["batch 1"]
+    assert rows["eagle K=3"]["identical_to_mtp_off"] and rows["mtp off @fp8"]["tokens_per_s_median"] > 0
+
+
 def test_prompt_count_continuous_runs_waves_of_the_running_limit():
     assert speed.prompt_count(1, 8, "static") == 8
     assert speed.prompt_count(16, 8, "static") == 16
