@@ -256,7 +256,8 @@ def run(args: argparse.Namespace) -> int:
         "configs": {c.name: {"plugin_params": c.plugin_params, "decode_graphs": c.decode_graphs,
                                "async_scheduling": c.async_scheduling, "split_fuse": c.split_fuse,
                                "lossless_policy": c.lossless, "model": c.model or model_dir,
-                               "resident_weight_bytes": resident_weight_bytes(llms[c.name].engine.model_wrapper.model)}
+                               "resident_weight_bytes":
+                                   resident_weight_bytes(llms[c.name].engine.model_wrapper.model)}
                     for c in configs},
         "results": {},
         "command": getattr(args, "command_line", "mindspec bench"),

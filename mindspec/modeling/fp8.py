@@ -16,12 +16,20 @@ for now, and the cpu backend when decode steps are compiled (the packages bake w
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from .errors import UnsupportedCheckpointError
+from .errors import (
+    CheckpointError,
+    MissingTensorError,
+    ShapeMismatchError,
+    UnexpectedTensorError,
+    UnsupportedCheckpointError,
+)
 
 SCALE_SUFFIX = "_scale_inv"  # "<name>.weight" + this = its scale's name
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
@@ -135,3 +143,65 @@ def quantize(weight: torch.Tensor, fmt: BlockFp8Format) -> tuple[torch.Tensor, t
     scale_inv = amax / E4M3_MAX
     q = (blocks / scale_inv[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).view(sn * bn, sk * bk)
     return q[:n, :k].to(torch.float8_e4m3fn), scale_inv
+
+
+class ScalePairing:
+    """The loader's side of a block FP8 checkpoint: pairs each FP8 weight with its
+    ``weight_scale_inv``, in whichever order and shard they come, and dequantizes the pair as soon
+    as both are read (or keeps it as an Fp8Weight where ``keep`` matches its name). ``specs``: the
+    loader's WeightSpecs by name."""
+
+    def __init__(self, fmt: BlockFp8Format | None, dtype: torch.dtype, device: str, keep: re.Pattern | None):
+        self.format, self.dtype, self.device, self.keep = fmt, dtype, device, keep
+        self.weights: dict[str, tuple[torch.Tensor, Path]] = {}  # FP8 weights waiting for their scale
+        self.scales: dict[str, tuple[torch.Tensor, Path]] = {}  # scales waiting for their weight, by weight name
+
+    def is_scale(self, name: str) -> bool:
+        return self.format is not None and name.endswith(".weight" + SCALE_SUFFIX)
+
+    def add_scale(self, name: str, file: Path, tensor_slice, specs: dict, loaded: dict) -> None:
+        weight = name[: -len(SCALE_SUFFIX)]
+        if weight not in specs:
+            raise UnexpectedTensorError(f"unexpected tensor {name!r} in {file.name}: the model has no weight {weight!r}")
+        if weight in loaded or len(specs[weight].shape) != 2:
+            raise CheckpointError(f"tensor {weight!r} is not FP8 but has a {name!r} in {file.name}")
+        want = self.format.scale_shape(specs[weight].shape)
+        shape = tuple(tensor_slice.get_shape())
+        if shape != want:
+            raise ShapeMismatchError(
+                f"tensor {name!r} in {file.name} has shape {list(shape)}, expected {list(want)} for "
+                f"{weight!r} {list(specs[weight].shape)} in {list(self.format.block)} blocks"
+            )
+        if weight in self.scales:
+            raise CheckpointError(f"tensor {name!r} appears in both {self.scales[weight][1].name} and {file.name}")
+        scale = tensor_slice[:]
+        if weight in self.weights:
+            loaded[weight] = self._pair(weight, self.weights.pop(weight)[0], scale)
+        else:
+            self.scales[weight] = (scale, file)
+
+    def add_weight(self, name: str, file: Path, weight: torch.Tensor, loaded: dict) -> None:
+        if name in self.scales:
+            loaded[name] = self._pair(name, weight, self.scales.pop(name)[0])
+        else:
+            self.weights[name] = (weight, file)
+
+    def check_unscaled(self, name: str, file: Path) -> None:
+        if name in self.scales:
+            raise CheckpointError(f"tensor {name!r} in {file.name} is not FP8 but has a {name + SCALE_SUFFIX!r}")
+
+    def check_paired(self) -> None:
+        for name, (_, file) in self.weights.items():
+            raise MissingTensorError(
+                f"FP8 tensor {name!r} in {file.name} has no {name + SCALE_SUFFIX!r} in the checkpoint")
+
+    def _pair(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | Fp8Weight:
+        if self.keep is not None and self.keep.fullmatch(name):
+            return Fp8Weight(weight.to(self.device), scale.float().to(self.device), self.format, self.dtype)
+        return self._dequantize(weight, scale)
+
+    def _dequantize(self, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        # On a GPU (it has float8 arithmetic; Ascend does not) the host never holds more than the
+        # FP8 bytes of a weight, and dequantizing takes microseconds there.
+        where = self.device if torch.device(self.device).type == "cuda" else "cpu"
+        return dequantize(weight.to(where), scale.to(where), self.format, self.dtype).to(self.device)

@@ -58,9 +58,11 @@ def convert_to_block_fp8(src: str | Path, dst: str | Path, block: tuple[int, int
         save_file({k: v.contiguous() for k, v in shard.items()}, str(dst / file.name), metadata={"format": "pt"})
         new_map.update({k: file.name for k in shard})
     if weight_map:
-        (dst / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": dict(sorted(new_map.items()))}, indent=2))
+        index = {"metadata": {}, "weight_map": dict(sorted(new_map.items()))}
+        (dst / INDEX_FILE).write_text(json.dumps(index, indent=2))
     for f in src.iterdir():  # tokenizer, generation config, Medusa heads...
-        if f.is_file() and (f.suffix != ".safetensors" or f.name == MEDUSA_HEADS_FILE) and f.name not in (INDEX_FILE, "config.json"):
+        weights = f.suffix == ".safetensors" and f.name != MEDUSA_HEADS_FILE
+        if f.is_file() and not weights and f.name not in (INDEX_FILE, "config.json"):
             shutil.copy(f, dst / f.name)
     config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                      "weight_block_size": list(block)}

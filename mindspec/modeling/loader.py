@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
-from .fp8 import SCALE_SUFFIX, BlockFp8Format, Fp8Weight, checkpoint_quantization, dequantize
+from .fp8 import BlockFp8Format, Fp8Weight, ScalePairing, checkpoint_quantization
 from .random_checkpoint import MANIFEST, RandomWeights
 from .errors import (
     CheckpointError,
@@ -114,7 +114,7 @@ def load_checkpoint(
         raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
     files, _ = find_checkpoint_files(model_dir)
     fmt = checkpoint_quantization(_config(model_dir), f"{Path(model_dir) / 'config.json'}")
-    fp8 = _FP8Pairs(fmt, dtype, device, re.compile(keep_fp8) if keep_fp8 else None)
+    fp8 = ScalePairing(fmt, dtype, device, re.compile(keep_fp8) if keep_fp8 else None)
     ignored = [re.compile(p) for p in ignore]
     loaded: dict[str, torch.Tensor] = {}
     source: dict[str, Path] = {}
@@ -156,65 +156,6 @@ def _config(model_dir: str | Path) -> dict:
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         return {}
     return config if isinstance(config, dict) else {}
-
-
-class _FP8Pairs:
-    """Pairs each FP8 weight with its ``weight_scale_inv``, in whichever order and shard they
-    come, and dequantizes the pair as soon as both are read."""
-
-    def __init__(self, fmt: BlockFp8Format | None, dtype: torch.dtype, device: str, keep: re.Pattern | None):
-        self.format, self.dtype, self.device, self.keep = fmt, dtype, device, keep
-        self.weights: dict[str, tuple[torch.Tensor, Path]] = {}  # FP8 weights waiting for their scale
-        self.scales: dict[str, tuple[torch.Tensor, Path]] = {}  # scales waiting for their weight, by weight name
-
-    def is_scale(self, name: str) -> bool:
-        return self.format is not None and name.endswith(".weight" + SCALE_SUFFIX)
-
-    def add_scale(self, name: str, file: Path, tensor_slice, specs: dict[str, WeightSpec], loaded: dict) -> None:
-        weight = name[: -len(SCALE_SUFFIX)]
-        if weight not in specs:
-            raise UnexpectedTensorError(f"unexpected tensor {name!r} in {file.name}: the model has no weight {weight!r}")
-        if weight in loaded or len(specs[weight].shape) != 2:
-            raise CheckpointError(f"tensor {weight!r} is not FP8 but has a {name!r} in {file.name}")
-        want = self.format.scale_shape(specs[weight].shape)
-        shape = tuple(tensor_slice.get_shape())
-        if shape != want:
-            raise ShapeMismatchError(
-                f"tensor {name!r} in {file.name} has shape {list(shape)}, expected {list(want)} for "
-                f"{weight!r} {list(specs[weight].shape)} in {list(self.format.block)} blocks"
-            )
-        if weight in self.scales:
-            raise CheckpointError(f"tensor {name!r} appears in both {self.scales[weight][1].name} and {file.name}")
-        scale = tensor_slice[:]
-        if weight in self.weights:
-            loaded[weight] = self._pair(weight, self.weights.pop(weight)[0], scale)
-        else:
-            self.scales[weight] = (scale, file)
-
-    def add_weight(self, name: str, file: Path, weight: torch.Tensor, loaded: dict) -> None:
-        if name in self.scales:
-            loaded[name] = self._pair(name, weight, self.scales.pop(name)[0])
-        else:
-            self.weights[name] = (weight, file)
-
-    def check_unscaled(self, name: str, file: Path) -> None:
-        if name in self.scales:
-            raise CheckpointError(f"tensor {name!r} in {file.name} is not FP8 but has a {name + SCALE_SUFFIX!r}")
-
-    def check_paired(self) -> None:
-        for name, (_, file) in self.weights.items():
-            raise MissingTensorError(f"FP8 tensor {name!r} in {file.name} has no {name + SCALE_SUFFIX!r} in the checkpoint")
-
-    def _pair(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | Fp8Weight:
-        if self.keep is not None and self.keep.fullmatch(name):
-            return Fp8Weight(weight.to(self.device), scale.float().to(self.device), self.format, self.dtype)
-        return self._dequantize(weight, scale)
-
-    def _dequantize(self, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        # On a GPU (it has float8 arithmetic; Ascend does not) the host never holds more than the
-        # FP8 bytes of a weight, and dequantizing takes microseconds there.
-        where = self.device if torch.device(self.device).type == "cuda" else "cpu"
-        return dequantize(weight.to(where), scale.to(where), self.format, self.dtype).to(self.device)
 
 
 def _open(file: Path, device: str = "cpu"):
