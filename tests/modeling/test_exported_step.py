@@ -201,9 +201,9 @@ def test_a_package_runs_through_its_library_with_the_gil_released(checkpoint, ca
     thread.start()
     measured = []
     try:
-        # Up to three tries: when other processes hold both cores, the OS may deschedule the main
+        # Up to five tries: when other processes hold both cores, the OS may deschedule the main
         # thread between the flag and the call, and the spinner counts time outside the loader.
-        for _ in range(3):
+        for _ in range(5):
             measured.append((spins_during(loader), spins_during(released)))
             if measured[-1][1] > 2 * max(measured[-1][0], 100):
                 break
@@ -213,7 +213,8 @@ def test_a_package_runs_through_its_library_with_the_gil_released(checkpoint, ca
         sys.setswitchinterval(interval)
     # measured: held 47-55 thousand against 2.8-2.9 million free; on a loaded machine 0.52 against
     # 2.34 million (the loader's Python parts, where the spinner may run, take longer there), and
-    # once 0.63 against 0.81 million with a benchmark on both cores; a runner that kept the GIL
+    # once 0.63 against 0.81 million with a benchmark on both cores (three tries in a row once, with
+    # profiling runs beside the suite: 0.91 / 0.81, 1.05 / 1.20, 0.42 / 0.52); a runner that kept the GIL
     # would spin about as much as torch's loader every time
     held, free = measured[-1]
     assert free > 2 * max(held, 100), measured
