@@ -149,10 +149,10 @@ def _silu_and_mul(h: torch.Tensor) -> torch.Tensor:
 
 
 def _expert(x: torch.Tensor, experts: ExpertWeights, e: int) -> torch.Tensor:
+    """Expert e on x [n, H] -> [n, H] (unweighted)."""
     if isinstance(experts, Fp8ExpertWeights):  # dequantized for this call only
         w13, w2 = experts.w13[e].dequantize(), experts.w2[e].dequantize()
         return F.linear(_silu_and_mul(F.linear(x, w13.to(x.dtype))), w2.to(x.dtype))
-    """Expert e on x [n, H] -> [n, H] (unweighted)."""
     if isinstance(experts, CpuExpertWeights):
         return linear(_silu_and_mul(linear(x, experts.w13_each[e])), experts.w2_each[e])
     return F.linear(_silu_and_mul(F.linear(x, experts.w13[e])), experts.w2[e])

@@ -30,7 +30,7 @@ def _bytes(obj, seen: set) -> int:
 def _tensor_bytes(t: torch.Tensor, seen: set) -> int:
     try:
         storage = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # an opaque layout (oneDNN's packed weights)
+    except NotImplementedError:  # oneDNN's packed weights (OpaqueTensorImpl) have no storage to read
         return t.numel() * t.element_size()
     key = ("storage", storage.data_ptr(), t.device.type)
     if key in seen:
