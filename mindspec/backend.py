@@ -266,6 +266,15 @@ class Backend(ABC):
         return c_kv, k_pe
 
     # ---- GEMMs against weights ---------------------------------------------------------------
+    # Whether weights may stay quantized in memory (block FP8, GGUF: mindspec/modeling/quantized.py):
+    # ``linear``, ``embedding`` and ``moe_experts`` then take them. Backends that do not
+    # (cuda, npu) get every weight dequantized at load.
+    runs_quantized_weights = False
+
+    def embedding(self, input_ids: torch.Tensor, weight) -> torch.Tensor:
+        """input_ids [T] -> rows of weight [vocab, hidden] -> [T, hidden]."""
+        return F.embedding(input_ids, weight)
+
     def linear_weight(self, weight: torch.Tensor) -> LinearWeight:
         """A loaded [out, in] weight -> what ``linear`` takes; a backend may add its own layout."""
         return LinearWeight(weight)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import socket
 import sys
 from dataclasses import replace
@@ -251,16 +252,44 @@ def _cmd_configs(args: argparse.Namespace) -> int:
 
 
 def _convert_parser(sub) -> None:
-    p = sub.add_parser("convert", help="write a checkpoint in another format (block FP8, as DeepSeek publishes V3/R1)")
-    p.add_argument("src", help="a Hugging Face-layout DeepSeek checkpoint directory (float32, bf16 or fp16)")
-    p.add_argument("dst", help="the new checkpoint's directory (created; must be empty)")
-    p.add_argument("--to", choices=["fp8"], default="fp8", help="the format: fp8 (e4m3 with a scale per block)")
-    p.add_argument("--block", default="128,128", help="rows,columns of a weight that share a scale (default 128,128)")
+    p = sub.add_parser("convert", help="write a checkpoint in another format: block FP8 (as DeepSeek publishes "
+                                       "V3/R1), GGUF (llama.cpp), or safetensors from a GGUF file")
+    p.add_argument("src", help="a Hugging Face-layout DeepSeek checkpoint directory, or a .gguf file")
+    p.add_argument("dst", help="the new checkpoint: a directory (created; must be empty) or, for --to gguf, "
+                               "a .gguf file")
+    p.add_argument("--to", choices=["fp8", "gguf", "safetensors"], default=None,
+                   help="fp8: e4m3 with a scale per block; gguf: llama.cpp's deepseek2 layout (MTP modules "
+                        "included); safetensors: from a GGUF file (default: safetensors for a .gguf SRC, "
+                        "gguf for a .gguf DST, else fp8)")
+    p.add_argument("--block", default="128,128", help="fp8: rows,columns of a weight that share a scale (default 128,128)")
+    p.add_argument("--type", default="q8_0", dest="gguf_type",
+                   help="gguf: the weights' type: f32, f16, bf16, q8_0 (default), q4_0, q4_1, q5_0, q5_1, q4_k, "
+                        "q5_k, q6_k")
+    p.add_argument("--split-max-size", default="0",
+                   help="gguf: shards of at most this size (e.g. 2G, 500M), named like llama.cpp's gguf-split")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="safetensors: the dequantized weights' dtype")
     _add_debug_arg(p, argparse.SUPPRESS)
     p.set_defaults(func=_cmd_convert)
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
+    to = args.to or ("safetensors" if args.src.endswith(".gguf") else "gguf" if args.dst.endswith(".gguf") else "fp8")
+    if to == "gguf":
+        from mindspec.modeling.gguf_convert import convert_to_gguf
+
+        for f in convert_to_gguf(args.src, args.dst, args.gguf_type.lower(), _size(args.split_max_size)):
+            print(f)
+        return 0
+    if to == "safetensors":
+        import torch
+
+        from mindspec.modeling.gguf_convert import convert_from_gguf
+
+        if not args.src.endswith(".gguf"):
+            raise CliError(f"--to safetensors converts a .gguf file, got {args.src!r}")
+        print(convert_from_gguf(args.src, args.dst, getattr(torch, args.dtype)))
+        return 0
     from mindspec.modeling.fp8_convert import convert_to_block_fp8
 
     try:
@@ -271,6 +300,17 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         raise CliError(f"--block must be two positive integers like 128,128, got {args.block!r}")
     print(convert_to_block_fp8(args.src, args.dst, block))
     return 0
+
+
+_SIZE_UNITS = {"": 1, "K": 1000, "M": 1000**2, "G": 1000**3}
+
+
+def _size(text: str) -> int:
+    """'2G' -> 2e9 bytes (llama.cpp's gguf-split units)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)B?\s*", text.upper())
+    if m is None:
+        raise CliError(f"--split-max-size must be a size like 500M or 2G, got {text!r}")
+    return int(m.group(1)) * _SIZE_UNITS[m.group(2)]
 
 
 def _bench_parser(sub) -> None:

@@ -27,7 +27,8 @@ from mindspec.backend import (
     RotaryEmbedding,
     RouterConfig,
 )
-from mindspec.modeling.fp8 import Fp8Weight
+from mindspec.modeling import quantized
+from mindspec.modeling.quantized import is_quantized
 
 from . import linear as packed_linear
 from . import moe
@@ -339,7 +340,18 @@ class CpuBackend(Backend):
         return torch.cat([c, k], dim=-1).to(dtype)
 
     # ---- GEMMs against weights ---------------------------------------------------------------
+    # Quantized weights (block FP8, GGUF) stay so: each GEMM, expert and embedding lookup
+    # dequantizes what it reads for that call only (linear.py, moe.QuantizedExpertWeights).
+    runs_quantized_weights = True
+
+    def embedding(self, input_ids: torch.Tensor, weight) -> torch.Tensor:
+        if is_quantized(weight):
+            return weight.rows(input_ids)
+        return super().embedding(input_ids, weight)
+
     def linear_weight(self, weight: torch.Tensor) -> LinearWeight:
+        if is_quantized(weight):
+            return LinearWeight(weight)
         return LinearWeight(weight, packed_linear.pack(weight, self.pack_weights and self._room_for(weight)))
 
     def _room_for(self, weight: torch.Tensor) -> bool:
@@ -351,13 +363,11 @@ class CpuBackend(Backend):
     def linear(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
         return packed_linear.linear(x, w)
 
-    runs_fp8_experts = True  # block FP8 experts stay FP8, dequantized per call (moe.Fp8ExpertWeights)
-
     def expert_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
-        if isinstance(w13, Fp8Weight) and isinstance(w2, Fp8Weight):
-            return moe.Fp8ExpertWeights(w13=w13, w2=w2)
-        # One side FP8 alone (its blocks did not allow keeping gate and up together): both dense.
-        w13, w2 = (w.dequantize() if isinstance(w, Fp8Weight) else w for w in (w13, w2))
+        if is_quantized(w13) and is_quantized(w2):
+            return moe.QuantizedExpertWeights(w13=w13, w2=w2)
+        # One side quantized alone (its blocks did not allow keeping gate and up together): both dense.
+        w13, w2 = (quantized.dense(w) for w in (w13, w2))
         E, two_i, H = w13.shape
         return moe.CpuExpertWeights(
             w13=w13, w2=w2,

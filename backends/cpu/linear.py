@@ -60,7 +60,10 @@ def pack(weight: torch.Tensor, enabled: bool) -> Optional[torch.Tensor]:
 
 
 def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
-    """x [..., in] -> [..., out]: packed where it is faster, F.linear otherwise."""
+    """x [..., in] -> [..., out]: packed where it is faster, F.linear otherwise; a quantized
+    weight is dequantized for this call only."""
+    if not isinstance(w.weight, torch.Tensor):  # quantized (mindspec/modeling/quantized.py)
+        return F.linear(x, w.weight.dequantize(x.dtype))
     if torch.compiler.is_compiling():  # first: a traced graph must not touch the oneDNN tensor
         return F.linear(x, w.weight)
     if w.packed is None or x.dtype != w.packed.dtype:

@@ -19,10 +19,10 @@ the FLOPs needed, which a prefill pays for: beyond DENSE_MAX_TOKENS tokens the e
 loop grouped on the host: it reads k experts' weights, not E); beyond that, tokens are sorted by
 expert and each active expert runs once on its tokens.
 
-Experts kept in FP8 (``Fp8ExpertWeights``, a block FP8 checkpoint: mindspec/modeling/fp8.py) run
-only the chosen experts, each dequantized into the activations' dtype when tokens are routed to
-it: a decode step reads k experts' FP8 bytes per token and writes a dequantized copy it drops
-after the layer.
+Experts kept quantized (``QuantizedExpertWeights``: block FP8 or GGUF blocks,
+mindspec/modeling/quantized.py) run only the chosen experts, each dequantized into the
+activations' dtype when tokens are routed to it: a decode step reads k experts' quantized bytes
+per token and writes a dequantized copy it drops after the layer.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from mindspec.backend import ExpertWeights, LinearWeight, RouterConfig
-from mindspec.modeling.fp8 import Fp8Weight
+from mindspec.modeling.quantized import QuantizedWeight
 
 from .linear import linear
 
@@ -49,11 +49,11 @@ class CpuExpertWeights(ExpertWeights):
 
 
 @dataclass
-class Fp8ExpertWeights(ExpertWeights):
-    """Routed experts in FP8 with their block scales."""
+class QuantizedExpertWeights(ExpertWeights):
+    """Routed experts kept quantized (block FP8 with its scales, or GGUF blocks)."""
 
-    w13: Fp8Weight  # [E, 2I, H]
-    w2: Fp8Weight  # [E, H, I]
+    w13: QuantizedWeight  # [E, 2I, H]
+    w2: QuantizedWeight  # [E, H, I]
 
 
 DENSE_EXPERTS_PER_CHOICE = 4  # with E <= this * top_k, run every expert on every token ...
@@ -124,7 +124,7 @@ def moe_experts(
     E = experts.w13.shape[0]
     if T == 0:
         return torch.zeros_like(x)
-    if isinstance(experts, Fp8ExpertWeights):
+    if isinstance(experts, QuantizedExpertWeights):
         return _sorted_experts(x, topk_weights, topk_ids, experts)
     few_experts = E <= DENSE_EXPERTS_PER_CHOICE * k
     if torch.compiler.is_compiling():  # no host round trip inside a compiled graph
@@ -150,9 +150,9 @@ def _silu_and_mul(h: torch.Tensor) -> torch.Tensor:
 
 def _expert(x: torch.Tensor, experts: ExpertWeights, e: int) -> torch.Tensor:
     """Expert e on x [n, H] -> [n, H] (unweighted)."""
-    if isinstance(experts, Fp8ExpertWeights):  # dequantized for this call only
-        w13, w2 = experts.w13[e].dequantize(), experts.w2[e].dequantize()
-        return F.linear(_silu_and_mul(F.linear(x, w13.to(x.dtype))), w2.to(x.dtype))
+    if isinstance(experts, QuantizedExpertWeights):  # dequantized for this call only
+        w13, w2 = experts.w13[e].dequantize(x.dtype), experts.w2[e].dequantize(x.dtype)
+        return F.linear(_silu_and_mul(F.linear(x, w13)), w2)
     if isinstance(experts, CpuExpertWeights):
         return linear(_silu_and_mul(linear(x, experts.w13_each[e])), experts.w2_each[e])
     return F.linear(_silu_and_mul(F.linear(x, experts.w13[e])), experts.w2[e])

@@ -28,7 +28,7 @@ from mindspec.bench import llama_cpp, model_shapes, prefix_cache, profile, speed
 from mindspec.bench.llama_cpp import LlamaCppError
 from mindspec.bench.memory import resident_weight_bytes
 from mindspec.backends.cpu.backend import default_cpu_threads
-from mindspec.modeling.loader import MEDUSA_HEADS_FILE
+from mindspec.modeling.loader import MEDUSA_HEADS_FILE, read_hf_config
 from mindspec.modeling.step_accounting import account_decode_steps
 from mindspec.text_generator.sampling.params import SamplingParams
 
@@ -176,8 +176,7 @@ def _scenario_setup(args: argparse.Namespace, table: dict) -> tuple[str, Optiona
     """The checkpoint (threads set for it) and the configurations of ``table`` --configs names
     (None after printing the error when one is unknown)."""
     model_dir = args.model or str(_default_model())
-    args.threads = args.threads or default_cpu_threads(hidden_size=json.loads(
-        (Path(model_dir) / "config.json").read_text()).get("hidden_size"))
+    args.threads = args.threads or default_cpu_threads(hidden_size=read_hf_config(model_dir).get("hidden_size"))
     torch.set_num_threads(args.threads)
     if not args.configs:
         return model_dir, dict(table)
@@ -217,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         model_dir, shape = _model(args)
         ks = _ks(args, shape)
-        hf_config = json.loads((Path(model_dir) / "config.json").read_text())
+        hf_config = read_hf_config(model_dir)
         args.threads = args.threads or default_cpu_threads(hidden_size=hf_config.get("hidden_size"))
         torch.set_num_threads(args.threads)
         configs = speed.default_configs(ks, hf_config.get("num_nextn_predict_layers", 0),

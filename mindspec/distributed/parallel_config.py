@@ -11,7 +11,6 @@ config.json, the keyword when given to ``LLM``).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,10 +60,13 @@ class ParallelConfig:
         """The expert split must fit the checkpoint: moe_ep divides n_routed_experts."""
         if self.moe_ep == 1:
             return
-        path = Path(model_dir) / "config.json"
+        from mindspec.modeling.errors import CheckpointError
+        from mindspec.modeling.loader import read_hf_config
+
+        path = model_dir
         try:
-            experts = json.loads(path.read_text()).get("n_routed_experts")
-        except (OSError, ValueError):
+            experts = read_hf_config(model_dir).get("n_routed_experts")
+        except (OSError, ValueError, CheckpointError):
             return  # the model loader reports an unreadable checkpoint with its own error
         if not experts:
             raise _config_error(f"{prefix}moe_ep: {self.moe_ep} needs a MoE model; {path} has no n_routed_experts")

@@ -1,9 +1,7 @@
 """EngineArgs: everything needed to build an engine, from Python keywords or a MindIE config.json."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional, Union
 
 from .scheduler import SchedulerConfig
@@ -83,9 +81,12 @@ class EngineArgs:
     def model_hidden_size(self) -> Optional[int]:
         """The checkpoint's hidden_size (config.json), for the cpu thread default; None if unreadable
         (the loader reports a bad checkpoint with its own error)."""
+        from mindspec.modeling.errors import CheckpointError
+        from mindspec.modeling.loader import read_hf_config
+
         try:
-            value = json.loads((Path(self.model) / "config.json").read_text(encoding="utf-8")).get("hidden_size")
-        except (OSError, ValueError, AttributeError):
+            value = read_hf_config(self.model).get("hidden_size")
+        except (OSError, ValueError, AttributeError, CheckpointError):
             return None
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 

@@ -13,7 +13,9 @@ from typing import Optional, Sequence as Seq, Union
 
 import torch
 
-from mindspec.config.plugin_params import parse_plugin_params
+from mindspec.config.plugin_params import PluginParams, parse_plugin_params
+from mindspec.modeling.gguf_file import is_gguf
+from mindspec.modeling.loader import checkpoint_keys
 from mindspec.modeling.model_wrapper import ModelWrapper
 from mindspec.modeling.step_accounting import account_decode_steps
 from mindspec.plugins.plugin import load_plugin, plugin_class
@@ -43,7 +45,7 @@ Prompt = Union[str, list[int]]
 class LLMEngine:
     def __init__(self, args: EngineArgs):
         self.args = args
-        plugin_params = parse_plugin_params(args.plugin_params)
+        plugin_params = _without_missing_gguf_mtp(parse_plugin_params(args.plugin_params), args.model)
         plugin_classes = [plugin_class(name) for name in plugin_params.plugin_types]
         num_mtp = max((c.mtp_modules_needed(plugin_params.options, args.model) for c in plugin_classes
                        if hasattr(c, "mtp_modules_needed")), default=0)
@@ -389,6 +391,22 @@ class LLMEngine:
                 if i is not None and out.finished:
                     results[i] = out
         return results  # type: ignore[return-value]
+
+
+def _without_missing_gguf_mtp(params: PluginParams, model: str) -> PluginParams:
+    """A GGUF file without MTP (nextn) layers serves without MTP, saying so: llama.cpp's converter
+    drops DeepSeek's MTP layers, and such files are what users have. (A safetensors checkpoint
+    without them is a configuration error, reported by the MTP plugin.)"""
+    if "mtp" not in params.plugin_types or not is_gguf(model):
+        return params
+    from mindspec.models.deepseekv2.config import DeepseekV2Config
+    from mindspec.models.deepseekv2.weights import mtp_modules_in
+
+    if mtp_modules_in(DeepseekV2Config.from_model_dir(model), checkpoint_keys(model)):
+        return params
+    logger.warning("%s has no MTP (nextn) layers (llama.cpp's converter drops them; `mindspec convert --to gguf` "
+                   "keeps them): serving without MTP", model)
+    return replace(params, plugin_types=tuple(t for t in params.plugin_types if t != "mtp"))
 
 
 def _maybe_tokenizer(model_dir: str) -> Optional[Tokenizer]:

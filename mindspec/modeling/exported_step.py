@@ -37,6 +37,7 @@ from typing import Callable
 import torch
 
 from mindspec.modeling.aoti_runner import open_released
+from mindspec.modeling.gguf_file import is_gguf, split_files
 from mindspec.modeling.random_checkpoint import MANIFEST
 from mindspec.modeling.step_accounting import outside_accounting
 
@@ -55,13 +56,14 @@ def step_cache_dir() -> Path:
 
 def model_fingerprint(model_dir: Path) -> str:
     """config.json's and a random-weights manifest's bytes, and each weight file's name, size
-    and modification time."""
+    and modification time (a GGUF model: each of its files')."""
     h = hashlib.sha256()
     model_dir = Path(model_dir)
     for name in ("config.json", MANIFEST):
         f = model_dir / name
         h.update(f.read_bytes() if f.is_file() else b"")
-    for f in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
+    files = split_files(model_dir) if is_gguf(model_dir) else []
+    for f in files + sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     return h.hexdigest()

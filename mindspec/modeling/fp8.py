@@ -96,12 +96,23 @@ class Fp8Weight:
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size() + self.scale_inv.numel() * self.scale_inv.element_size()
 
-    def dequantize(self) -> torch.Tensor:
-        return dequantize(self.weight, self.scale_inv, self.format, self.dtype)
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return dequantize(self.weight, self.scale_inv, self.format, dtype or self.dtype)
 
     def __getitem__(self, index) -> "Fp8Weight":
-        """Along the leading (expert) dimension only: weight[index] with its scales."""
+        """Along the leading (expert) dimension only: weight[index] with its scales (rows of a
+        2-D weight: ``slice_rows``)."""
         return Fp8Weight(self.weight[index], self.scale_inv[index], self.format, self.dtype)
+
+
+def slice_rows(w: Fp8Weight, start: int) -> Fp8Weight:
+    """Rows start: of a 2-D FP8 weight; a start inside a block of rows gives each row its block's
+    scales, a (1, bk) format."""
+    bn, bk = w.format.block
+    if start % bn == 0:
+        return Fp8Weight(w.weight[start:], w.scale_inv[start // bn:], w.format, w.dtype)
+    per_row = w.scale_inv.repeat_interleave(bn, 0)[: w.shape[0]]
+    return Fp8Weight(w.weight[start:], per_row[start:], BlockFp8Format((1, bk)), w.dtype)
 
 
 def cat_rows(parts: Sequence[torch.Tensor | Fp8Weight]) -> torch.Tensor | Fp8Weight:

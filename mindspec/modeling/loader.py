@@ -1,5 +1,6 @@
 """Safetensors checkpoint loading in Hugging Face layout (single file or sharded with an index),
-or a random-weights manifest in their place (random_checkpoint.py).
+or a random-weights manifest in their place (random_checkpoint.py); a path ending in ``.gguf`` is
+a llama.cpp GGUF file, read by gguf_loader.py into the same names.
 
 Tensors stream one at a time into the requested dtype. Every problem is a CheckpointError that
 names the tensor and the file: a checkpoint that does not fit the model never half-loads.
@@ -18,6 +19,9 @@ from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from .fp8 import BlockFp8Format, Fp8Weight, ScalePairing, checkpoint_quantization
+from .gguf_file import is_gguf
+from .gguf_loader import gguf_hf_config, gguf_keys, load_gguf
+from .gguf_quants import GgufWeight
 from .random_checkpoint import MANIFEST, RandomWeights
 from .errors import (
     CheckpointError,
@@ -40,7 +44,10 @@ class WeightSpec:
 
 
 def read_hf_config(model_dir: str | Path, supported_model_types: Iterable[str] = ("deepseek_v2", "deepseek_v3")) -> dict:
+    """config.json of a checkpoint directory, or its equivalent from a GGUF file's metadata."""
     path = Path(model_dir)
+    if is_gguf(path):
+        return gguf_hf_config(path)
     if not path.exists():
         raise NotACheckpointError(f"model directory {str(path)!r} does not exist")
     if not path.is_dir():
@@ -105,16 +112,19 @@ def load_checkpoint(
     ignore: tuple[str, ...] = (),
     device: str = "cpu",
     progress: bool = True,
-    keep_fp8: str | None = None,
-) -> dict[str, torch.Tensor | Fp8Weight]:
+    keep_quantized: str | None = None,
+) -> dict[str, torch.Tensor | Fp8Weight | GgufWeight]:
     """Load exactly the tensors in ``specs`` (optional ones may be absent) as ``dtype``. A block
     FP8 checkpoint (fp8.py) has each FP8 weight dequantized into ``dtype`` once its scale is read,
-    except those whose name fully matches the regex ``keep_fp8``: they stay FP8 (Fp8Weight)."""
+    and a GGUF file each quantized tensor, except those whose name fully matches the regex
+    ``keep_quantized``: they stay quantized (Fp8Weight, GgufWeight)."""
     if dtype not in LOADABLE_DTYPES:
         raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+    if is_gguf(model_dir):
+        return load_gguf(model_dir, specs, dtype, ignore=ignore, device=device, progress=progress, keep=keep_quantized)
     files, _ = find_checkpoint_files(model_dir)
     fmt = checkpoint_quantization(_config(model_dir), f"{Path(model_dir) / 'config.json'}")
-    fp8 = ScalePairing(fmt, dtype, device, re.compile(keep_fp8) if keep_fp8 else None)
+    fp8 = ScalePairing(fmt, dtype, device, re.compile(keep_quantized) if keep_quantized else None)
     ignored = [re.compile(p) for p in ignore]
     loaded: dict[str, torch.Tensor] = {}
     source: dict[str, Path] = {}
@@ -203,6 +213,8 @@ def _check_complete(model_dir, specs: dict[str, WeightSpec], loaded: dict[str, t
 
 def checkpoint_keys(model_dir: str | Path) -> set[str]:
     """Every tensor name in the checkpoint, read from headers only."""
+    if is_gguf(model_dir):
+        return gguf_keys(model_dir)
     files, weight_map = find_checkpoint_files(model_dir)
     if weight_map:
         return set(weight_map)

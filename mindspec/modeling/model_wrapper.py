@@ -64,12 +64,12 @@ class ModelWrapper:
         # Decode steps as captured graphs (graph_runner.py, set up with the cache) where the backend
         # captures them; where it exports whole steps instead (cpu), and when asked for, the graph
         # runner pads decode batches to buckets and each padded step runs as one compiled package
-        # (exported_step.py), whose weights are baked in: FP8 experts are then dequantized at load.
+        # (exported_step.py), whose weights are baked in: quantized weights are then dequantized at load.
         capture = getattr(self.backend, "supports_graph_capture", False)
         export = bool(decode_graphs and not capture and getattr(self.backend, "supports_step_export", False))
         cls = model_class(self.hf_config["model_type"])
         self.model = cls.load(model_dir, self.backend, self.dtype, num_mtp_modules=num_mtp_modules, progress=progress,
-                              keep_fp8=not export)
+                              keep_quantized=not export)
         self.caches: list[LatentCache] = []
         self.cache_config: Optional[CacheConfig] = None
         self.decode_graphs = decode_graphs

@@ -113,8 +113,11 @@ def _generation_config_eos_ids(model_dir: Path) -> list[int]:
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
-    """Load the tokenizer of a local model directory (no remote code, no downloads)."""
+    """Load the tokenizer of a local model directory (no remote code, no downloads), or the one a
+    GGUF file carries in its metadata."""
     model_dir = Path(model_dir)
+    if model_dir.suffix == ".gguf":
+        return _gguf_tokenizer(model_dir)
     if not model_dir.is_dir():
         raise TokenizerError(f"model directory {model_dir} does not exist")
     if not any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
@@ -128,3 +131,16 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     except Exception as exc:
         raise TokenizerError(f"cannot load the tokenizer in {model_dir}: {exc}") from exc
     return Tokenizer(hf, extra_eos_token_ids=_generation_config_eos_ids(model_dir))
+
+
+def _gguf_tokenizer(path: Path) -> Tokenizer:
+    from mindspec.modeling.errors import CheckpointError
+    from mindspec.modeling.gguf_loader import open_gguf
+
+    from .gguf_tokenizer import tokenizer_from_gguf
+
+    try:
+        metadata = open_gguf(path).metadata
+    except CheckpointError as exc:
+        raise TokenizerError(str(exc)) from exc
+    return Tokenizer(tokenizer_from_gguf(metadata, path.name))

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from mindspec.backend import AttentionMetadata, Backend, LatentCache, RotaryEmbedding
+from mindspec.modeling import quantized
 
 from .config import DeepseekV2Config
 from .tensors import TensorBag
@@ -43,9 +44,9 @@ class MlaAttention:
             # One GEMM for both down-projections of the block input (vLLM's fused_qkv_a_proj):
             # rows [q_a | kv_a]; kv_a_proj stays a view for callers that need only the latents.
             self.q_lora_rank = cfg.q_lora_rank
-            qkv_a = torch.cat([w.take("q_a_proj.weight"), kv_a])  # [q_lora + R + P, hidden]
+            qkv_a = quantized.cat_rows([w.take("q_a_proj.weight"), kv_a])  # [q_lora + R + P, hidden]
             self.qkv_a_proj = backend.linear_weight(qkv_a)
-            self.kv_a_proj = backend.linear_weight(qkv_a[self.q_lora_rank :])
+            self.kv_a_proj = backend.linear_weight(quantized.rows_from(qkv_a, self.q_lora_rank))
             self.q_a_layernorm = w.take("q_a_layernorm.weight")
             self.q_b_proj = backend.linear_weight(w.take("q_b_proj.weight"))  # [H * (nope + rope), q_lora]
         self.kv_a_layernorm = w.take("kv_a_layernorm.weight")  # [R]

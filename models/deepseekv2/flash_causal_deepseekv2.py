@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from mindspec.backend import AttentionMetadata, Backend, LatentCache
 from mindspec.modeling.loader import checkpoint_keys, load_checkpoint
@@ -27,7 +26,7 @@ from .config import DeepseekV2Config, ModelConfigError
 from .decoder_layer import DecoderLayer
 from .mtp import MtpModule
 from .tensors import TensorBag
-from .weights import ROUTED_EXPERTS, ignored_patterns, layer_prefix, model_specs, mtp_modules_in
+from .weights import QUANTIZED_WEIGHTS, ignored_patterns, layer_prefix, model_specs, mtp_modules_in
 
 
 @dataclass
@@ -97,12 +96,13 @@ class FlashCausalDeepseekV2:
         dtype: torch.dtype = torch.bfloat16,
         num_mtp_modules: Optional[int] = None,
         progress: bool = True,
-        keep_fp8: bool = True,
+        keep_quantized: bool = True,
     ) -> "FlashCausalDeepseekV2":
-        """Load a Hugging Face-layout checkpoint; ``num_mtp_modules`` None loads every MTP module
-        the checkpoint holds (config.json's num_nextn_predict_layers at most). In a block FP8
-        checkpoint the routed experts stay FP8 where the backend runs them so (``keep_fp8`` and
-        ``backend.runs_fp8_experts``); every other weight is dequantized into ``dtype``."""
+        """Load a Hugging Face-layout checkpoint or a GGUF file; ``num_mtp_modules`` None loads
+        every MTP module the checkpoint holds (config.json's num_nextn_predict_layers at most).
+        Quantized weights (block FP8, GGUF) stay quantized where the backend runs them so
+        (``keep_quantized`` and ``backend.runs_quantized_weights``: the embedding, the GEMM weights
+        and the head, QUANTIZED_WEIGHTS); every other weight is dequantized into ``dtype``."""
         cfg = DeepseekV2Config.from_model_dir(model_dir)
         keys = checkpoint_keys(model_dir)
         available = min(cfg.num_nextn_predict_layers, mtp_modules_in(cfg, keys))
@@ -120,7 +120,7 @@ class FlashCausalDeepseekV2:
             ignore=ignored_patterns(cfg, num_mtp_modules, keys),
             device=str(backend.device),
             progress=progress,
-            keep_fp8=ROUTED_EXPERTS if keep_fp8 and getattr(backend, "runs_fp8_experts", False) else None,
+            keep_quantized=QUANTIZED_WEIGHTS if keep_quantized and backend.runs_quantized_weights else None,
         )
         return cls(cfg, tensors, backend, num_mtp_modules)
 
@@ -150,7 +150,7 @@ class FlashCausalDeepseekV2:
         meta: AttentionMetadata,
         lm_head_indices: torch.Tensor,  # [N] int64 rows of the flat batch that need logits
     ) -> ModelOutput:
-        x = F.embedding(input_ids, self.embed)  # [T, hidden]
+        x = self.backend.embedding(input_ids, self.embed)  # [T, hidden]
         residual = None
         for layer, cache in zip(self.layers, caches):
             x, residual = layer.forward(x, residual, positions, cache, meta)

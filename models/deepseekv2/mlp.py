@@ -12,14 +12,14 @@ import torch
 
 from mindspec.backend import Backend, RouterConfig
 from mindspec.distributed.expert_parallel import ExpertParallel
-from mindspec.modeling import fp8
+from mindspec.modeling import quantized
 
 from .tensors import TensorBag
 
 
-def _fused_gate_up(w: TensorBag) -> torch.Tensor | fp8.Fp8Weight:
-    # One GEMM for gate and up: rows [gate | up] as silu_and_mul expects (FP8 experts stay FP8).
-    return fp8.cat_rows([w.take("gate_proj.weight"), w.take("up_proj.weight")])  # [2I, hidden]
+def _fused_gate_up(w: TensorBag) -> quantized.Weight:
+    # One GEMM for gate and up: rows [gate | up] as silu_and_mul expects (quantized stays so).
+    return quantized.cat_rows([w.take("gate_proj.weight"), w.take("up_proj.weight")])  # [2I, hidden]
 
 
 def _drop_expert(w: TensorBag) -> None:
@@ -49,8 +49,8 @@ class DeepseekMoe:
         local = self.ep.local_experts if self.ep else range(num_experts)
         experts = [w.scope(f"experts.{e}.") for e in range(num_experts)]
         self.experts = backend.expert_weights(
-            w13=fp8.stack([_fused_gate_up(experts[e]) for e in local]),  # [E_local, 2I, hidden]
-            w2=fp8.stack([experts[e].take("down_proj.weight") for e in local]),  # [E_local, hidden, I]
+            w13=quantized.stack([_fused_gate_up(experts[e]) for e in local]),  # [E_local, 2I, hidden]
+            w2=quantized.stack([experts[e].take("down_proj.weight") for e in local]),  # [E_local, hidden, I]
         )
         for e in range(num_experts):
             if e not in local:

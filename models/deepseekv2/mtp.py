@@ -11,18 +11,19 @@ shared-head norm, as vLLM does.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from mindspec.backend import AttentionMetadata, Backend, LatentCache, LinearWeight, RotaryEmbedding
+from mindspec.modeling import quantized
+from mindspec.modeling.quantized import Weight
 
 from .config import DeepseekV2Config
 from .decoder_layer import DecoderLayer
 from .tensors import TensorBag
 
 
-def _shared_or_own(own: torch.Tensor | None, main: torch.Tensor) -> torch.Tensor:
+def _shared_or_own(own: Weight | None, main: Weight) -> Weight:
     # DeepSeek-V3 ships copies of the main embedding and lm_head in each module; keep one tensor.
-    if own is None or torch.equal(own, main):
+    if own is None or quantized.same(own, main):
         return main
     return own
 
@@ -36,7 +37,7 @@ class MtpModule:
         backend: Backend,
         rotary: RotaryEmbedding,
         softmax_scale: float,
-        main_embed: torch.Tensor,
+        main_embed: Weight,
         main_head: LinearWeight,
     ):
         self.backend = backend
@@ -73,7 +74,7 @@ class MtpModule:
         self.block.write_cache(self._block_input(input_ids, hidden_states), positions, cache, meta)
 
     def _block_input(self, input_ids: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        e = self.backend.rms_norm(F.embedding(input_ids, self.embed), self.enorm, self.eps)
+        e = self.backend.rms_norm(self.backend.embedding(input_ids, self.embed), self.enorm, self.eps)
         h = self.backend.rms_norm(hidden_states, self.hnorm, self.eps)
         return self.backend.linear(torch.cat([e, h], dim=-1), self.eh_proj)  # [T, hidden]
 

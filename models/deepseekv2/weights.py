@@ -15,6 +15,13 @@ from .config import DeepseekV2Config
 
 
 ROUTED_EXPERTS = r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight"  # regex, full match
+# What a backend that runs quantized weights keeps quantized (regex, full match): the embedding,
+# every GEMM weight but kv_b_proj (the model splits it per head into absorbed matrices), the head.
+QUANTIZED_WEIGHTS = (
+    r"(model\.|model\.layers\.\d+\.)embed_tokens\.weight|lm_head\.weight|model\.layers\.\d+\."
+    r"(self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj)|mlp\.(experts\.\d+\.|shared_experts\.)?"
+    r"(gate|up|down)_proj|eh_proj|shared_head\.head)\.weight"
+)
 
 
 def layer_prefix(layer_idx: int) -> str:

@@ -164,33 +164,33 @@ def _routed_experts(model):
 
 def test_cpu_keeps_routed_experts_in_fp8_at_about_half_their_bf16_bytes(fp8_checkpoint):
     from mindspec.backend import get_backend
-    from mindspec.backends.cpu.moe import Fp8ExpertWeights
+    from mindspec.backends.cpu.moe import QuantizedExpertWeights
     from mindspec.models.deepseekv2.flash_causal_deepseekv2 import FlashCausalDeepseekV2
 
     fp8, ref, _ = fp8_checkpoint
     cpu = get_backend("cpu")
     kept = _routed_experts(FlashCausalDeepseekV2.load(fp8, cpu, torch.bfloat16, progress=False))
     dense = _routed_experts(FlashCausalDeepseekV2.load(ref, cpu, torch.bfloat16, progress=False))
-    assert len(kept) == 4 and all(isinstance(e, Fp8ExpertWeights) for e in kept)  # 2 MoE layers + 2 MTP blocks
+    assert len(kept) == 4 and all(isinstance(e, QuantizedExpertWeights) for e in kept)  # 2 MoE layers + 2 MTP blocks
     assert all(e.w13.weight.dtype == torch.float8_e4m3fn for e in kept)
     fp8_bytes = sum(e.w13.nbytes + e.w2.nbytes for e in kept)
     bf16_bytes = sum(e.w13.numel() * 2 + e.w2.numel() * 2 for e in dense)
     # 1 byte per weight + a float32 scale per 16 x 16 block (4 / 256 bytes per weight): 0.508x
     assert fp8_bytes / bf16_bytes <= 0.51
     # dequantized at load instead where the backend does not run FP8 experts, or when not asked to
-    again = FlashCausalDeepseekV2.load(fp8, cpu, torch.bfloat16, progress=False, keep_fp8=False)
-    assert not any(isinstance(e, Fp8ExpertWeights) for e in _routed_experts(again))
+    again = FlashCausalDeepseekV2.load(fp8, cpu, torch.bfloat16, progress=False, keep_quantized=False)
+    assert not any(isinstance(e, QuantizedExpertWeights) for e in _routed_experts(again))
 
 
 def test_compiled_cpu_steps_get_dequantized_experts(fp8_checkpoint):
     """Compiled packages bake the weights in: with decode_graphs the experts are dense."""
-    from mindspec.backends.cpu.moe import Fp8ExpertWeights
+    from mindspec.backends.cpu.moe import QuantizedExpertWeights
     from mindspec.modeling.model_wrapper import ModelWrapper
 
     fp8, _, _ = fp8_checkpoint
     wrapper = ModelWrapper(fp8, "cpu", "float32", num_mtp_modules=0, progress=False, decode_graphs=True)
     assert wrapper.compiled is not None
-    assert not any(isinstance(e, Fp8ExpertWeights) for e in _routed_experts(wrapper.model))
+    assert not any(isinstance(e, QuantizedExpertWeights) for e in _routed_experts(wrapper.model))
 
 
 @pytest.mark.parametrize("rows", [(6, 10), (8, 10), (10, 6)])
