@@ -3,8 +3,8 @@
 To GGUF: llama.cpp's ``deepseek2`` layout and metadata (models/deepseekv2/gguf_layout.py), its
 tokenizer keys (gguf_tokenizer.py), and, unlike llama.cpp's own converter today, the MTP modules
 as ``nextn`` layers. Weights of two or more dimensions take the requested type where their rows
-split into its blocks; others fall back as llama.cpp's quantizer does (a k-quant to Q8_0, then
-F16); norms, biases and the router stay F32. The source is read whole (in its own precision; a
+split into its blocks; others fall back as llama.cpp's quantizer does (Q4_K to Q5_0, Q5_K to
+Q5_1, Q6_K to Q8_0, then F16); norms, biases and the router stay F32. The source is read whole (in its own precision; a
 block FP8 source dequantized to bf16), so converting needs the model's bytes in memory.
 
 From GGUF: config.json, the tokenizer and dequantized safetensors in the dtype asked for.
@@ -39,7 +39,13 @@ _FILE_TYPE = {
     "q5_k": LlamaFileType.MOSTLY_Q5_K_M, "q6_k": LlamaFileType.MOSTLY_Q6_K,
 }
 _KEEP_F32 = re.compile(r".*(norm\.weight|\.bias|ffn_gate_inp\.weight)")
-_K_QUANTS = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
+# llama.cpp's quantizer (llama-quant.cpp tensor_type_fallback): a k-quant's 256-wide blocks that do
+# not divide a row fall back to the 32-wide type of about its size.
+_FALLBACK = {
+    GGMLQuantizationType.Q4_K: GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_K: GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q6_K: GGMLQuantizationType.Q8_0,
+}
 
 
 def _layout():
@@ -52,7 +58,7 @@ def tensor_type(name: str, shape: tuple[int, ...], want: GGMLQuantizationType) -
     """The type one tensor is written in when the file's type is ``want``."""
     if len(shape) == 1 or _KEEP_F32.fullmatch(name):
         return GGMLQuantizationType.F32
-    for qtype in (want, GGMLQuantizationType.Q8_0) if want in _K_QUANTS else (want,):
+    for qtype in (want, _FALLBACK[want]) if want in _FALLBACK else (want,):
         if shape[-1] % GGML_QUANT_SIZES[qtype][0] == 0:
             return qtype
     return GGMLQuantizationType.F16
@@ -76,7 +82,9 @@ def convert_to_gguf(src: str | Path, dst: str | Path, qtype: str = "q8_0", split
     keys = checkpoint_keys(src)
     n_mtp = min(cfg.num_nextn_predict_layers, mtp_modules_in(cfg, keys))
     config = {**config, "num_nextn_predict_layers": n_mtp}
-    dtype = torch.float32 if config.get("torch_dtype") == "float32" else torch.bfloat16
+    # bf16 sources (and block FP8 ones, dequantized) are read as bf16, exactly; anything else as float32
+    source_dtype = config.get("torch_dtype", config.get("dtype"))
+    dtype = torch.bfloat16 if source_dtype == "bfloat16" or "quantization_config" in config else torch.float32
     tensors = load_checkpoint(src, model_specs(cfg, n_mtp), dtype, ignore=ignored_patterns(cfg, n_mtp, keys),
                               progress=False)
     dst.parent.mkdir(parents=True, exist_ok=True)

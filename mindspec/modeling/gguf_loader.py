@@ -18,30 +18,35 @@ import torch
 from tqdm.auto import tqdm
 
 from . import gguf_quants
-from .errors import CheckpointError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
-from .gguf_file import GgufCheckpoint, GgufTensor, JoinedTensor
+from .errors import (
+    CheckpointError,
+    MissingTensorError,
+    ShapeMismatchError,
+    UnexpectedTensorError,
+    UnsupportedCheckpointError,
+)
+from .gguf_file import GgufCheckpoint, GgufTensor, JoinedTensor, split_files
 
 logger = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=4)
-def _open(path: str, mtime_ns: int) -> GgufCheckpoint:
-    return GgufCheckpoint(path)
+def _open(files: tuple[tuple[str, int, int], ...]) -> GgufCheckpoint:
+    return GgufCheckpoint(files[0][0])
 
 
 def open_gguf(path: str | Path) -> GgufCheckpoint:
-    """The file's header and tensor index (memory-mapped), read once per file version."""
-    path = Path(path)
-    try:
-        mtime = path.stat().st_mtime_ns
-    except OSError:
-        mtime = 0  # GgufCheckpoint reports the missing file
-    return _open(str(path.resolve()), mtime)
+    """The file's header and tensor index (memory-mapped), read once per version of its files."""
+    files = split_files(Path(path))
+    return _open(tuple((str(f.resolve()), f.stat().st_mtime_ns, f.stat().st_size) for f in files))
 
 
 def gguf_hf_config(path: str | Path) -> dict[str, Any]:
     ckpt = open_gguf(path)
-    return ckpt.layout().hf_config(ckpt.metadata, set(ckpt.tensors), ckpt.path.name)
+    try:
+        return ckpt.layout().hf_config(ckpt.metadata, set(ckpt.tensors), ckpt.path.name)
+    except (TypeError, ValueError) as exc:  # a key of the wrong type
+        raise UnsupportedCheckpointError(f"{ckpt.path.name}: unusable GGUF metadata: {exc}") from None
 
 
 def gguf_keys(path: str | Path) -> set[str]:

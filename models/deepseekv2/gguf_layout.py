@@ -92,6 +92,7 @@ def hf_config(meta: dict[str, Any], tensor_names: set[str], where: str) -> dict[
         "moe_intermediate_size": get("expert_feed_forward_length", 0),
         "num_hidden_layers": get("block_count") - nextn,
         "num_attention_heads": get("attention.head_count"),
+        "num_key_value_heads": get("attention.head_count"),  # MLA: head_count_kv 1 is llama.cpp's MQA view
         "q_lora_rank": get("attention.q_lora_rank", None) or None,
         "kv_lora_rank": get("attention.kv_lora_rank"),
         "qk_nope_head_dim": nope,
@@ -121,7 +122,7 @@ def hf_config(meta: dict[str, Any], tensor_names: set[str], where: str) -> dict[
 
 
 def _yarn(get) -> dict[str, Any]:
-    mscale_all_dim = _decimal(get("rope.scaling.yarn_log_multiplier", 0.0) / 0.1)
+    mscale_all_dim = _decimal(_decimal(get("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1)
     return {
         "type": "yarn",
         "factor": _decimal(get("rope.scaling.factor")),
@@ -137,7 +138,7 @@ def _getter(meta: dict[str, Any], where: str):
     def get(key: str, default: Any = ...):
         value = meta.get(f"{ARCH}.{key}", default)
         if value is ...:
-            raise UnsupportedCheckpointError(f"{where}: GGUF metadata has no {ARCH}.{key!r}")
+            raise UnsupportedCheckpointError(f"{where}: GGUF metadata has no '{ARCH}.{key}'")
         return value
 
     return get
