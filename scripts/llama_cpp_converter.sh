@@ -8,7 +8,7 @@ set -euo pipefail
 VERSION=0.3.36
 dest=${1:-.cache/llama.cpp}
 if [ -f "$dest/convert_hf_to_gguf.py" ]; then
-    echo "$dest"; exit 0
+    (cd "$dest" && pwd); exit 0
 fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -18,4 +18,4 @@ tar xzf "$tmp"/llama_cpp_python-$VERSION.tar.gz -C "$tmp" \
     "$root/convert_hf_to_gguf.py" "$root/conversion" "$root/gguf-py"
 mkdir -p "$dest"
 cp -r "$tmp/$root/convert_hf_to_gguf.py" "$tmp/$root/conversion" "$tmp/$root/gguf-py" "$dest/"
-echo "$dest"
+(cd "$dest" && pwd)
