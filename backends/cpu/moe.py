@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from mindspec.backend import ExpertWeights, LinearWeight, RouterConfig
 from mindspec.modeling.quantized import QuantizedWeight
 
-from .linear import linear
+from .linear import linear, quantized_linear
 
 
 @dataclass
@@ -151,8 +151,7 @@ def _silu_and_mul(h: torch.Tensor) -> torch.Tensor:
 def _expert(x: torch.Tensor, experts: ExpertWeights, e: int) -> torch.Tensor:
     """Expert e on x [n, H] -> [n, H] (unweighted)."""
     if isinstance(experts, QuantizedExpertWeights):  # dequantized for this call only
-        w13, w2 = experts.w13[e].dequantize(x.dtype), experts.w2[e].dequantize(x.dtype)
-        return F.linear(_silu_and_mul(F.linear(x, w13)), w2)
+        return quantized_linear(_silu_and_mul(quantized_linear(x, experts.w13[e])), experts.w2[e])
     if isinstance(experts, CpuExpertWeights):
         return linear(_silu_and_mul(linear(x, experts.w13_each[e])), experts.w2_each[e])
     return F.linear(_silu_and_mul(F.linear(x, experts.w13[e])), experts.w2[e])

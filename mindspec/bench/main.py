@@ -73,9 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="mindspec's and transformers' dtype (the cpu tables use float32)")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
-    p.add_argument("--also-model", default=None, metavar="[LABEL=]DIR",
-                   help="run every configuration on this checkpoint too, named 'CONFIG @LABEL' (say an FP8 "
-                        "conversion of --model: mindspec convert); tokens are compared with --model's MTP off")
+    p.add_argument("--also-model", action="append", default=[], metavar="[LABEL=]PATH",
+                   help="run every configuration on this checkpoint too (a directory or a .gguf file; repeatable), "
+                        "named 'CONFIG @LABEL' (say an FP8 or GGUF conversion of --model: mindspec convert); "
+                        "tokens are compared with --model's MTP off")
     p.add_argument("--model-shape", default=None, choices=sorted(model_shapes.SHAPES),
                    help="instead of --model: random weights of this published shape (one MTP module, eagle drafts), "
                         "speculation with --simulated-acceptance")
@@ -227,9 +228,10 @@ def run(args: argparse.Namespace) -> int:
             configs = speed.simulated(configs, shape["simulated_acceptance"])
         if args.configs:
             configs = speed.select_configs(configs, args.configs)
-        if args.also_model:
-            label, _, path = args.also_model.rpartition("=")
-            configs = configs + speed.on_model(configs, path, label or Path(path).name)
+        base = configs
+        for also in args.also_model:
+            label, _, path = also.rpartition("=")
+            configs = configs + speed.on_model(base, path, label or Path(path).name)
         gguf = _gguf(args, model_dir) if args.compare == "llama.cpp" else None
     except (ValueError, LlamaCppError) as exc:
         print(f"mindspec bench: {exc}; nothing was measured", file=sys.stderr)

@@ -105,14 +105,15 @@ class Fp8Weight:
         return Fp8Weight(self.weight[index], self.scale_inv[index], self.format, self.dtype)
 
 
-def slice_rows(w: Fp8Weight, start: int) -> Fp8Weight:
-    """Rows start: of a 2-D FP8 weight; a start inside a block of rows gives each row its block's
-    scales, a (1, bk) format."""
+def slice_rows(w: Fp8Weight, start: int, stop: int | None = None) -> Fp8Weight:
+    """Rows start:stop of a 2-D FP8 weight; a start inside a block of rows gives each row its
+    block's scales, a (1, bk) format."""
     bn, bk = w.format.block
+    stop = w.shape[0] if stop is None else min(stop, w.shape[0])
     if start % bn == 0:
-        return Fp8Weight(w.weight[start:], w.scale_inv[start // bn:], w.format, w.dtype)
+        return Fp8Weight(w.weight[start:stop], w.scale_inv[start // bn: math.ceil(stop / bn)], w.format, w.dtype)
     per_row = w.scale_inv.repeat_interleave(bn, 0)[: w.shape[0]]
-    return Fp8Weight(w.weight[start:], per_row[start:], BlockFp8Format((1, bk)), w.dtype)
+    return Fp8Weight(w.weight[start:stop], per_row[start:stop], BlockFp8Format((1, bk)), w.dtype)
 
 
 def cat_rows(parts: Sequence[torch.Tensor | Fp8Weight]) -> torch.Tensor | Fp8Weight:

@@ -47,9 +47,9 @@ def stack(parts: Sequence[Weight]) -> Weight:
     return fp8.stack(parts)
 
 
-def rows_from(w: Weight, start: int) -> Weight:
-    """Rows start: of a 2-D weight, a view where the format allows (GGUF blocks run along K)."""
-    return fp8.slice_rows(w, start) if isinstance(w, Fp8Weight) else w[start:]
+def rows(w: Weight, start: int, stop: int | None = None) -> Weight:
+    """Rows start:stop of a 2-D weight, a view where the format allows (GGUF blocks run along K)."""
+    return fp8.slice_rows(w, start, stop) if isinstance(w, Fp8Weight) else w[start:stop]
 
 
 def same(a: Weight, b: Weight) -> bool:

@@ -46,7 +46,7 @@ class MlaAttention:
             self.q_lora_rank = cfg.q_lora_rank
             qkv_a = quantized.cat_rows([w.take("q_a_proj.weight"), kv_a])  # [q_lora + R + P, hidden]
             self.qkv_a_proj = backend.linear_weight(qkv_a)
-            self.kv_a_proj = backend.linear_weight(quantized.rows_from(qkv_a, self.q_lora_rank))
+            self.kv_a_proj = backend.linear_weight(quantized.rows(qkv_a, self.q_lora_rank))
             self.q_a_layernorm = w.take("q_a_layernorm.weight")
             self.q_b_proj = backend.linear_weight(w.take("q_b_proj.weight"))  # [H * (nope + rope), q_lora]
         self.kv_a_layernorm = w.take("kv_a_layernorm.weight")  # [R]
