@@ -266,13 +266,16 @@ class Backend(ABC):
         return c_kv, k_pe
 
     # ---- GEMMs against weights ---------------------------------------------------------------
-    # Whether weights may stay quantized in memory (block FP8, GGUF: mindspec/modeling/quantized.py):
-    # ``linear``, ``embedding`` and ``moe_experts`` then take them. Backends that do not
-    # (cuda, npu) get every weight dequantized at load.
-    runs_quantized_weights = False
+    def keeps_quantized(self, checkpoint_format: str) -> bool:
+        """Whether the weights of a quantized checkpoint ("fp8": block FP8, "gguf") may stay
+        quantized in memory (mindspec/modeling/quantized.py): ``linear_weight``, ``embedding``
+        and ``expert_weights`` then take them. Otherwise every weight is dequantized at load."""
+        return False
 
     def embedding(self, input_ids: torch.Tensor, weight) -> torch.Tensor:
         """input_ids [T] -> rows of weight [vocab, hidden] -> [T, hidden]."""
+        if not isinstance(weight, torch.Tensor):  # quantized
+            weight = weight.dequantize()
         return F.embedding(input_ids, weight)
 
     def linear_weight(self, weight: torch.Tensor) -> LinearWeight:

@@ -340,9 +340,10 @@ class CpuBackend(Backend):
         return torch.cat([c, k], dim=-1).to(dtype)
 
     # ---- GEMMs against weights ---------------------------------------------------------------
-    # Quantized weights (block FP8, GGUF) stay so: each GEMM, expert and embedding lookup
-    # dequantizes what it reads for that call only (linear.py, moe.QuantizedExpertWeights).
-    runs_quantized_weights = True
+    def keeps_quantized(self, checkpoint_format: str) -> bool:
+        """Block FP8 and GGUF weights stay quantized: each GEMM, expert and embedding lookup
+        dequantizes what it reads for that call only (linear.py, moe.QuantizedExpertWeights)."""
+        return True
 
     def embedding(self, input_ids: torch.Tensor, weight) -> torch.Tensor:
         if is_quantized(weight):

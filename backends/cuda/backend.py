@@ -25,6 +25,8 @@ from mindspec.backend import (
     RouterConfig,
 )
 from mindspec.backends.cuda.availability import choose_device, current_environment
+from mindspec.modeling import quantized
+from mindspec.modeling.fp8 import Fp8Weight
 
 
 class CudaBackend(Backend):
@@ -40,11 +42,13 @@ class CudaBackend(Backend):
         if chosen.type == "cuda":
             torch.cuda.set_device(chosen)
         # Imported here, not at module top: choosing another backend never imports triton.
-        from mindspec.backends.cuda import activation, fused_moe, latent_cache, linear, mla_attention, moe_gate, norm, rope
+        from mindspec.backends.cuda import (
+            activation, fp8_linear, fused_moe, latent_cache, linear, mla_attention, moe_gate, norm, rope,
+        )
 
         self._k = SimpleNamespace(
-            activation=activation, fused_moe=fused_moe, latent_cache=latent_cache, linear=linear,
-            mla_attention=mla_attention, moe_gate=moe_gate, norm=norm, rope=rope,
+            activation=activation, fp8_linear=fp8_linear, fused_moe=fused_moe, latent_cache=latent_cache,
+            linear=linear, mla_attention=mla_attention, moe_gate=moe_gate, norm=norm, rope=rope,
         )
         self.num_kv_splits = num_kv_splits  # None: chosen per launch from the device (tests force > 1)
 
@@ -82,8 +86,18 @@ class CudaBackend(Backend):
         return self._k.latent_cache.latent_norm_rope_cache(kv_a, norm_weight, eps, positions, rotary, cache, slots)
 
     # ---- dense projections -------------------------------------------------------------------
+    def keeps_quantized(self, checkpoint_format: str) -> bool:
+        """Block FP8 GEMM weights stay FP8 (fp8_linear.py); the routed experts are dequantized
+        at load (``expert_weights``: no FP8 fused-MoE kernel yet), GGUF files entirely."""
+        return checkpoint_format == "fp8"
+
     def linear(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+        if isinstance(w.weight, Fp8Weight):
+            return self._k.fp8_linear.fp8_block_linear(x, w.weight)
         return self._k.linear.project(x, w.weight)
+
+    def expert_weights(self, w13, w2) -> ExpertWeights:
+        return super().expert_weights(quantized.dense(w13), quantized.dense(w2))
 
     # ---- norms and activations -----------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -11,6 +11,7 @@
     mindspec bench --model-shape deepseek-v2-lite ...        # random weights of that shape, simulated acceptance
     mindspec bench --scenario prefix-cache --out ...         # shared-prefix workloads, prefix caching on and off
     mindspec bench --scenario split-fuse --out ...           # a long prompt arriving while streams decode
+    mindspec bench --scenario quantized-gemm --out ...       # one GEMM against GGUF/FP8 weights, each way it could run
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from mindspec.bench import llama_cpp, model_shapes, prefix_cache, profile, speed, split_fuse, workloads
+from mindspec.bench import llama_cpp, model_shapes, prefix_cache, profile, quantized_gemm, speed, split_fuse, workloads
 from mindspec.bench.llama_cpp import LlamaCppError
 from mindspec.bench.memory import resident_weight_bytes
 from mindspec.backends.cpu.backend import default_cpu_threads
@@ -38,7 +39,7 @@ SHIPPED_ACCEPTANCE = (0.88, 0.77, 0.71)
 BACKENDS = ("cpu", "cuda")
 
 
-SCENARIOS = ("speed", "prefix-cache", "split-fuse")
+SCENARIOS = ("speed", "prefix-cache", "split-fuse", "quantized-gemm")
 PREFIX_CONFIGS = {"mtp off": None, "vanilla K=3": {"plugin_type": "mtp", "num_speculative_tokens": 3}}
 
 
@@ -47,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="speed: decoding speed per configuration and batch size; prefix-cache: multi-turn chat "
                         "and few-shot prompts with prefix caching on and off (mindspec.bench.prefix_cache); "
                         "split-fuse: a long prompt arriving while streams decode, SplitFuse on and off "
-                        "(mindspec.bench.split_fuse)")
+                        "(mindspec.bench.split_fuse); quantized-gemm: one GEMM against GGUF/FP8 weights, each way "
+                        "the cpu backend could run it (mindspec.bench.quantized_gemm)")
     g = p.add_argument_group("--scenario prefix-cache")
     g.add_argument("--conversations", type=int, default=8)
     g.add_argument("--turns", type=int, default=4)
@@ -207,6 +209,11 @@ def run(args: argparse.Namespace) -> int:
         return run_prefix_cache(args)
     if args.scenario == "split-fuse":
         return run_split_fuse(args)
+    if args.scenario == "quantized-gemm":
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        report = quantized_gemm.run(rounds=args.rounds)
+        return _write_scenario(report, args, "", quantized_gemm.plot)
     on_gpu = args.backend == "cuda"
     if on_gpu and not torch.cuda.is_available():
         print("mindspec bench: --backend cuda --compare needs a CUDA GPU and none is visible; nothing was measured",

@@ -74,6 +74,10 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, fmt: BlockFp8Forma
     in ``dtype``, computed in float32 (a scale times an e4m3 value is exact there)."""
     n, k = weight.shape[-2:]
     bn, bk = fmt.block
+    lead = weight.shape[:-2]
+    if n % bn == 0 and k % bk == 0:  # whole blocks: broadcast each scale over its block, no expanded copy
+        blocks = weight.float().view(*lead, n // bn, bn, k // bk, bk)
+        return (blocks * scale_inv.float()[..., :, None, :, None]).view(*lead, n, k).to(dtype)
     scales = scale_inv.float().repeat_interleave(bn, -2)[..., :n, :].repeat_interleave(bk, -1)[..., :k]
     return (weight.float() * scales).to(dtype)
 

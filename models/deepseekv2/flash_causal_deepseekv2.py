@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from mindspec.backend import AttentionMetadata, Backend, LatentCache
+from mindspec.modeling.gguf_file import is_gguf
 from mindspec.modeling.loader import checkpoint_keys, load_checkpoint
 from mindspec.modeling.rotary import build_rotary, softmax_scale
 
@@ -101,8 +102,8 @@ class FlashCausalDeepseekV2:
         """Load a Hugging Face-layout checkpoint or a GGUF file; ``num_mtp_modules`` None loads
         every MTP module the checkpoint holds (config.json's num_nextn_predict_layers at most).
         Quantized weights (block FP8, GGUF) stay quantized where the backend runs them so
-        (``keep_quantized`` and ``backend.runs_quantized_weights``: the embedding, the GEMM weights
-        and the head, QUANTIZED_WEIGHTS); every other weight is dequantized into ``dtype``."""
+        (``keep_quantized`` and ``backend.keeps_quantized``: the embedding, the GEMM weights and
+        the head, QUANTIZED_WEIGHTS); every other weight is dequantized into ``dtype``."""
         cfg = DeepseekV2Config.from_model_dir(model_dir)
         keys = checkpoint_keys(model_dir)
         available = min(cfg.num_nextn_predict_layers, mtp_modules_in(cfg, keys))
@@ -120,7 +121,7 @@ class FlashCausalDeepseekV2:
             ignore=ignored_patterns(cfg, num_mtp_modules, keys),
             device=str(backend.device),
             progress=progress,
-            keep_quantized=QUANTIZED_WEIGHTS if keep_quantized and backend.runs_quantized_weights else None,
+            keep_quantized=QUANTIZED_WEIGHTS if keep_quantized and backend.keeps_quantized(_format(model_dir)) else None,
         )
         return cls(cfg, tensors, backend, num_mtp_modules)
 
@@ -280,3 +281,8 @@ def _shift_in(ids: torch.Tensor, new: torch.Tensor, lm_head_indices: torch.Tenso
     ids = torch.roll(ids, -1)
     ids[lm_head_indices] = new
     return ids
+
+
+def _format(model_dir: str | Path) -> str:
+    """The quantized format a checkpoint may hold, as Backend.keeps_quantized names it."""
+    return "gguf" if is_gguf(model_dir) else "fp8"

@@ -199,3 +199,20 @@ def test_llm_reads_the_tokenizer_from_the_file(shipped_q8):
     text = "def main():\n    print('héllo wörld', 1234)\n"
     assert llm.tokenizer.encode(text) == AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR)).encode(text)
     assert np.array_equal(sorted(llm.engine.eos_token_ids), [1])
+
+
+def test_a_mindie_config_serves_a_gguf_file_with_mtp(tmp_path, shipped_q8):
+    import json
+
+    from mindspec.config.defaults import default_config_dict
+
+    config = default_config_dict(str(shipped_q8))  # plugin_params: MTP, 3 speculative tokens
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = LLM(config=str(tmp_path / "config.json"), progress=False)
+    out = llm.generate(["def fibonacci(n):"], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    assert len(out.token_ids) == 16 and out.spec_decode.num_accepted_tokens > 0
+
+
+def test_generate_cli_runs_a_gguf_file(shipped_q8, capsys):
+    assert cli_main(["generate", "--model", str(shipped_q8), "--prompt", "import os", "--max-tokens", "8"]) == 0
+    assert capsys.readouterr().out.strip()

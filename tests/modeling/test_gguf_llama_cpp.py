@@ -68,3 +68,20 @@ def test_llama_cpps_file_serves_without_mtp_when_mtp_is_asked_for(files, caplog)
         llm = LLM(model=str(files["q8_0"][0]), progress=False, plugin_params={"plugin_type": "mtp", "num_speculative_tokens": 2})
     assert "has no MTP (nextn) layers" in caplog.text
     assert llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=4))[0].token_ids
+
+
+def test_llama_cpps_tokenizer_metadata_is_ours_and_gives_the_hf_ids(files):
+    from transformers import AutoTokenizer
+
+    from mindspec.bench.corpus import corpus_files, read
+    from mindspec.text_generator import gguf_tokenizer as gt
+    from tests.support.tokenizer_checks import EXTRA_TEXTS, assert_same_tokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR))
+    theirs = read_metadata(GGUFReader(files["q8_0"][0]))
+    ours = gt.tokenizer_metadata(hf)
+    # llama.cpp leaves add_eos_token out when the post-processor adds no EOS; mindspec writes false.
+    assert gt.ADD_EOS not in theirs and ours[gt.ADD_EOS] is False
+    assert {k: v for k, v in theirs.items() if k.startswith("tokenizer.")} == {k: v for k, v in ours.items() if k != gt.ADD_EOS}
+    tok = gt.tokenizer_from_gguf(theirs, "llama.cpp's file")
+    assert_same_tokenizer(tok, hf, [read(p) for p in corpus_files()[1]] + EXTRA_TEXTS)

@@ -5,6 +5,7 @@ takes through GGUF metadata, it must give the same ids, the same text back and t
 """
 
 import ast
+import os
 from pathlib import Path
 
 import numpy as np
@@ -14,31 +15,16 @@ from transformers import AutoTokenizer
 
 import mindspec
 from mindspec.bench.corpus import corpus_files, read
+from mindspec.modeling.gguf_file import read_metadata
+from tests.support.tokenizer_checks import BOS, EOS, EXTRA_TEXTS, assert_same_tokenizer
 from mindspec.text_generator import gguf_tokenizer as gt
 from mindspec.text_generator.tokenizer import TokenizerError
 
 gguf = pytest.importorskip("gguf")
 
 MODEL_DIR = Path(mindspec.__file__).parent / "assets" / "default_model"
-# Made by llama.cpp's own convert_hf_to_gguf.py from the shipped model.
-LLAMA_CPP_GGUF = Path("/work/scratch/gguf/shipped-f16.gguf")
-LLAMA_VOCAB_CPP = Path("/work/scratch/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/src/llama-vocab.cpp")
-
-BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
-EXTRA_TEXTS = [
-    "",
-    f"{BOS}hello{EOS} world {BOS}",
-    f"a{EOS}{EOS}b <｜begin▁of▁sentence",  # a special token, and a near miss that is plain text
-    "héllo wörld — 你好，世界！ こんにちは 한국어 Привет 😀🚀 e\u0301 ﬁ Ω",
-    "a  b\t\tc\n\n\n   d    \r\n\r\n\x0b\x0c end   ",
-    "1 22 333 4444 55555 666666 3.14159 1e10 0x1F 1,000,000 ١٢٣",
-    "don't I'll WE'VE 'quoted' \"double\" ```code``` ...!!!???",
-]
-CONVERSATION = [
-    {"role": "system", "content": "You are terse."},
-    {"role": "user", "content": "def f(x):\n    return x  # 你好"},
-    {"role": "assistant", "content": [{"type": "text", "text": "ok"}]},
-]
+# llama.cpp's tokenizer source, fetched with its converter (scripts/llama_cpp_converter.sh, as CI does).
+LLAMA_VOCAB_CPP = Path(os.environ.get("LLAMA_CPP_SRC", "/nonexistent")) / "src" / "llama-vocab.cpp"
 
 
 @pytest.fixture(scope="module")
@@ -49,20 +35,6 @@ def hf():
 @pytest.fixture(scope="module")
 def texts():
     return [read(p) for p in corpus_files()[1][:8]] + EXTRA_TEXTS
-
-
-def assert_same_tokenizer(ours, ref, texts):
-    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
-        assert getattr(ours, attr) == getattr(ref, attr), attr
-    for text in texts:
-        for add_special in (True, False):
-            ids = ref.encode(text, add_special_tokens=add_special)
-            assert ours.encode(text, add_special_tokens=add_special) == ids, text[:80]
-        for skip in (True, False):
-            assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip)
-    for add_generation_prompt in (True, False):
-        rendered = ref.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=add_generation_prompt)
-        assert ours.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=add_generation_prompt) == rendered
 
 
 def write_gguf(path, metadata):
@@ -100,7 +72,7 @@ def test_round_trip_in_memory(hf, texts):
 def test_round_trip_through_a_gguf_file(hf, texts, tmp_path):
     md = gt.tokenizer_metadata(hf)
     write_gguf(tmp_path / "tok.gguf", md)
-    back = gt.read_metadata(gguf.GGUFReader(tmp_path / "tok.gguf"))
+    back = read_metadata(gguf.GGUFReader(tmp_path / "tok.gguf"))
     assert back["general.architecture"] == "deepseek2"
     assert {k: back[k] for k in md} == md  # every value survives, string arrays as lists of str
     assert_same_tokenizer(gt.tokenizer_from_gguf(back, str(tmp_path / "tok.gguf")), hf, texts)
@@ -136,19 +108,6 @@ def test_named_chat_templates_round_trip():
         k: md[k] for k in (gt.CHAT_TEMPLATE, gt.CHAT_TEMPLATES, f"{gt.CHAT_TEMPLATE}.tool_use")}
 
 
-# ---- llama.cpp's own file ----------------------------------------------------------------------------
-@pytest.mark.skipif(not LLAMA_CPP_GGUF.is_file(), reason=f"{LLAMA_CPP_GGUF} (llama.cpp's conversion) is absent")
-def test_llama_cpp_converted_file(hf):
-    theirs = gt.read_metadata(gguf.GGUFReader(LLAMA_CPP_GGUF))
-    ours = gt.tokenizer_metadata(hf)
-    # llama.cpp leaves add_eos_token out when the post-processor adds no EOS; we write it as false.
-    assert gt.ADD_EOS not in theirs and ours[gt.ADD_EOS] is False
-    assert {k: v for k, v in theirs.items() if k.startswith("tokenizer.")} == {
-        k: v for k, v in ours.items() if k != gt.ADD_EOS}
-    tok = gt.tokenizer_from_gguf(theirs, str(LLAMA_CPP_GGUF))
-    assert_same_tokenizer(tok, hf, [read(p) for p in corpus_files()[1]] + EXTRA_TEXTS)
-
-
 # ---- the deepseek-v3 pre-tokenizer --------------------------------------------------------------------
 # Expected pieces worked out by hand from llama.cpp's three regexes, applied in turn, each keeping both
 # its matches and the text between them: (1) \p{N}{1,3}; (2) runs of CJK ideographs and kana;
@@ -180,7 +139,7 @@ def test_deepseek_v3_splits(text, pieces):
     assert [decoders.ByteLevel().decode([piece]) for piece, _ in split] == pieces
 
 
-@pytest.mark.skipif(not LLAMA_VOCAB_CPP.is_file(), reason=f"{LLAMA_VOCAB_CPP} is absent")
+@pytest.mark.skipif(not LLAMA_VOCAB_CPP.is_file(), reason="LLAMA_CPP_SRC has no src/llama-vocab.cpp (scripts/llama_cpp_converter.sh)")
 def test_regexes_are_llama_cpps():
     source = LLAMA_VOCAB_CPP.read_text(encoding="utf-8")
 
