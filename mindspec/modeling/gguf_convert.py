@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from . import gguf_quants
 from .errors import CheckpointError
-from .gguf_file import JoinedTensor
+from .gguf_file import JoinedTensor, write_key_values
 from .gguf_loader import gguf_hf_config, open_gguf
 from .loader import checkpoint_keys, load_checkpoint, read_hf_config
 
@@ -69,7 +69,7 @@ def convert_to_gguf(src: str | Path, dst: str | Path, qtype: str = "q8_0", split
     ``split_max_size`` bytes, shards ``name-00001-of-0000N.gguf``). Returns the files written."""
     from mindspec.models.deepseekv2.config import DeepseekV2Config
     from mindspec.models.deepseekv2.weights import ignored_patterns, model_specs, mtp_modules_in
-    from mindspec.text_generator.gguf_tokenizer import tokenizer_metadata, write_metadata
+    from mindspec.text_generator.gguf_tokenizer import tokenizer_metadata
     from mindspec.text_generator.tokenizer import load_tokenizer
 
     src, dst = Path(src), Path(dst)
@@ -90,7 +90,7 @@ def convert_to_gguf(src: str | Path, dst: str | Path, qtype: str = "q8_0", split
     dst.parent.mkdir(parents=True, exist_ok=True)
     writer = GGUFWriter(dst, _layout().ARCH, split_max_size=split_max_size)
     _write_metadata(writer, config, src.name, qtype)
-    write_metadata(writer, tokenizer_metadata(load_tokenizer(src).hf_tokenizer, vocab_size=config["vocab_size"]))
+    write_key_values(writer, tokenizer_metadata(load_tokenizer(src).hf_tokenizer, vocab_size=config["vocab_size"]))
     want = GGUF_TYPES[qtype]
     for name, t in _layout().gguf_tensors(tensors, config):
         kind = tensor_type(name, tuple(t.shape), want)
@@ -107,23 +107,7 @@ def _write_metadata(writer: GGUFWriter, config: dict[str, Any], name: str, qtype
     writer.add_name(name)
     writer.add_file_type(int(_FILE_TYPE[qtype]))
     writer.add_quantization_version(2)
-    for key, value in _layout().gguf_metadata(config).items():
-        _add(writer, f"{writer.arch}.{key}", value)
-
-
-def _add(writer: GGUFWriter, key: str, value: Any) -> None:
-    if isinstance(value, bool):
-        writer.add_bool(key, value)
-    elif isinstance(value, int):
-        writer.add_uint32(key, value)
-    elif isinstance(value, float):
-        writer.add_float32(key, value)
-    elif isinstance(value, str):
-        writer.add_string(key, value)
-    elif isinstance(value, (list, tuple)):
-        writer.add_array(key, list(value))
-    else:
-        raise TypeError(f"GGUF metadata {key!r}: cannot write a {type(value).__name__}")
+    write_key_values(writer, {f"{writer.arch}.{k}": v for k, v in _layout().gguf_metadata(config).items()})
 
 
 def convert_from_gguf(src: str | Path, dst: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:

@@ -112,3 +112,21 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
     """Key/values as Python values (strings, numbers, bools, lists), ``GGUF.*`` header fields
     left out."""
     return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+
+
+def write_key_values(writer, metadata: dict[str, Any]) -> None:
+    """Key/values onto a ``gguf.GGUFWriter`` with the types llama.cpp's converter writes: ints as
+    uint32, floats as float32, bools, strings, lists as arrays (ints in them as int32)."""
+    for key, value in metadata.items():
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, (list, tuple)):
+            writer.add_array(key, list(value))
+        else:
+            raise TypeError(f"GGUF metadata {key!r}: cannot write a {type(value).__name__}")

@@ -465,20 +465,3 @@ def _chat_template_metadata(template: str | Mapping[str, str] | None) -> dict[st
     if "default" in template:
         metadata[CHAT_TEMPLATE] = template["default"]
     return metadata
-
-
-# ---- writing ---------------------------------------------------------------------------------------
-def write_metadata(writer: Any, metadata: Mapping[str, Any]) -> None:
-    """Add ``tokenizer_metadata``'s key/values to a ``gguf.GGUFWriter`` with the value types llama.cpp's
-    converter uses (ids uint32, flags bool, token types int32, string arrays)."""
-    for key, value in metadata.items():
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        elif isinstance(value, list):
-            writer.add_array(key, value)  # int lists are written as int32, as gguf does for token types
-        else:
-            raise TypeError(f"{key}: cannot write a {type(value).__name__} to GGUF")

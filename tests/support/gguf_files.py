@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
+from mindspec.modeling.gguf_file import write_key_values
 from tests.support.checkpoints import make_checkpoint, tiny_v3_config
 from tests.support.tokenizers import make_tokenizer
 
@@ -52,15 +53,16 @@ def rewrite_gguf(
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
         if name in changes:
-            _set(writer, name, changes.pop(name))
+            value = changes.pop(name)
+            if value is not None:
+                write_key_values(writer, {name: value})
             continue
         value = field.contents()
         if field.types[0] == GGUFValueType.ARRAY:
             writer.add_key_value(name, value, GGUFValueType.ARRAY, sub_type=field.types[-1])
         else:
             writer.add_key_value(name, value, field.types[0])
-    for name, value in changes.items():
-        _set(writer, name, value)
+    write_key_values(writer, {k: v for k, v in changes.items() if v is not None})
     for t in reader.tensors:
         if not keep(t.name):
             continue
@@ -83,16 +85,3 @@ def _byte_shape(shape: tuple[int, ...], qtype: GGMLQuantizationType, data: np.nd
 
     block, size = GGML_QUANT_SIZES[qtype]
     return (*shape[:-1], shape[-1] // block * size)
-
-
-def _set(writer: GGUFWriter, key: str, value: Any) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool):
-        writer.add_bool(key, value)
-    elif isinstance(value, int):
-        writer.add_uint32(key, value)
-    elif isinstance(value, float):
-        writer.add_float32(key, value)
-    else:
-        writer.add_string(key, str(value))

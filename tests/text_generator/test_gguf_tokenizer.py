@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 import mindspec
 from mindspec.bench.corpus import corpus_files, read
-from mindspec.modeling.gguf_file import read_metadata
+from mindspec.modeling.gguf_file import read_metadata, write_key_values
 from tests.support.tokenizer_checks import BOS, EOS, EXTRA_TEXTS, assert_same_tokenizer
 from mindspec.text_generator import gguf_tokenizer as gt
 from mindspec.text_generator.tokenizer import TokenizerError
@@ -39,7 +39,7 @@ def texts():
 
 def write_gguf(path, metadata):
     writer = gguf.GGUFWriter(path, "deepseek2")
-    gt.write_metadata(writer, metadata)
+    write_key_values(writer, metadata)
     writer.add_tensor("tiny", np.zeros(4, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
