@@ -4,8 +4,9 @@ To GGUF: llama.cpp's ``deepseek2`` layout and metadata (models/deepseekv2/gguf_l
 tokenizer keys (gguf_tokenizer.py), and, unlike llama.cpp's own converter today, the MTP modules
 as ``nextn`` layers. Weights of two or more dimensions take the requested type where their rows
 split into its blocks; others fall back as llama.cpp's quantizer does (Q4_K to Q5_0, Q5_K to
-Q5_1, Q6_K to Q8_0, then F16); norms, biases and the router stay F32. The source is read whole (in its own precision; a
-block FP8 source dequantized to bf16), so converting needs the model's bytes in memory.
+Q5_1, Q6_K to Q8_0, then F16); norms, biases and the router stay F32. The source is read whole
+(in its own precision; a block FP8 source dequantized to bf16), so converting needs the model's
+bytes in memory.
 
 From GGUF: config.json, the tokenizer and dequantized safetensors in the dtype asked for.
 """

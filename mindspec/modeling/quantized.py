@@ -1,8 +1,9 @@
 """Weights kept quantized in memory, whatever their format: block FP8 (fp8.Fp8Weight) or GGUF's
 blocks (gguf_quants.GgufWeight). Both are [..., N, K] with ``shape``, ``dtype`` (the model's),
-``nbytes``, ``dequantize(dtype)`` and leading-dimension indexing (``w[e]``, ``w[a:b]``); the
-model builds its fused weights through ``cat_rows`` and ``stack`` here, which keep a weight
-quantized where its format allows and dequantize otherwise.
+``nbytes``, ``dequantize(dtype)`` and expert indexing (``w[e]``); rows of a 2-D weight come from
+``rows`` here (FP8 scales cover blocks of rows). The model builds its fused weights through
+``cat_rows`` and ``stack``, which keep a weight quantized where its format allows and dequantize
+otherwise.
 """
 from __future__ import annotations
 

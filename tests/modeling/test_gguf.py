@@ -216,3 +216,12 @@ def test_a_mindie_config_serves_a_gguf_file_with_mtp(tmp_path, shipped_q8):
 def test_generate_cli_runs_a_gguf_file(shipped_q8, capsys):
     assert cli_main(["generate", "--model", str(shipped_q8), "--prompt", "import os", "--max-tokens", "8"]) == 0
     assert capsys.readouterr().out.strip()
+
+
+def test_an_older_file_with_kv_b_whole_loads_the_same(tmp_path, shipped_q8):
+    from tests.support.gguf_files import with_whole_kv_b
+
+    older = with_whole_kv_b(shipped_q8, tmp_path / "kv_b.gguf")
+    names = {t.name for t in GGUFReader(older).tensors}
+    assert "blk.0.attn_kv_b.weight" in names and "blk.0.attn_k_b.weight" not in names
+    assert _tokens(older) == _tokens(shipped_q8)

@@ -41,10 +41,12 @@ def rewrite_gguf(
     reshape: Optional[dict[str, tuple[int, ...]]] = None,
     metadata: Optional[dict[str, Any]] = None,
     arch: Optional[str] = None,
+    extra: Optional[dict[str, np.ndarray]] = None,
 ) -> Path:
     """Copy ``src`` to ``dst`` with only the tensors ``keep`` accepts (renamed by ``rename``, the
-    named ones given a new torch-order shape of the same size) and the key/values in ``metadata``
-    set (string, bool, float or uint32; None removes a key)."""
+    named ones given a new torch-order shape of the same size), the float32 tensors in ``extra``
+    added, and the key/values in ``metadata`` set (string, bool, float or uint32; None removes a
+    key)."""
     reader = GGUFReader(src)
     arch = arch or str(reader.fields["general.architecture"].contents())
     writer = GGUFWriter(dst, arch)
@@ -71,6 +73,8 @@ def rewrite_gguf(
             data = data.reshape(_byte_shape(reshape[t.name], GGMLQuantizationType(int(t.tensor_type)), data))
         raw = None if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) else t.tensor_type
         writer.add_tensor(rename(t.name) if rename else t.name, data, raw_dtype=raw)
+    for name, data in (extra or {}).items():
+        writer.add_tensor(name, data.astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -85,3 +89,19 @@ def _byte_shape(shape: tuple[int, ...], qtype: GGMLQuantizationType, data: np.nd
 
     block, size = GGML_QUANT_SIZES[qtype]
     return (*shape[:-1], shape[-1] // block * size)
+
+
+def with_whole_kv_b(src: Path, dst: Path) -> Path:
+    """``src`` with each layer's attn_k_b / attn_v_b pair replaced by one F32 attn_kv_b, as GGUF
+    files written before llama.cpp split it (for its absorbed MLA) carry it."""
+    from mindspec.models.deepseekv2.gguf_layout import _join_kv_b
+    from mindspec.modeling.gguf_file import GgufCheckpoint
+
+    ckpt = GgufCheckpoint(src)
+    whole = {}
+    for name, t in ckpt.tensors.items():
+        if name.endswith("attn_k_b.weight"):
+            v_b = ckpt.tensors[name.replace("attn_k_b", "attn_v_b")]
+            whole[name.replace("attn_k_b", "attn_kv_b")] = _join_kv_b(t, v_b).numpy()
+    keep = lambda n: not n.endswith(("attn_k_b.weight", "attn_v_b.weight"))  # noqa: E731
+    return rewrite_gguf(src, dst, keep=keep, extra=whole)
