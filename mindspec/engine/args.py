@@ -1,7 +1,9 @@
 """EngineArgs: everything needed to build an engine, from Python keywords or a MindIE config.json."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional, Union
 
 from .scheduler import SchedulerConfig
@@ -82,10 +84,14 @@ class EngineArgs:
         """The checkpoint's hidden_size (config.json), for the cpu thread default; None if unreadable
         (the loader reports a bad checkpoint with its own error)."""
         from mindspec.modeling.errors import CheckpointError
+        from mindspec.modeling.gguf_file import is_gguf
         from mindspec.modeling.loader import read_hf_config
 
         try:
-            value = read_hf_config(self.model).get("hidden_size")
+            if is_gguf(self.model):
+                value = read_hf_config(self.model).get("hidden_size")
+            else:
+                value = json.loads((Path(self.model) / "config.json").read_text(encoding="utf-8")).get("hidden_size")
         except (OSError, ValueError, AttributeError, CheckpointError):
             return None
         return value if isinstance(value, int) and not isinstance(value, bool) else None

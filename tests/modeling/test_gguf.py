@@ -225,3 +225,9 @@ def test_an_older_file_with_kv_b_whole_loads_the_same(tmp_path, shipped_q8):
     names = {t.name for t in GGUFReader(older).tensors}
     assert "blk.0.attn_kv_b.weight" in names and "blk.0.attn_k_b.weight" not in names
     assert _tokens(older) == _tokens(shipped_q8)
+
+
+def test_the_cpu_thread_default_reads_a_gguf_files_hidden_size(shipped_q8):
+    from mindspec.engine.args import EngineArgs
+
+    assert EngineArgs(model=str(shipped_q8)).model_hidden_size() == 192
