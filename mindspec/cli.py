@@ -58,7 +58,8 @@ def _add_compile_arg(p: argparse.ArgumentParser) -> None:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", help="checkpoint directory (Hugging Face layout, safetensors); default: the shipped model")
+    src.add_argument("--model", help="checkpoint directory (Hugging Face layout, safetensors) or a .gguf file; "
+                                     "default: the shipped model")
     src.add_argument("--config", help="MindIE-style config.json (or .yaml)")
     # None: the model's own default (the shipped model's or the config's); a value given replaces it
     p.add_argument("--backend", default=None, help="cpu | cuda | npu | auto (default: cpu, or the config's)")
