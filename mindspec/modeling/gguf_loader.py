@@ -20,7 +20,6 @@ from tqdm.auto import tqdm
 from . import gguf_quants
 from .errors import (
     CheckpointError,
-    MissingTensorError,
     ShapeMismatchError,
     UnexpectedTensorError,
     UnsupportedCheckpointError,
@@ -80,11 +79,7 @@ def load_gguf(
         _check_shape(name, source, specs[name].shape)
         target = torch.float32 if specs[name].keep_dtype else dtype
         loaded[name] = _materialize(source, target, device, keep=kept is not None and kept.fullmatch(name) is not None)
-    missing = [n for n, s in specs.items() if not s.optional and n not in loaded]
-    if missing:
-        raise MissingTensorError(f"GGUF {ckpt.path.name} lacks tensor {missing[0]!r}"
-                                 + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
-    return loaded
+    return loaded  # load_checkpoint checks that nothing the model needs is missing
 
 
 def _origin(source: GgufTensor | JoinedTensor) -> str:

@@ -121,7 +121,9 @@ def load_checkpoint(
     if dtype not in LOADABLE_DTYPES:
         raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
     if is_gguf(model_dir):
-        return load_gguf(model_dir, specs, dtype, ignore=ignore, device=device, progress=progress, keep=keep_quantized)
+        loaded = load_gguf(model_dir, specs, dtype, ignore=ignore, device=device, progress=progress, keep=keep_quantized)
+        _check_complete(model_dir, specs, loaded)
+        return loaded
     files, _ = find_checkpoint_files(model_dir)
     fmt = checkpoint_quantization(_config(model_dir), f"{Path(model_dir) / 'config.json'}")
     fp8 = ScalePairing(fmt, dtype, device, re.compile(keep_quantized) if keep_quantized else None)
