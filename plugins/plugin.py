@@ -1,4 +1,4 @@
-"""The Plugin interface: five hooks the PluginManager calls around every forward (MindIE's
+"""The Plugin interface: the hooks the PluginManager calls around every forward (MindIE's
 ``text_generator/plugins/plugin.py``), plus the registry that loads a plugin by name.
 
 Plugins are found as ``mindspec.plugins.{name}.{name}_plugin.{Name}Plugin`` (``mtp`` -> MtpPlugin)
@@ -9,10 +9,11 @@ from __future__ import annotations
 import importlib
 from abc import ABC
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     import numpy as np
+    import torch
 
     from mindspec.text_generator.step import StepBatch, StepInputs, StepOutputs
 
@@ -41,6 +42,12 @@ class Plugin(ABC):
 
     def sample_preprocess(self, batch: "StepBatch", inputs: "StepInputs") -> "StepInputs":
         return inputs
+
+    def token_bitmask(self, batch: "StepBatch", inputs: "StepInputs", row_prefix: "list[list[int]]") -> "Optional[tuple[torch.Tensor, list[int]]]":
+        """(bitmask [M, ceil(V / 32)] int32, its M logits rows): the tokens those rows may take
+        (structured output), where row r samples after ``row_prefix[r]`` (the drafts before it)
+        follow the sequence's output; None: no row is limited."""
+        return None
 
     def plugin_verify(self, batch: "StepBatch", inputs: "StepInputs", outputs: "StepOutputs") -> "StepOutputs":
         return outputs

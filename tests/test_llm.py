@@ -131,7 +131,7 @@ def test_keywords_apply_with_a_config(tmp_path):
         "ModelDeployConfig": {"ModelConfig": [model]}, "ScheduleConfig": {"numBlocks": 40, "maxBatchSize": 4}}}))
     llm = LLM(config=tmp_path / "config.json", num_blocks=30, max_batch_size=2, plugin_params="", progress=False)
     assert llm.engine.block_manager.num_blocks == 30 and llm.engine.scheduler.config.max_batch_size == 2
-    assert llm.engine.plugin_manager.plugins == []
+    assert [p.name for p in llm.engine.plugin_manager.plugins] == ["structured_output"]  # always on
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -150,5 +150,5 @@ def test_config_may_name_a_shipped_config():
     from mindspec.config.defaults import DEFAULT_MODEL_DIR
 
     llm = LLM(config="config_cpu_no_mtp", progress=False)  # configs/config_cpu_no_mtp.json, by name
-    assert llm.engine.plugin_manager.plugins == []
+    assert [p.name for p in llm.engine.plugin_manager.plugins] == ["structured_output"]  # always on
     assert Path(llm.engine.args.model).resolve() == DEFAULT_MODEL_DIR.resolve()

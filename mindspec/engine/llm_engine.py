@@ -19,6 +19,8 @@ from mindspec.modeling.loader import checkpoint_keys
 from mindspec.modeling.model_wrapper import ModelWrapper
 from mindspec.modeling.step_accounting import account_decode_steps
 from mindspec.plugins.plugin import load_plugin, plugin_class
+from mindspec.plugins.structured_output import structured_output_plugin as structured_output
+from mindspec.plugins.structured_output.structured_output_plugin import StructuredOutputPlugin
 from mindspec.text_generator.detokenizer import IncrementalDetokenizer
 from mindspec.text_generator.generator import Generator
 from mindspec.text_generator.plugin_manager import PluginManager
@@ -57,10 +59,15 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         cache = self.model_wrapper.allocate_cache(self._num_blocks(), args.cache_block_size)
         generator = Generator(self.model_wrapper)
+        options = {k: v for k, v in plugin_params.options.items() if k not in structured_output.OPTION_KEYS}
         plugins = [
-            load_plugin(name, generator=generator, cache_config=cache, **plugin_params.options)
-            for name in plugin_params.plugin_types
+            load_plugin(name, generator=generator, cache_config=cache, **options)
+            for name in plugin_params.plugin_types if name != StructuredOutputPlugin.name
         ]
+        self.structured = self._structured_output(StructuredOutputPlugin.name in plugin_params.plugin_types,
+                                                  structured_output.parse_options(plugin_params.options))
+        if self.structured is not None:  # last: its plugin_verify checks what the drafters' kept
+            plugins.append(self.structured)
         self.plugin_manager = PluginManager(generator, plugins=plugins, eos_token_ids=sorted(self.eos_token_ids))
         args.scheduler.num_lookahead_tokens = self.plugin_manager.num_lookahead_tokens
         args.scheduler.split_fuse = args.scheduler.split_fuse or plugin_params.splitfuse
@@ -89,6 +96,16 @@ class LLMEngine:
                 self.warmup_decode()
 
     # ---- set-up helpers ---------------------------------------------------------------------------
+    def _structured_output(self, listed: bool, options: dict) -> Optional[StructuredOutputPlugin]:
+        """Structured output serves any request that asks for a format; listed in plugin_type it
+        also loads xgrammar at start-up instead of at the first such request."""
+        if self.tokenizer is None:
+            if listed:
+                raise EngineError(f"plugin_type structured_output needs the model's tokenizer; {self.args.model} has none")
+            return None
+        return StructuredOutputPlugin(self.tokenizer, self.model_wrapper.config.vocab_size, sorted(self.eos_token_ids),
+                                      warm=listed, **options)
+
     def _eos_token_ids(self) -> set[int]:
         ids = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
         eos = self.model_wrapper.config.eos_token_id
@@ -138,12 +155,17 @@ class LLMEngine:
         return ids
 
     def check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: token ids against this model's vocabulary."""
+        """What SamplingParams cannot check alone: token ids against this model's vocabulary, and
+        that a structured output format compiles (StructuredOutputError names the field)."""
         vocab = self.model_wrapper.config.vocab_size
         if params.logit_bias:
             bad = sorted(t for t in params.logit_bias if not 0 <= t < vocab)
             if bad:
                 raise RequestRejected(f"logit_bias token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        if params.has_structured:
+            if self.structured is None:
+                raise RequestRejected(f"structured output needs the model's tokenizer; {self.args.model} has none")
+            self.structured.check(params)
 
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
                     share_prefix_with: Optional[str] = None) -> RequestState:
@@ -340,7 +362,7 @@ class LLMEngine:
         if token in params.stop_token_ids:
             state.stop_reason = token
             return FinishReason.STOP
-        if not params.ignore_eos and token in self.eos_token_ids:
+        if token in self.eos_token_ids and (not params.ignore_eos or params.has_structured):  # a format's end
             return FinishReason.STOP
         return None
 

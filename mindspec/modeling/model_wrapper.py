@@ -154,6 +154,7 @@ class ModelWrapper:
         lm_rows_only: Optional[list[bool]] = None,  # per step: it runs on the lm_head rows alone (draft_rows.py)
         padded: bool = False,  # as in ``forward``
         verify_source: Optional[torch.Tensor] = None,  # [R]: ragged verification rows (decode_inputs.verify_source)
+        draft_logits=None,  # rewrites each draft step's logits (flash_causal_deepseekv2.DraftLogits)
     ):
         from mindspec.models.deepseekv2.flash_causal_deepseekv2 import DraftStep
 
@@ -163,9 +164,9 @@ class ModelWrapper:
         steps = [DraftStep(m, d.positions, d.meta, n) for m, d, n in zip(mtp_modules, sub_steps, narrow)]
         args = (inputs.input_ids, inputs.positions, inputs.meta, inputs.lm_head_indices,
                 first.input_ids, hidden_states, lm_head_local_dp, steps, self.caches)
-        if self.compiled and padded:  # padded steps verify K drafts per sequence
+        if self.compiled and padded and draft_logits is None:  # padded steps verify K drafts per sequence
             return self.compiled.forward_speculative(*args)
-        return self.model.forward_speculative(*args, verify_source=verify_source)
+        return self.model.forward_speculative(*args, verify_source=verify_source, draft_logits=draft_logits)
 
     def forward_speculative_host(
         self,
@@ -175,12 +176,14 @@ class ModelWrapper:
         hidden_states: torch.Tensor,  # [sub rows, hidden] on the device
         lm_head_local_dp: np.ndarray,  # [B]
         lm_rows_only: Optional[list[bool]] = None,
+        draft_logits=None,
     ):
         """``forward_speculative`` from host inputs (replayed when the graph runner takes them).
         Run eagerly, draft steps whose other rows write nothing run on the lm_head rows alone
         (``lm_rows_only``: that choice per step, made by the caller when ranks must agree on it;
-        None: made from ``sub_steps``)."""
-        if self.graph_runner is not None and self.graph_runner.accepts(inputs, sub_steps):
+        None: made from ``sub_steps``). ``draft_logits`` (structured output's masks, computed on
+        the host between draft steps) runs the step eagerly."""
+        if draft_logits is None and self.graph_runner is not None and self.graph_runner.accepts(inputs, sub_steps):
             return self.graph_runner.forward_speculative(inputs, sub_steps, mtp_modules, hidden_states, lm_head_local_dp)
         lm = torch.from_numpy(np.ascontiguousarray(lm_head_local_dp, dtype=np.int64)).to(self.device)
         narrow = lm_rows_only_steps(sub_steps) if lm_rows_only is None else lm_rows_only
@@ -189,7 +192,7 @@ class ModelWrapper:
         if source is not None:
             source = torch.from_numpy(source).to(self.device)
         return self.forward_speculative(to_device(inputs, self.device), steps, mtp_modules, hidden_states, lm, narrow,
-                                        verify_source=source)
+                                        verify_source=source, draft_logits=draft_logits)
 
     def forward_tree(self, main: DeviceInputs, steps: list[TreeDraftStep], hidden_states: torch.Tensor,
                      shape: TreeShape, eagle: bool, padded: bool = False):

@@ -72,12 +72,15 @@ class Generator:
         mtp_modules: Optional[list[int]] = None,
         mtp_next_tokens: Optional[np.ndarray] = None,
         tree_mask: Optional[torch.Tensor] = None,
+        draft_logits=None,
     ) -> GeneratorOutput:
         """Plain forward; with ``mtp_modules`` a prefill that also fills the MTP caches
         (``mtp_next_tokens`` [B, modules]: prompt tokens after a prefill chunk, -1 unknown); with
         ``sub_model_inputs`` (one per draft step) an MTP decode: draft, then verify in one call;
         with ``tree_mask`` [B, q, q] the rows of each sequence attend by it (tree verification).
-        ``q_lens`` are the per-sequence row counts (the dp split reads them from the inputs)."""
+        ``q_lens`` are the per-sequence row counts (the dp split reads them from the inputs).
+        ``draft_logits`` rewrites the draft steps' logits (structured output; with dp > 1 each
+        rank drafts its own rows, and drafts are not rewritten)."""
         if tree_mask is not None:  # a verification of trees drafted on the host side (Medusa)
             if self.dp_size > 1:
                 return self._verify_tree_dp(model_inputs, tree_mask.to(self.device))
@@ -86,7 +89,7 @@ class Generator:
         if self.dp_size == 1:
             lm_head_local_dp = None if sub_model_inputs is None else sub_model_inputs[0].lm_head_indices
             return self._run(model_inputs, sub_model_inputs, hidden_states, mtp_modules, lm_head_local_dp,
-                             next_tokens=mtp_next_tokens)
+                             next_tokens=mtp_next_tokens, draft_logits=draft_logits)
         if mtp_next_tokens is not None:
             raise ValueError("prefill chunks (SplitFuse) are not split over dp ranks")
         return self._forward_dp(model_inputs, sub_model_inputs, hidden_states, mtp_modules)
@@ -201,11 +204,11 @@ class Generator:
 
     # ---- one rank's forward ------------------------------------------------------------------
     def _run(self, inputs, subs, hidden_states, mtp_modules, lm_head_local_dp, lm_rows_only=None,
-             next_tokens: Optional[np.ndarray] = None) -> GeneratorOutput:
+             next_tokens: Optional[np.ndarray] = None, draft_logits=None) -> GeneratorOutput:
         w = self.model_wrapper
         if subs is not None:
             out = w.forward_speculative_host(inputs, subs, mtp_modules, hidden_states.to(self.device), lm_head_local_dp,
-                                             lm_rows_only)
+                                             lm_rows_only, draft_logits)
         elif mtp_modules:
             nxt = None if next_tokens is None else torch.from_numpy(next_tokens).to(self.device)
             out = w.forward_prefill_mtp(to_device(inputs, self.device), mtp_modules, nxt)

@@ -169,26 +169,38 @@ class PluginManager:
         return (not any(p.needs_sampling_metadata for p in self.plugins)
                 and all(s.sampling_params.plain_greedy for s in batch.seqs))
 
-    def sampling_metadata(self, batch: StepBatch, inputs: StepInputs, draft_prefix: Optional[np.ndarray] = None) -> SamplingMetadata:
-        """One row per logits row. Row r of sequence b samples output position
-        len(output) + row_offset[r]; its penalty history includes the drafts before it (the
-        first row_offset[r] of its sequence's, or ``inputs.extra["row_prefix"][r]``)."""
-        seqs = [batch.seqs[b] for b in inputs.row_seq]
-        outputs = [s.output_token_ids for s in seqs]
-        row_prefix = inputs.extra.get("row_prefix")  # per row: the drafts before it (a tree's path)
+    def row_prefixes(self, batch: StepBatch, inputs: StepInputs, draft_prefix: Optional[np.ndarray] = None) -> list[list[int]]:
+        """Per logits row: the draft tokens between its sequence's output and the token it samples
+        (``inputs.extra["row_prefix"][r]`` for a tree's path, else the first row_offset[r] of its
+        sequence's drafts)."""
+        row_prefix = inputs.extra.get("row_prefix")
         if row_prefix is not None:
-            outputs = [o + p for o, p in zip(outputs, row_prefix)]
-        elif draft_prefix is not None:
-            outputs = [o + draft_prefix[b, :k].tolist() for o, b, k in zip(outputs, inputs.row_seq, inputs.row_offset)]
-        return SamplingMetadata.build(
+            return [list(p) for p in row_prefix]
+        if draft_prefix is None:
+            return [[] for _ in inputs.row_seq]
+        return [draft_prefix[b, :k].tolist() for b, k in zip(inputs.row_seq, inputs.row_offset)]
+
+    def sampling_metadata(self, batch: StepBatch, inputs: StepInputs, draft_prefix: Optional[np.ndarray] = None,
+                          prefixes: Optional[list[list[int]]] = None) -> SamplingMetadata:
+        """One row per logits row. Row r of sequence b samples output position
+        len(output) + row_offset[r]; its penalty history includes the drafts before it (``prefixes``)."""
+        seqs = [batch.seqs[b] for b in inputs.row_seq]
+        if prefixes is None:
+            prefixes = self.row_prefixes(batch, inputs, draft_prefix)
+        md = SamplingMetadata.build(
             params=[s.sampling_params for s in seqs],
             prompt_ids=[s.prompt_token_ids for s in seqs],
-            output_ids=outputs,
+            output_ids=[s.output_token_ids + p if p else s.output_token_ids for s, p in zip(seqs, prefixes)],
             output_positions=[s.num_output_tokens + int(k) for s, k in zip(seqs, inputs.row_offset)],
             vocab_size=self.vocab_size,
             device=self.generator.device,
             eos_token_ids=self.eos_token_ids,
         )
+        for plugin in self.plugins:
+            limited = plugin.token_bitmask(batch, inputs, prefixes)
+            if limited is not None:
+                md.constrain(*limited)
+        return md
 
     def sample(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs) -> None:
         if self._plain_greedy(batch):  # the argmax, without the per-row metadata (~0.2 ms of host work a step)

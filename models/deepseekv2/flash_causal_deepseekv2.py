@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -35,6 +35,10 @@ class ModelOutput:
     logits: torch.Tensor  # [N, vocab] float32, rows at lm_head_indices
     hidden_states: torch.Tensor  # [T, hidden] every token (main: after the final norm; MTP: block output)
     draft_tokens: Optional[torch.Tensor] = None  # [B, K] from forward_speculative
+
+
+# (draft step logits [B, V], the drafts of the steps before [B] each) -> the logits to take the argmax of
+DraftLogits = Callable[[torch.Tensor, list[torch.Tensor]], torch.Tensor]
 
 
 @dataclass
@@ -188,11 +192,13 @@ class FlashCausalDeepseekV2:
         lm_head_indices: torch.Tensor,  # [B] row of each sequence's newest entry
         steps: list[DraftStep],
         caches: list[LatentCache],
+        draft_logits: Optional[DraftLogits] = None,
     ) -> torch.Tensor:
         """K greedy MTP steps -> draft_tokens [B, K]. Each step rolls its input left by one and puts
         the new draft at the lm_head index; the block output becomes the next step's hidden state.
         A step before an ``lm_rows_only`` one hands on its lm_head rows alone: the new drafts and
-        their block outputs."""
+        their block outputs. ``draft_logits(logits, drafts so far)`` may rewrite each step's
+        logits [B, V] before the argmax (structured output masks them)."""
         drafts = []
         ids, hidden = input_ids, hidden_states
         for k, step in enumerate(steps):
@@ -200,7 +206,8 @@ class FlashCausalDeepseekV2:
             lm = None if step.lm_rows_only else lm_head_indices
             lm_rows_out = following is None or following.lm_rows_only  # only lm_head rows feed on
             out = self.forward_mtp(step.module_idx, ids, hidden, step.positions, caches, step.meta, lm, lm_rows_out)
-            draft = out.logits.argmax(dim=-1)  # [B]
+            logits = out.logits if draft_logits is None else draft_logits(out.logits, drafts)
+            draft = logits.argmax(dim=-1)  # [B]
             drafts.append(draft)
             if following is not None:
                 ids = draft if following.lm_rows_only else _shift_in(ids, draft, lm_head_indices)
@@ -219,6 +226,7 @@ class FlashCausalDeepseekV2:
         steps: list[DraftStep],
         caches: list[LatentCache],
         verify_source: Optional[torch.Tensor] = None,  # [R] per row: its token in cat(input_ids, drafts)
+        draft_logits: Optional[DraftLogits] = None,  # see ``draft``
     ) -> ModelOutput:
         """Decode with MTP in one call: draft K tokens, then the main model verifies
         [last token, d1..dK] per sequence (seed 000: drafts fill input_ids.view(B, K+1)[:, 1:]).
@@ -226,7 +234,7 @@ class FlashCausalDeepseekV2:
         [last token, d1..d_kb] (ragged q_lens) and each row takes its token from the flat
         concatenation of input_ids and the [B * K] drafts (draft_rows.verify_source); a sequence
         whose drafts were made on the host (suffix drafts, any number) keeps its own input rows."""
-        draft_tokens = self.draft(sub_input_ids, sub_hidden_states, lm_head_local_dp, steps, caches)
+        draft_tokens = self.draft(sub_input_ids, sub_hidden_states, lm_head_local_dp, steps, caches, draft_logits)
         num_seqs, k = draft_tokens.shape
         if verify_source is None:
             ids = input_ids.clone().view(num_seqs, k + 1)

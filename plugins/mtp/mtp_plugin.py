@@ -294,6 +294,7 @@ class MtpPlugin(Plugin):
             q_lens=inputs.q_lens,
             hidden_states=inputs.hidden_states,
             mtp_modules=inputs.extra["mtp_modules"],
+            draft_logits=inputs.extra.get("draft_logits"),  # structured output's masks
         )
 
     def sample_preprocess(self, batch: StepBatch, inputs: StepInputs) -> StepInputs:

@@ -57,6 +57,14 @@ class SamplingMetadata:
     bias_rows: torch.Tensor | None = None  # [L] int64
     bias_token_ids: torch.Tensor | None = None  # [L] int64
     bias_values: torch.Tensor | None = None  # [L] fp32
+    # structured output: the tokens each constrained row may take (None when no row is constrained)
+    allowed_rows: torch.Tensor | None = None  # [M] int64
+    allowed_bitmask: torch.Tensor | None = None  # [M, ceil(V / 32)] int32, bit t % 32 of word t // 32
+
+    def constrain(self, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+        """Limit ``rows`` to the tokens set in ``bitmask`` [len(rows), ceil(V / 32)] (host int32)."""
+        self.allowed_rows = torch.as_tensor(list(rows), dtype=torch.int64).to(self.device)
+        self.allowed_bitmask = bitmask.to(self.device)
 
     @property
     def any_filters(self) -> bool:

@@ -1,12 +1,14 @@
 """Per-request sampling parameters (MindIE / vLLM / OpenAI names) and their validation."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 _MAX_SEED = 2**63
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
+STRUCTURED_FIELDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 
 
 class SamplingParamsError(ValueError):
@@ -60,6 +62,10 @@ class SamplingParams:
     the engine checks the ids against the vocabulary.
     `prompt_logprobs` asks for the log-probability of every prompt token under the model (0: the
     prompt token's only, k: also the top-k). With it, max_tokens may be 0 (score the prompt only).
+    Structured output (at most one): `json_schema` (a JSON schema, dict or JSON text),
+    `json_object` (any JSON object), `regex`, `grammar` (EBNF, xgrammar's dialect of GBNF) or
+    `choice` (one of these strings). Every token is then drawn from the logits masked to what the
+    format allows next, and the output ends (EOS) when the format is complete, even with ignore_eos.
     """
 
     temperature: float = 1.0
@@ -80,6 +86,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     prompt_logprobs: int | None = None
+    json_schema: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
 
     def __post_init__(self):
         self._normalize()
@@ -158,6 +169,52 @@ class SamplingParams:
         if self.logit_bias is not None and not _valid_logit_bias(self.logit_bias):
             bad("logit_bias", f"must be None or a dict of token id (int >= 0) to a number in "
                               f"[{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        self._validate_structured(bad)
+
+    def _validate_structured(self, bad):
+        asked = [name for name in STRUCTURED_FIELDS if getattr(self, name) not in (None, False)]
+        if len(asked) > 1:
+            bad(asked[1], f"only one structured output format per request, {asked[0]} is set too")
+        if not isinstance(self.json_object, bool):
+            bad("json_object", "must be a bool")
+        if self.json_schema is not None:
+            schema = self.json_schema
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as exc:
+                    bad("json_schema", f"is not valid JSON: {exc.msg} at character {exc.pos}")
+            if not isinstance(schema, (dict, bool)):
+                bad("json_schema", "must be a JSON schema: an object (or its JSON text)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                bad(name, "must be a non-empty string")
+        if self.choice is not None and (
+            not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            bad("choice", "must be a non-empty list of non-empty strings")
+
+    @property
+    def has_structured(self) -> bool:
+        return (self.json_schema is not None or self.json_object or self.regex is not None or self.grammar is not None
+                or self.choice is not None)
+
+    @property
+    def structured(self) -> "tuple[str, str] | None":
+        """(field, canonical text) of the structured output format, or None: the grammar cache's key."""
+        if self.json_schema is not None:
+            schema = self.json_schema if isinstance(self.json_schema, str) else json.dumps(self.json_schema)
+            return "json_schema", schema
+        if self.json_object:
+            return "json_object", ""
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.grammar is not None:
+            return "grammar", self.grammar
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        return None
 
     @property
     def greedy(self) -> bool:
@@ -168,7 +225,7 @@ class SamplingParams:
         """The token is the logits' argmax and nothing else is asked: no penalty, bias, min_tokens
         ban or log-probabilities (the sampler's fast path)."""
         return (self.greedy and not self.has_penalties and not self.logit_bias and self.min_tokens == 0
-                and self.logprobs is None)
+                and self.logprobs is None and not self.has_structured)
 
     @property
     def top_k_enabled(self) -> bool:

@@ -52,13 +52,26 @@ def penalised_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor
     untouched). Every choice (greedy argmax, sampling, speculative verification) starts here, so
     a bias or ban changes drafts' targets exactly as it changes plain decoding's tokens."""
     out = apply_penalties(logits, md)
-    if out is logits and (md.bias_rows is not None or md.banned_rows is not None):
+    if out is logits and (md.bias_rows is not None or md.banned_rows is not None or md.allowed_rows is not None):
         out = out.clone()
     if md.bias_rows is not None:
         out.index_put_((md.bias_rows, md.bias_token_ids), md.bias_values, accumulate=True)
+    if md.allowed_rows is not None:  # a structured output format: what it does not allow next is out
+        rows = out.index_select(0, md.allowed_rows)
+        allowed = unpack_bitmask(md.allowed_bitmask, out.shape[1])
+        out.index_copy_(0, md.allowed_rows, rows.masked_fill_(~allowed, float("-inf")))
     if md.banned_rows is not None:  # after the bias: a ban stays a ban whatever the bias
+        formatted = out.clone() if md.allowed_rows is not None else None
         out[md.banned_rows, md.banned_token_ids] = float("-inf")
+        if formatted is not None:  # min_tokens banned all the format allows (its end): the format wins
+            out = torch.where(torch.isneginf(out).all(dim=-1, keepdim=True), formatted, out)
     return out
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[M, ceil(V / 32)] int32 token bitmask (xgrammar's layout) -> [M, V] bool."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab_size]
 
 
 def filter_logits(scaled: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
