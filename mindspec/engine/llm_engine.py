@@ -48,8 +48,10 @@ class LLMEngine:
     def __init__(self, args: EngineArgs):
         self.args = args
         plugin_params = _without_missing_gguf_mtp(parse_plugin_params(args.plugin_params), args.model)
+        # structured output's options are its own; every other plugin reads the rest
+        options = {k: v for k, v in plugin_params.options.items() if k not in structured_output.OPTION_KEYS}
         plugin_classes = [plugin_class(name) for name in plugin_params.plugin_types]
-        num_mtp = max((c.mtp_modules_needed(plugin_params.options, args.model) for c in plugin_classes
+        num_mtp = max((c.mtp_modules_needed(options, args.model) for c in plugin_classes
                        if hasattr(c, "mtp_modules_needed")), default=0)
         self.model_wrapper = ModelWrapper(
             args.model, args.backend, args.resolved_dtype(args.backend), num_mtp_modules=num_mtp,
@@ -59,7 +61,6 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         cache = self.model_wrapper.allocate_cache(self._num_blocks(), args.cache_block_size)
         generator = Generator(self.model_wrapper)
-        options = {k: v for k, v in plugin_params.options.items() if k not in structured_output.OPTION_KEYS}
         plugins = [
             load_plugin(name, generator=generator, cache_config=cache, **options)
             for name in plugin_params.plugin_types if name != StructuredOutputPlugin.name
