@@ -79,8 +79,8 @@ class Generator:
         ``sub_model_inputs`` (one per draft step) an MTP decode: draft, then verify in one call;
         with ``tree_mask`` [B, q, q] the rows of each sequence attend by it (tree verification).
         ``q_lens`` are the per-sequence row counts (the dp split reads them from the inputs).
-        ``draft_logits`` rewrites the draft steps' logits (structured output; with dp > 1 each
-        rank drafts its own rows, and drafts are not rewritten)."""
+        ``draft_logits`` rewrites the draft steps' logits (structured output's ``DraftMasks``;
+        with dp > 1 each rank's share of them, ``local``)."""
         if tree_mask is not None:  # a verification of trees drafted on the host side (Medusa)
             if self.dp_size > 1:
                 return self._verify_tree_dp(model_inputs, tree_mask.to(self.device))
@@ -92,7 +92,7 @@ class Generator:
                              next_tokens=mtp_next_tokens, draft_logits=draft_logits)
         if mtp_next_tokens is not None:
             raise ValueError("prefill chunks (SplitFuse) are not split over dp ranks")
-        return self._forward_dp(model_inputs, sub_model_inputs, hidden_states, mtp_modules)
+        return self._forward_dp(model_inputs, sub_model_inputs, hidden_states, mtp_modules, draft_logits)
 
     @torch.inference_mode()
     def forward_tree(self, model_inputs: ModelInputs, steps: list[TreeStepHost], hidden_states: torch.Tensor,
@@ -217,7 +217,7 @@ class Generator:
         return GeneratorOutput(logits=out.logits, hidden_states=out.hidden_states, draft_tokens=out.draft_tokens)
 
     # ---- data parallel -----------------------------------------------------------------------
-    def _forward_dp(self, inputs, subs, hidden_states, mtp_modules) -> GeneratorOutput:
+    def _forward_dp(self, inputs, subs, hidden_states, mtp_modules, draft_logits=None) -> GeneratorOutput:
         owners = self.assigner.assign(inputs)
         cache = self.model_wrapper.cache_config
         shard = dp_plan.shard(inputs, subs, owners, self.dp_rank, self.dp_size, cache.dummy_block_id, cache.block_size)
@@ -232,7 +232,9 @@ class Generator:
         # so the expert-parallel collectives see the same row counts (a rank's dummies would not
         # pass the test on its own share).
         narrow = None if subs is None else lm_rows_only_steps(subs)
-        out = self._run(shard.main, shard.subs, local_hidden, mtp_modules, lm_local, narrow)
+        if draft_logits is not None:  # this rank drafts its own sequences' rows
+            draft_logits = draft_logits.local(shard.rows[self.dp_rank].seqs)
+        out = self._run(shard.main, shard.subs, local_hidden, mtp_modules, lm_local, narrow, draft_logits=draft_logits)
         self._count(shard)
         return self._gather(out, inputs, shard)
 

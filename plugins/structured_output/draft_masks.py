@@ -5,13 +5,16 @@ on constrained text unmasked drafts mostly fail; masked ones follow the format's
 (quotes, keys, brackets) and are kept as often as on free text.
 
 Each draft step costs one device-to-host copy of the step's drafts and a walk of the matchers;
-steps with masks run eagerly (not from captured graphs).
+steps with masks run eagerly (not from captured graphs). With dp, each rank masks its own
+sequences' draft rows (``local``).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 from mindspec.text_generator.sampling.sampler import unpack_bitmask
@@ -29,30 +32,40 @@ class MaskTiming:
 
 
 class DraftMasks:
-    """``flash_causal_deepseekv2.DraftLogits`` for one step: rows ``constrained`` of the draft
-    logits [B, V] take the masks of their sequences' matchers (``matchers[i]`` for row
-    ``constrained[i]``, at the state after the sequence's accepted output)."""
+    """``flash_causal_deepseekv2.DraftLogits`` for one step: draft logits row ``rows[i]`` takes the
+    mask of ``seqs[i]``'s matcher (``matcher_of(seq)``: caught up with the sequence's accepted
+    output when the drafter calls, after any async fill-in)."""
 
-    def __init__(self, constrained: list[int], matchers, vocab_size: int, num_seqs: int, timing: MaskTiming):
-        self.constrained = constrained
-        self.timing = timing
-        self.matchers = matchers
+    def __init__(self, rows: list[int], seqs: list, matcher_of: Callable, vocab_size: int, timing: MaskTiming,
+                 num_rows: Optional[int] = None):
+        self.rows = rows
+        self.seqs = seqs
+        self.matcher_of = matcher_of
         self.vocab_size = vocab_size
-        self.num_seqs = num_seqs
-        self._rows = None
+        self.timing = timing
+        self.num_rows = num_rows  # the draft batch's rows, when known (a mixed step's differ: left alone)
+        self._index = None
+
+    def local(self, seqs: np.ndarray) -> Optional["DraftMasks"]:
+        """The masks of a dp rank whose draft rows are the batch's sequences ``seqs`` (then padding)."""
+        where = {int(b): i for i, b in enumerate(seqs)}
+        mine = [(where[b], s) for b, s in zip(self.rows, self.seqs) if b in where]
+        if not mine:
+            return None
+        return DraftMasks([r for r, _ in mine], [s for _, s in mine], self.matcher_of, self.vocab_size, self.timing)
 
     def __call__(self, logits: torch.Tensor, drafts: list[torch.Tensor]) -> torch.Tensor:
-        if logits.shape[0] != self.num_seqs:  # not one row per sequence (a mixed step): leave them
+        if self.num_rows is not None and logits.shape[0] != self.num_rows:
             return logits
         started = time.perf_counter()
-        before = torch.stack(drafts, dim=1).cpu()[self.constrained].tolist() if drafts else [[]] * len(self.constrained)
-        bitmask = torch.full((len(self.constrained), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
-        for i, (matcher, prefix) in enumerate(zip(self.matchers, before)):
-            fill_row_masks(matcher, [prefix], bitmask, i)
-        if self._rows is None:
-            self._rows = torch.tensor(self.constrained, dtype=torch.int64, device=logits.device)
+        before = torch.stack(drafts, dim=1).cpu()[self.rows].tolist() if drafts else [[]] * len(self.rows)
+        bitmask = torch.full((len(self.rows), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        for i, (seq, prefix) in enumerate(zip(self.seqs, before)):
+            fill_row_masks(self.matcher_of(seq), [prefix], bitmask, i)
+        if self._index is None:
+            self._index = torch.tensor(self.rows, dtype=torch.int64, device=logits.device)
         allowed = unpack_bitmask(bitmask.to(logits.device), logits.shape[1])
         out = logits.clone()
-        out.index_copy_(0, self._rows, out.index_select(0, self._rows).masked_fill_(~allowed, float("-inf")))
+        out.index_copy_(0, self._index, out.index_select(0, self._index).masked_fill_(~allowed, float("-inf")))
         self.timing.draft_seconds += time.perf_counter() - started
         return out

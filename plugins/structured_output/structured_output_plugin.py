@@ -80,10 +80,10 @@ class StructuredOutputPlugin(Plugin):
     def model_inputs_update(self, batch: StepBatch, inputs: StepInputs) -> StepInputs:
         if self.mask_drafts and not batch.is_prefill and inputs.sub_model_inputs is not None:
             constrained = self._constrained(batch)
-            if constrained:  # matchers are caught up when the drafter calls, after any fill-in
-                seqs = [batch.seqs[b] for b in constrained]
-                inputs.extra["draft_logits"] = DraftMasks(constrained, _LazyMatchers(self, seqs), self.vocab_size,
-                                                          len(batch), self.timing)
+            if constrained:
+                inputs.extra["draft_logits"] = DraftMasks(constrained, [batch.seqs[b] for b in constrained],
+                                                          lambda seq: self._state(seq).matcher, self.vocab_size,
+                                                          self.timing, num_rows=len(batch))
         return inputs
 
     def prepare_masks_for_filling(self, batch: StepBatch, inputs: StepInputs, pending) -> StepInputs:
@@ -152,15 +152,3 @@ class StructuredOutputPlugin(Plugin):
         state.consumed = len(output)
         return state
 
-
-class _LazyMatchers:
-    """The sequences' matchers, caught up with their output when first read (inside the forward:
-    with async scheduling the step's inputs are prepared before the tokens they follow exist)."""
-
-    def __init__(self, plugin: StructuredOutputPlugin, seqs: list):
-        self.plugin, self.seqs, self._matchers = plugin, seqs, None
-
-    def __iter__(self):
-        if self._matchers is None:
-            self._matchers = [self.plugin._state(s).matcher for s in self.seqs]
-        return iter(self._matchers)
