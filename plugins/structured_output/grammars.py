@@ -54,13 +54,16 @@ class GrammarCompilerCache:
     def matcher(self, key: tuple[str, str]):
         return self._xgr.GrammarMatcher(self.compile(key))
 
+    def _json_ebnf(self, schema: str) -> str:
+        """The schema's grammar as EBNF, compact, with bounded strings' characters fixed."""
+        ebnf = str(self._xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+        return ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
+
     def _compile(self, field: str, text: str):
         c = self.compiler
         try:
-            if field == "json_schema":
-                return c.compile_json_schema(text, any_whitespace=False)
-            if field == "json_object":
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if field in ("json_schema", "json_object"):
+                return c.compile_grammar(self._json_ebnf(text if field == "json_schema" else '{"type": "object"}'))
             if field == "regex":
                 return c.compile_regex(text)
             if field == "choice":
@@ -68,6 +71,13 @@ class GrammarCompilerCache:
             return c.compile_grammar(text)
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar reports bad input as these
             raise StructuredOutputError(field, _first_line(exc)) from None
+
+
+# xgrammar (0.2.8) writes the characters of a length-bounded JSON string as this class, which lets
+# control characters through (JSON strings forbid U+0000..U+001F unescaped); its unbounded
+# strings exclude them.
+_BOUNDED_STRING_CHAR = r'([^\"\\\r\n])'
+_JSON_STRING_CHAR = r'([^\0-\x1f\"\\\r\n])'
 
 
 def _first_line(exc: Exception) -> str:

@@ -130,3 +130,14 @@ def test_unpack_bitmask_matches_bits():
         words[r, t // 32] |= 1 << (t % 32)
     bitmask = torch.from_numpy(words.astype(np.uint32).view(np.int32))
     assert torch.equal(unpack_bitmask(bitmask, 70), torch.from_numpy(allowed))
+
+
+def test_bounded_json_strings_refuse_control_characters(grammars):
+    """JSON forbids raw control characters in strings; xgrammar's bounded-string class lets them
+    through unless the grammar is mended (grammars.py)."""
+    key = ("json_schema", '{"type": "object", "properties": {"a": {"type": "string", "maxLength": 5}, '
+                          '"b": {"type": "string", "minLength": 1}}, "required": ["a", "b"]}')
+    for doc, valid in [('{"a": "x\x0b", "b": "y"}', False),
+                       ('{"a": "x", "b": "\x01"}', False), ('{"a": "xyz", "b": "yes"}', True)]:
+        m = grammars.matcher(key)
+        assert (m.accept_string(doc) and m.accept_token(EOS)) == valid, doc
