@@ -8,6 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from mindspec.text_generator.sampling.params import SamplingParams, SamplingParamsError
 
 from .errors import ApiError
+from .structured_request import StructuredFormat, add_guided, add_response_format, add_tgi_grammar
+from .tool_calls import Tool, ToolChoice, ToolPlan, tool_plan
 
 
 class _Body(BaseModel):
@@ -50,22 +52,32 @@ class _OpenAISampling(_Body):
     n: int = 1
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    use_beam_search: bool = False  # vLLM extras this server does not implement
+    use_beam_search: bool = False  # a vLLM extra this server does not implement
+    # structured output: OpenAI's response_format (vLLM takes it on completions too), vLLM's extras
+    response_format: Optional[dict[str, Any]] = None
     guided_json: Optional[Any] = None
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
+    structured_outputs: Optional[dict[str, Any]] = None
 
-    _UNSUPPORTED: ClassVar[dict[str, tuple]] = {"use_beam_search": (False,), "guided_json": (None,),
-                                                "guided_regex": (None,), "guided_choice": (None,),
-                                                "guided_grammar": (None,)}
+    _UNSUPPORTED: ClassVar[dict[str, tuple]] = {"use_beam_search": (False,)}
 
     def check_n(self) -> None:
         if not 1 <= self.n <= MAX_N:
             raise ApiError(400, f"n must be in [1, {MAX_N}], got {self.n}", param="n")
 
+    def structured_format(self) -> StructuredFormat:
+        """The request's structured output format (a 400 naming the second field that asks for one)."""
+        fmt = StructuredFormat()
+        add_response_format(fmt, self.response_format)
+        add_guided(fmt, self)
+        return fmt
+
     def sampling_params(self, default_max_tokens: int, logprobs: Optional[int] = None,
-                        prompt_logprobs: Optional[int] = None) -> SamplingParams:
+                        prompt_logprobs: Optional[int] = None,
+                        fmt: Optional[StructuredFormat] = None) -> SamplingParams:
+        """``fmt``: the request's structured format (structured_format() where None)."""
         self.check_n()
         reject_unsupported(self, self._UNSUPPORTED)
         values = dict(
@@ -88,7 +100,10 @@ class _OpenAISampling(_Body):
             values["logit_bias"] = self.logit_bias
         if prompt_logprobs is not None:
             values["prompt_logprobs"] = prompt_logprobs
-        return to_sampling_params(values)
+        fmt = self.structured_format() if fmt is None else fmt
+        values.update(fmt.values())
+        with fmt.naming_errors():
+            return to_sampling_params(values)
 
 
 CompletionPrompt = Union[str, list[int], list[str], list[list[int]]]
@@ -122,26 +137,41 @@ class CompletionRequest(_OpenAISampling):
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Union[str, list[dict[str, Any]], None] = None
+    # a tool-calling conversation: the assistant's calls, and which call a tool message answers
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_call_id: Optional[str] = None
+    name: Optional[str] = None
+
+    def template_dict(self) -> dict:
+        """The message as chat templates read it: text content ("" for none: DeepSeek's templates
+        render a tool-call turn's "" as its null, and simpler templates concatenate it), and the
+        tool fields where sent."""
+        extra = {k: v for k in ("tool_calls", "tool_call_id", "name") if (v := getattr(self, k)) is not None}
+        return {"role": self.role, "content": _text(self.content), **extra}
+
+
+def _text(content) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(part.get("text", "") for part in content if part.get("type") == "text")
 
 
 class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = None
-    tools: Optional[list[Any]] = None
+    tools: Optional[list[Tool]] = None
+    tool_choice: ToolChoice = None
+    parallel_tool_calls: Optional[bool] = None
     functions: Optional[list[Any]] = None
-    response_format: Optional[dict[str, Any]] = None
     audio: Optional[Any] = None
     prediction: Optional[Any] = None
     modalities: Optional[list[str]] = None
 
     def check_supported(self) -> None:
-        for name in ("tools", "functions", "audio", "prediction"):
+        for name in ("functions", "audio", "prediction"):  # functions: OpenAI's old spelling of tools
             if getattr(self, name):
                 raise ApiError(400, f"{name} is not supported by this server", param=name)
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ApiError(400, f"response_format type {self.response_format.get('type')!r} is not supported "
-                                f"(only 'text')", param="response_format")
         if self.modalities and self.modalities != ["text"]:
             raise ApiError(400, "modalities other than ['text'] are not supported", param="modalities")
         if self.top_logprobs is not None and not self.logprobs:
@@ -149,6 +179,15 @@ class ChatCompletionRequest(_OpenAISampling):
 
     def logprobs_k(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def tool_plan(self) -> ToolPlan:
+        return tool_plan(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def chat_format(self, plan: ToolPlan) -> StructuredFormat:
+        """The structured format: response_format or guided_*, or a named / required tool call's."""
+        fmt = self.structured_format()
+        plan.constrain(fmt)
+        return fmt
 
 
 class TgiParameters(_Body):
@@ -176,7 +215,7 @@ class TgiParameters(_Body):
     timeout: Optional[float] = None  # MindIE: the request's own end-to-end limit in seconds
 
     _UNSUPPORTED: ClassVar[dict[str, tuple]] = {"best_of": (None, 1), "watermark": (False,),
-                                                "grammar": (None,), "adapter_id": (None,)}
+                                                "adapter_id": (None,)}
 
     def check_supported(self) -> None:
         reject_unsupported(self, self._UNSUPPORTED)
@@ -192,7 +231,13 @@ class TgiParameters(_Body):
         # TGI 0.9.4 (and MindIE): either flag returns the details.
         return self.details or self.decoder_input_details
 
-    def sampling_params(self, seed: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+    def structured_format(self) -> StructuredFormat:
+        fmt = StructuredFormat()
+        add_tgi_grammar(fmt, self.grammar)
+        return fmt
+
+    def sampling_params(self, seed: Optional[int], logprobs: Optional[int],
+                        fmt: Optional[StructuredFormat] = None) -> SamplingParams:
         self.check_supported()
         greedy = not self.do_sample and self.temperature in (None, 0)
         values = dict(
@@ -210,8 +255,11 @@ class TgiParameters(_Body):
         )
         if self.decoder_input_details:
             values["prompt_logprobs"] = 0
+        fmt = self.structured_format() if fmt is None else fmt
+        values.update(fmt.values())
         try:
-            return to_sampling_params(values)
+            with fmt.naming_errors():
+                return to_sampling_params(values)
         except ApiError as exc:  # name TGI's fields, not the engine's
             renamed = {"max_tokens": "max_new_tokens", "logprobs": "top_n_tokens"}.get(exc.param, exc.param)
             raise ApiError(exc.status, exc.message.replace(f" {exc.param}=", f" {renamed}="), param=renamed) from None

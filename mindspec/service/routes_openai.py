@@ -1,6 +1,7 @@
 """OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
@@ -19,6 +20,8 @@ from .fanout import primed_fan_in
 from .logprobs import CompletionLogprobs, chat_logprobs
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .state import ServiceState
+from .structured_request import StructuredFormat
+from .tool_calls import ToolPlan, ToolStream, check_schemas
 
 _SEED_SPACE = 2**63
 
@@ -96,10 +99,12 @@ def router(state: ServiceState) -> APIRouter:
         check_model(body.model)
         body.check_supported()
         prompts = body.prompts()
-        params = _completion_params(body)
+        fmt = body.structured_format()
+        params = _completion_params(body, fmt)
         rid = state.engine.new_request_id("cmpl")
         meta = {"id": rid, "created": int(time.time()), "model": state.model_name, "object": "text_completion"}
-        merged = await fan_out(state, prompts, params, body.n, rid)
+        with fmt.naming_errors():  # a format the engine cannot compile names the field it came from
+            merged = await fan_out(state, prompts, params, body.n, rid)
         choices = [_CompletionChoice(state, body, prompts[k // body.n], k) for k in range(len(prompts) * body.n)]
         if body.stream:
             return StreamingResponse(_stream_completion(merged, choices, meta, body), media_type="text/event-stream")
@@ -111,19 +116,25 @@ def router(state: ServiceState) -> APIRouter:
     async def chat(body: ChatCompletionRequest):
         check_model(body.model)
         body.check_supported()
+        plan = body.tool_plan()
+        fmt = body.chat_format(plan)
+        if plan.tools:
+            await asyncio.to_thread(check_schemas, plan)
         tok = state.engine.tokenizer
         if tok is None or not tok.has_chat_template:
             raise ApiError(400, "this model has no chat template; use /v1/completions")
-        messages = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
+        messages = [m.template_dict() for m in body.messages]
+        tools = {"tools": plan.template_tools()} if plan.tools else {}  # templates that know tools render them
         try:
-            prompt = tok.apply_chat_template(messages)
+            prompt = tok.apply_chat_template(messages, **tools)
         except TokenizerError as exc:  # the template refused these messages (e.g. a role it raises on)
             raise ApiError(400, str(exc), param="messages") from None
-        params = body.sampling_params(max(1, state.max_seq_len - len(prompt)), logprobs=body.logprobs_k())
+        params = body.sampling_params(max(1, state.max_seq_len - len(prompt)), logprobs=body.logprobs_k(), fmt=fmt)
         rid = state.engine.new_request_id("chatcmpl")
         meta = {"id": rid, "created": int(time.time()), "model": state.model_name}
-        merged = await fan_out(state, [prompt], params, body.n, rid)
-        choices = [_ChatChoice(state, body, i) for i in range(body.n)]
+        with fmt.naming_errors():
+            merged = await fan_out(state, [prompt], params, body.n, rid)
+        choices = [_ChatChoice(state, body, i, plan) for i in range(body.n)]
         if body.stream:
             return StreamingResponse(_stream_chat(merged, choices, meta, body), media_type="text/event-stream")
         await _feed(merged, choices)
@@ -142,7 +153,7 @@ async def _feed(merged, choices) -> None:
         await merged.aclose()
 
 
-def _completion_params(body: CompletionRequest) -> SamplingParams:
+def _completion_params(body: CompletionRequest, fmt: StructuredFormat) -> SamplingParams:
     """echo with logprobs scores the prompt too; echo with max_tokens 0 only returns the prompt,
     which the engine allows for a prompt-scoring request."""
     max_tokens = next((v for v in (body.max_completion_tokens, body.max_tokens) if v is not None), 16)
@@ -151,13 +162,7 @@ def _completion_params(body: CompletionRequest) -> SamplingParams:
         prompt_logprobs = body.logprobs
     elif body.echo and max_tokens == 0:
         prompt_logprobs = 0
-    return body.sampling_params(16, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs)
-
-
-def _text(content) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    return "".join(part.get("text", "") for part in content if part.get("type") == "text")
+    return body.sampling_params(16, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs, fmt=fmt)
 
 
 class _CompletionChoice:
@@ -221,11 +226,23 @@ def _decode(state: ServiceState, ids: list[int]) -> str:
 
 
 class _ChatChoice:
-    def __init__(self, state: ServiceState, body: ChatCompletionRequest, index: int):
-        self.state, self.body, self.index = state, body, index
+    """One chat choice, fed its request's outputs; with tools, its text may become tool calls
+    (``plan``), which a stream sends as tool-call deltas (``reader``)."""
+
+    def __init__(self, state: ServiceState, body: ChatCompletionRequest, index: int, plan: ToolPlan):
+        self.state, self.body, self.index, self.plan = state, body, index, plan
         self.tokens = NewTokens()
         self.content: list[dict] = []
         self.last: Optional[RequestOutput] = None
+        self.reader: Optional[ToolStream] = plan.reader() if plan.mode != "none" else None
+
+    def deltas(self, out: RequestOutput) -> tuple[list[dict], Optional[str]]:
+        """The stream deltas of this output and the choice's finish_reason (None until it ends)."""
+        if self.reader is None:
+            return ([{"content": out.new_text}] if out.new_text else []), out.finish_reason
+        if out.finished:
+            return self.reader.finish(out.text, out.finish_reason)
+        return self.reader.update(out.text), None
 
     def add(self, out: RequestOutput) -> Optional[dict]:
         """This output's logprobs ({"content": [...]}), or None without logprobs."""
@@ -238,9 +255,8 @@ class _ChatChoice:
         return {"content": entries}
 
     def final(self) -> dict:
-        out = self.last
-        return {"index": self.index, "message": {"role": "assistant", "content": out.text},
-                "finish_reason": out.finish_reason,
+        message, finish_reason = self.plan.reply(self.last.text, self.last.finish_reason)
+        return {"index": self.index, "message": message, "finish_reason": finish_reason,
                 "logprobs": {"content": self.content} if self.body.logprobs else None}
 
 
@@ -272,16 +288,21 @@ def _stream_completion(merged, choices: list[_CompletionChoice], meta: dict, bod
 def _stream_chat(merged, choices: list[_ChatChoice], meta: dict, body: ChatCompletionRequest) -> AsyncIterator[str]:
     async def gen():
         head = {**meta, "object": "chat.completion.chunk"}
-        for c in choices:
-            yield sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+        for c in choices:  # a choice that can only be tool calls has null content, as OpenAI's
+            content = None if c.plan.mode in ("named", "required") else ""
+            yield sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": content},
                                             "logprobs": None, "finish_reason": None}]})
         try:
             async for index, out in merged:
                 logprobs = choices[index].add(out)
-                if out.new_text or out.finished or (logprobs and logprobs["content"]):
-                    delta = {"content": out.new_text} if out.new_text else {}
-                    yield sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                                    "finish_reason": out.finish_reason}]})
+                deltas, finish_reason = choices[index].deltas(out)
+                if not deltas and (out.finished or (logprobs and logprobs["content"])):
+                    deltas = [{}]
+                for k, delta in enumerate(deltas):  # the output's logprobs on its first chunk, the end on its last
+                    last = k == len(deltas) - 1
+                    yield sse({**head, "choices": [{"index": index, "delta": delta,
+                                                    "logprobs": logprobs if k == 0 else None,
+                                                    "finish_reason": finish_reason if last else None}]})
         finally:
             await merged.aclose()
         if body.stream_options and body.stream_options.include_usage:

@@ -84,7 +84,8 @@ class _TgiCall:
         # TGI reports the seed a sampled request used; pick one so the answer can be replayed.
         self.seed = p.seed if p.seed is not None or not sampling else secrets.randbelow(2**63)
         logprobs = p.top_n_tokens if p.top_n_tokens else (0 if p.wants_details or req.stream else None)
-        self.sampling = p.sampling_params(self.seed, logprobs)
+        self.format = p.structured_format()  # parameters.grammar
+        self.sampling = p.sampling_params(self.seed, logprobs, self.format)
         self.prompt = self._prompt()
         self.request_id = state.engine.new_request_id(prefix)
 
@@ -106,9 +107,10 @@ class _TgiCall:
     async def answer(self) -> dict:
         """{generated_text, details?} of /generate (POST / wraps it in a list)."""
         final, prompt_lps = None, None
-        async for out in self.stream():
-            final = out
-            prompt_lps = prompt_lps or getattr(out, "prompt_logprobs", None)
+        with self.format.naming_errors():  # a grammar the engine cannot compile names parameters.grammar
+            async for out in self.stream():
+                final = out
+                prompt_lps = prompt_lps or getattr(out, "prompt_logprobs", None)
         body = {"generated_text": self.generated_text(final)}
         if self.params.wants_details:
             body["details"] = self._details(final, prompt_lps)
@@ -134,7 +136,8 @@ class _TgiCall:
                 for t in _TgiTokens(self.state.token_text, ()).tokens(ids, lps)]
 
     async def events(self) -> StreamingResponse:
-        outs = await primed(self.stream())
+        with self.format.naming_errors():
+            outs = await primed(self.stream())
         return StreamingResponse(self._events(outs), media_type="text/event-stream")
 
     async def _events(self, outs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
@@ -185,7 +188,10 @@ def router(state: ServiceState) -> APIRouter:
             return await (call.events() if call.req.stream else call.answer())
         if "prompt" in body:
             req = _parse(VllmGenerateRequest, body)
-            out = await state.runner.complete(req.prompt, req.sampling_params(16), state.engine.new_request_id("gen"))
+            fmt = req.structured_format()
+            with fmt.naming_errors():
+                out = await state.runner.complete(req.prompt, req.sampling_params(16, fmt=fmt),
+                                                  state.engine.new_request_id("gen"))
             return {"text": [req.prompt + out.text]}
         raise ApiError(422, "body must carry 'inputs' (TGI) or 'prompt' (vLLM)")
 

@@ -58,7 +58,11 @@ def build_state(config: MindieConfig, api_key: Optional[str] = None) -> ServiceS
     if check_pd(config) == "router":  # no model here: requests go through the PD nodes
         async_engine = PdRouter.from_config(config)
     else:
-        async_engine = AsyncEngine(build_engine(config), metrics)
+        engine = build_engine(config)
+        structured = getattr(engine, "structured", None)
+        if structured is not None:
+            structured.warm_in_background()
+        async_engine = AsyncEngine(engine, metrics)
     server = config.server
     runner = RequestRunner(async_engine, metrics, Timeouts(token=server.token_timeout, e2e=server.e2e_timeout))
     return ServiceState(engine=async_engine, runner=runner, metrics=metrics, model_name=config.model.model_name,

@@ -11,7 +11,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 CACHED_GRAMMARS = 256
 
@@ -70,7 +70,7 @@ class GrammarCompilerCache:
                 return c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in json.loads(text)))
             return c.compile_grammar(text)
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar reports bad input as these
-            raise StructuredOutputError(field, _first_line(exc)) from None
+            raise StructuredOutputError(field, xgrammar_message(exc)) from None
 
 
 # xgrammar (0.2.8) writes the characters of a length-bounded JSON string as this class, which lets
@@ -80,7 +80,18 @@ _BOUNDED_STRING_CHAR = r'([^\"\\\r\n])'
 _JSON_STRING_CHAR = r'([^\0-\x1f\"\\\r\n])'
 
 
-def _first_line(exc: Exception) -> str:
+def schema_error(schema: str) -> Optional[str]:
+    """Why xgrammar cannot take this JSON schema (text), or None: a check without a tokenizer."""
+    import xgrammar as xgr
+
+    try:
+        xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        return xgrammar_message(exc)
+    return None
+
+
+def xgrammar_message(exc: Exception) -> str:
     """xgrammar's message without its log prefix ("[08:38:42] /project/cpp/x.cc:83: ")."""
     text = (str(exc).strip() or type(exc).__name__).splitlines()[0]
     text = re.sub(r"^\[[0-9:]+\] \S+:\d+: ", "", text)

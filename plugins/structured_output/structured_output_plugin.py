@@ -16,6 +16,7 @@ allowed.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -61,6 +62,7 @@ class StructuredOutputPlugin(Plugin):
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self._grammars: Optional[GrammarCompilerCache] = None
+        self._loading = threading.Lock()
         self.states: dict[int, SeqGrammar] = {}
         self.timing = MaskTiming()
         if warm:
@@ -68,9 +70,15 @@ class StructuredOutputPlugin(Plugin):
 
     @property
     def grammars(self) -> GrammarCompilerCache:
-        if self._grammars is None:
-            self._grammars = GrammarCompilerCache(self.tokenizer.hf_tokenizer, self.vocab_size, self.eos_token_ids)
+        with self._loading:
+            if self._grammars is None:
+                self._grammars = GrammarCompilerCache(self.tokenizer.hf_tokenizer, self.vocab_size, self.eos_token_ids)
         return self._grammars
+
+    def warm_in_background(self) -> None:
+        """Load xgrammar and its tokenizer tables on a thread (a server: its first constrained
+        request then does not hold up the steps of the others for seconds)."""
+        threading.Thread(target=lambda: self.grammars, name="mindspec-xgrammar", daemon=True).start()
 
     def check(self, params) -> None:
         """Compile the request's format now (cached): a bad one is rejected at admission."""

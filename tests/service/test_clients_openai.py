@@ -189,10 +189,10 @@ def test_unsupported_completion_fields_are_named(client, field, kwargs):
 
 
 def test_unsupported_chat_fields_are_named(client):
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    functions = [{"name": "f", "parameters": {"type": "object", "properties": {}}}]  # OpenAI's old spelling of tools
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], tools=tools)
-    assert err.value.body["param"] == "tools"
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], functions=functions)
+    assert err.value.body["param"] == "functions"
     assert client.completions.create(model="tiny", prompt="a", max_tokens=2, best_of=2, n=2).choices[1].index == 1
 
 
