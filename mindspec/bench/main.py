@@ -12,6 +12,7 @@
     mindspec bench --scenario prefix-cache --out ...         # shared-prefix workloads, prefix caching on and off
     mindspec bench --scenario split-fuse --out ...           # a long prompt arriving while streams decode
     mindspec bench --scenario quantized-gemm --out ...       # one GEMM against GGUF/FP8 weights, each way it could run
+    mindspec bench --scenario structured --out ...           # JSON-schema constrained requests, MTP on and off
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from mindspec.bench import llama_cpp, model_shapes, prefix_cache, profile, quantized_gemm, speed, split_fuse, workloads
+from mindspec.bench import (llama_cpp, model_shapes, prefix_cache, profile, quantized_gemm, speed, split_fuse,
+                            structured, workloads)
 from mindspec.bench.llama_cpp import LlamaCppError
 from mindspec.bench.memory import resident_weight_bytes
 from mindspec.backends.cpu.backend import default_cpu_threads
@@ -39,7 +41,7 @@ SHIPPED_ACCEPTANCE = (0.88, 0.77, 0.71)
 BACKENDS = ("cpu", "cuda")
 
 
-SCENARIOS = ("speed", "prefix-cache", "split-fuse", "quantized-gemm")
+SCENARIOS = ("speed", "prefix-cache", "split-fuse", "quantized-gemm", "structured")
 PREFIX_CONFIGS = {"mtp off": None, "vanilla K=3": {"plugin_type": "mtp", "num_speculative_tokens": 3}}
 
 
@@ -49,7 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "and few-shot prompts with prefix caching on and off (mindspec.bench.prefix_cache); "
                         "split-fuse: a long prompt arriving while streams decode, SplitFuse on and off "
                         "(mindspec.bench.split_fuse); quantized-gemm: one GEMM against GGUF/FP8 weights, each way "
-                        "the cpu backend could run it (mindspec.bench.quantized_gemm)")
+                        "the cpu backend could run it (mindspec.bench.quantized_gemm); structured: JSON-schema "
+                        "constrained requests with MTP on and off: validity, speed-ups, mask cost "
+                        "(mindspec.bench.structured)")
     g = p.add_argument_group("--scenario prefix-cache")
     g.add_argument("--conversations", type=int, default=8)
     g.add_argument("--turns", type=int, default=4)
@@ -64,6 +68,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--arrive-after", type=int, default=16, help="stream tokens before the long prompt arrives")
     g.add_argument("--long-prompt-tokens", type=int, default=4000)
     g.add_argument("--chunk-tokens", default="64,256", help="splitChunkTokens values to compare")
+    g = p.add_argument_group("--scenario structured (also --rounds, --prompt-tokens, --configs, --threads, --dtype)")
+    g.add_argument("--prompts", type=int, default=50, help="held-out prompts, assigned to the schemas round robin")
+    g.add_argument("--max-tokens", type=int, default=192,
+                   help="each constrained output's cap (the schemas' documents take 40-90 tokens on the shipped model)")
+    g.add_argument("--structured-batch", type=int, default=16, help="concurrent constrained requests of the batch run")
+    g.add_argument("--grammar-engines", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time xgrammar against llguidance (when importable) on the model's tokenizer")
     p.add_argument("--backend", default="cpu", choices=BACKENDS,
                    help="cpu (this benchmark) | cuda (the cuda backend's benchmarks; with --compare, this one)")
     p.add_argument("--compare", nargs="?", const="gpu", default=None, choices=["gpu", "llama.cpp"],
@@ -175,6 +186,26 @@ def run_split_fuse(args: argparse.Namespace) -> int:
     return _write_scenario(report, args, model_dir, split_fuse.plot)
 
 
+def run_structured(args: argparse.Namespace) -> int:
+    from mindspec.llm import LLM
+
+    model_dir, configs = _scenario_setup(args, structured.CONFIGS)
+    if configs is None:
+        return 2
+    args.structured_configs = {structured.BASELINE: None, **configs}  # every speed-up is against MTP off
+    longest = args.prompt_tokens + 1 + args.max_tokens + 16  # BOS, drafts
+    num_blocks = max(16, args.structured_batch) * -(-longest // 16) + 8
+
+    def make_llm(plugin_params):
+        return LLM(model=model_dir, backend=args.backend, dtype=args.dtype, cache_block_size=16, num_blocks=num_blocks,
+                   progress=False, cpu_threads=args.threads, plugin_params=plugin_params,
+                   max_batch_size=max(200, args.structured_batch))
+
+    tokenizer = make_llm(None).tokenizer.hf_tokenizer
+    report = structured.run(args, make_llm, tokenizer)
+    return _write_scenario(report, args, model_dir, structured.plot)
+
+
 def _scenario_setup(args: argparse.Namespace, table: dict) -> tuple[str, Optional[dict]]:
     """The checkpoint (threads set for it) and the configurations of ``table`` --configs names
     (None after printing the error when one is unknown)."""
@@ -209,6 +240,8 @@ def run(args: argparse.Namespace) -> int:
         return run_prefix_cache(args)
     if args.scenario == "split-fuse":
         return run_split_fuse(args)
+    if args.scenario == "structured":
+        return run_structured(args)
     if args.scenario == "quantized-gemm":
         if args.threads:
             torch.set_num_threads(args.threads)
