@@ -3,7 +3,7 @@
     python scripts/client_smoke.py http://127.0.0.1:1025 [--model mindspec-default]
 
 Runs, with the official libraries: openai (completions, chat, streaming, logprobs, n=2, echo,
-models.retrieve), text_generation.Client (generate, generate_stream with details),
+models.retrieve, a JSON schema response_format), text_generation.Client (generate, generate_stream with details),
 huggingface_hub.InferenceClient (text_generation streamed and not, chat_completion), MindIE's
 documented POST / and /infer requests, and GET /health. Prints one line per check; exits 1 on
 the first failure. scripts/fresh_install_check.sh runs it against the wheel installed without
@@ -57,6 +57,12 @@ def openai_checks(base: str, model: str) -> None:
     chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=12,
                                           temperature=0, logprobs=True, top_logprobs=2)
     check("openai chat with logprobs", len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "ok": {"type": "boolean"}}, "required": ["n", "ok"]}
+    doc = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=32,
+                                         temperature=0, response_format={"type": "json_schema", "json_schema": {
+                                             "name": "reply", "schema": schema}}).choices[0].message.content
+    check("openai response_format json_schema (structured output)", set(json.loads(doc)) == {"n", "ok"}, doc)
 
 
 def tgi_checks(base: str) -> None:

@@ -26,6 +26,8 @@ OPTIONAL = {
     "triton": ("cuda", "triton"),
     "torch_npu": ("npu", "torch-npu"),
     "matplotlib": ("bench", "matplotlib"),
+    "jsonschema": ("bench", "jsonschema"),  # the structured scenario's validity check (also in test)
+    "llguidance": ("bench", "llguidance"),  # the structured scenario's grammar-engine comparison
 }
 
 
