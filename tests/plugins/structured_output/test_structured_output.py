@@ -147,9 +147,11 @@ def test_a_bad_format_is_rejected_naming_its_field(params, field):
 
 
 def test_medusa_keeps_every_token(reference):
-    (prompts, params), ref = reference["greedy"]
-    outs = _llm({"plugin_type": "medusa"}).generate(prompts[:14], params[:14])
-    assert [o.token_ids for o in outs] == [o.token_ids for o in ref[:14]]
+    llm = _llm({"plugin_type": "medusa"})
+    for mode in ("greedy", "sampled"):
+        (prompts, params), ref = reference[mode]
+        outs = llm.generate(prompts[:14], params[:14])
+        assert [o.token_ids for o in outs] == [o.token_ids for o in ref[:14]], mode
 
 
 @pytest.mark.slow
