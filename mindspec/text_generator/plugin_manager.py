@@ -4,6 +4,7 @@
     -> plugins: model_inputs_update         (MTP: q_lens, sub_model_inputs, hidden_states)
     -> generator forward (plugins that draft drive their own forward)
     -> plugins: sample_preprocess           (MTP: one sampling row per draft position)
+    -> plugins: token_bitmask               (structured output: the tokens each row may take)
     -> sampler
     -> plugins: plugin_verify               (MTP: decoding policy, accepted tokens per sequence)
     -> plugins: plugin_cache_update         (MTP: hidden states for the next step)
@@ -180,13 +181,12 @@ class PluginManager:
             return [[] for _ in inputs.row_seq]
         return [draft_prefix[b, :k].tolist() for b, k in zip(inputs.row_seq, inputs.row_offset)]
 
-    def sampling_metadata(self, batch: StepBatch, inputs: StepInputs, draft_prefix: Optional[np.ndarray] = None,
-                          prefixes: Optional[list[list[int]]] = None) -> SamplingMetadata:
+    def sampling_metadata(self, batch: StepBatch, inputs: StepInputs, draft_prefix: Optional[np.ndarray] = None) -> SamplingMetadata:
         """One row per logits row. Row r of sequence b samples output position
-        len(output) + row_offset[r]; its penalty history includes the drafts before it (``prefixes``)."""
+        len(output) + row_offset[r]; its penalty history includes the drafts before it
+        (``row_prefixes``), and plugins may limit its tokens (``token_bitmask``: structured output)."""
         seqs = [batch.seqs[b] for b in inputs.row_seq]
-        if prefixes is None:
-            prefixes = self.row_prefixes(batch, inputs, draft_prefix)
+        prefixes = self.row_prefixes(batch, inputs, draft_prefix)
         md = SamplingMetadata.build(
             params=[s.sampling_params for s in seqs],
             prompt_ids=[s.prompt_token_ids for s in seqs],
