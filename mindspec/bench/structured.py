@@ -37,6 +37,7 @@ the format: what draft masks buy). Each output may run to ``--max-tokens``.
 """
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import time
@@ -45,6 +46,7 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
+import torch
 
 from mindspec.bench.corpus import heldout_prompts
 from mindspec.bench.speed import spec_summary
@@ -307,13 +309,28 @@ def run_batch(llms: dict, twins: dict[str, str], prompts: list[list[int]], promp
     return report
 
 
+def _timed_walk(fill, accept, tokens: list[int], words: int):
+    """A grammar engine's masks along ``tokens``: ``fill(bitmask, row)`` timed before each token
+    and after the last, ``accept(token)`` between -> (fill seconds, tokens accepted, bitmask)."""
+    bitmask = torch.full((len(tokens) + 1, words), -1, dtype=torch.int32)
+    times, accepted = [], 0
+    for i in range(len(tokens) + 1):
+        t0 = time.perf_counter()
+        fill(bitmask, i)
+        times.append(time.perf_counter() - t0)
+        if i < len(tokens):
+            if not accept(tokens[i]):
+                break
+            accepted += 1
+    return times, accepted, bitmask
+
+
 def compare_grammar_engines(hf_tokenizer, vocab_size: int, stop_token_ids: list[int],
                             documents: dict[str, list[int]], repeats: int = 3) -> dict:
     """xgrammar and (when importable) llguidance on the same tokenizer, schemas and documents:
     set-up, compile time per schema (median of ``repeats``, no cache), and the time to fill one
     token's mask along each document (the documents' tokens, EOS excluded; the mask after the
     last token, where EOS is allowed, included)."""
-    import torch
     import xgrammar as xgr
 
     report: dict = {"documents_tokens": {k: len(v) for k, v in documents.items()}, "engines": {}}
@@ -328,17 +345,7 @@ def compare_grammar_engines(hf_tokenizer, vocab_size: int, stop_token_ids: list[
 
     def xgr_walk(compiled, tokens):
         matcher = xgr.GrammarMatcher(compiled)
-        bitmask = torch.full((len(tokens) + 1, words), -1, dtype=torch.int32)
-        times, accepted = [], 0
-        for i in range(len(tokens) + 1):
-            t0 = time.perf_counter()
-            matcher.fill_next_token_bitmask(bitmask, i)
-            times.append(time.perf_counter() - t0)
-            if i < len(tokens):
-                if not matcher.accept_token(tokens[i]):
-                    break
-                accepted += 1
-        return times, accepted, bitmask
+        return _timed_walk(matcher.fill_next_token_bitmask, matcher.accept_token, tokens, words)
 
     engines = {"xgrammar": (xgr_setup, xgr_compile, xgr_walk)}
     try:
@@ -362,17 +369,8 @@ def compare_grammar_engines(hf_tokenizer, vocab_size: int, stop_token_ids: list[
 
         def llg_walk(grammar, tokens):
             matcher = llguidance.LLMatcher(lltok, grammar)
-            bitmask = torch.full((len(tokens) + 1, words), -1, dtype=torch.int32)
-            times, accepted = [], 0
-            for i in range(len(tokens) + 1):
-                t0 = time.perf_counter()
-                llguidance.torch.fill_next_token_bitmask(matcher, bitmask, i)
-                times.append(time.perf_counter() - t0)
-                if i < len(tokens):
-                    if not matcher.consume_token(tokens[i]):
-                        break
-                    accepted += 1
-            return times, accepted, bitmask
+            fill = functools.partial(llguidance.torch.fill_next_token_bitmask, matcher)
+            return _timed_walk(fill, matcher.consume_token, tokens, words)
 
         engines["llguidance"] = (llg_setup, llg_compile, llg_walk)
         report["llguidance_version"] = getattr(llguidance, "__version__", None)

@@ -17,9 +17,9 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from mindspec.text_generator.sampling.sampler import unpack_bitmask
+from mindspec.text_generator.sampling.sampler import mask_rows_
 
-from .row_masks import fill_row_masks
+from .row_masks import fill_row_masks, full_bitmask
 
 
 @dataclass
@@ -59,13 +59,12 @@ class DraftMasks:
             return logits
         started = time.perf_counter()
         before = torch.stack(drafts, dim=1).cpu()[self.rows].tolist() if drafts else [[]] * len(self.rows)
-        bitmask = torch.full((len(self.rows), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        bitmask = full_bitmask(len(self.rows), self.vocab_size)
         for i, (seq, prefix) in enumerate(zip(self.seqs, before)):
             fill_row_masks(self.matcher_of(seq), [prefix], bitmask, i)
         if self._index is None:
             self._index = torch.tensor(self.rows, dtype=torch.int64, device=logits.device)
-        allowed = unpack_bitmask(bitmask.to(logits.device), logits.shape[1])
         out = logits.clone()
-        out.index_copy_(0, self._index, out.index_select(0, self._index).masked_fill_(~allowed, float("-inf")))
+        mask_rows_(out, self._index, bitmask.to(logits.device))
         self.timing.draft_seconds += time.perf_counter() - started
         return out

@@ -7,6 +7,11 @@ from typing import Any
 import torch
 
 
+def full_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """[rows, ceil(V / 32)] int32 host bitmask with every token allowed (xgrammar's layout)."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
 def fill_row_masks(matcher: Any, prefixes: list[list[int]], bitmask: torch.Tensor, first_row: int) -> None:
     """Row ``first_row + i`` of ``bitmask`` gets the mask of the state after ``prefixes[i]``.
     Rows in tree or chain order share their paths' common prefixes (a chain's rows: the drafts

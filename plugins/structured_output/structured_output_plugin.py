@@ -21,16 +21,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-import torch
-
+from mindspec.config.plugin_params import PluginParamsError
 from mindspec.plugins.plugin import Plugin
 from mindspec.text_generator.step import StepBatch, StepInputs, StepOutputs
 
-from mindspec.config.plugin_params import PluginParamsError
-
 from .draft_masks import DraftMasks, MaskTiming
 from .grammars import GrammarCompilerCache
-from .row_masks import accepted_prefix_length, fill_row_masks
+from .row_masks import accepted_prefix_length, fill_row_masks, full_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +104,7 @@ class StructuredOutputPlugin(Plugin):
             if b in rows_of:
                 rows_of[b].append(r)
         rows = [r for b in constrained for r in rows_of[b]]
-        bitmask = torch.full((len(rows), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        bitmask = full_bitmask(len(rows), self.vocab_size)
         at = 0
         for b in constrained:
             state = self._state(batch.seqs[b])
@@ -119,11 +116,14 @@ class StructuredOutputPlugin(Plugin):
         return bitmask, rows
 
     def plugin_verify(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs) -> StepOutputs:
+        constrained = self._constrained(batch)
+        if not constrained:
+            return outputs
         started = time.perf_counter()
-        for b, seq in enumerate(batch.seqs):
-            if not seq.sampling_params.has_structured or not outputs.accepted[b]:
+        for b in constrained:
+            seq, tokens = batch.seqs[b], outputs.accepted[b]
+            if not tokens:  # a prefill chunk before the prompt's last
                 continue
-            tokens = outputs.accepted[b]
             n = accepted_prefix_length(self._state(seq).matcher, tokens)
             if n < len(tokens):  # a kept draft the format refuses: its row's own target instead
                 rows = outputs.accepted_rows[b]

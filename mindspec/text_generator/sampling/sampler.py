@@ -57,15 +57,20 @@ def penalised_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor
     if md.bias_rows is not None:
         out.index_put_((md.bias_rows, md.bias_token_ids), md.bias_values, accumulate=True)
     if md.allowed_rows is not None:  # a structured output format: what it does not allow next is out
-        rows = out.index_select(0, md.allowed_rows)
-        allowed = unpack_bitmask(md.allowed_bitmask, out.shape[1])
-        out.index_copy_(0, md.allowed_rows, rows.masked_fill_(~allowed, float("-inf")))
+        mask_rows_(out, md.allowed_rows, md.allowed_bitmask)
     if md.banned_rows is not None:  # after the bias: a ban stays a ban whatever the bias
         formatted = out.clone() if md.allowed_rows is not None else None
         out[md.banned_rows, md.banned_token_ids] = float("-inf")
         if formatted is not None:  # min_tokens banned all the format allows (its end): the format wins
             out = torch.where(torch.isneginf(out).all(dim=-1, keepdim=True), formatted, out)
     return out
+
+
+def mask_rows_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: rows ``rows`` [M] of ``logits`` [N, V] keep only the tokens set in ``bitmask``
+    [M, ceil(V / 32)] (on the logits' device); the others become -inf."""
+    allowed = unpack_bitmask(bitmask, logits.shape[1])
+    logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(~allowed, float("-inf")))
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
