@@ -49,6 +49,15 @@ def _tokens(llm, params):
     return [o.token_ids for o in llm.generate(_prompts(), params)]
 
 
+def _uses_cpp_gemm(package) -> bool:
+    """Whether a package's generated C++ has Inductor's micro-GEMM kernels (INDUCTOR_CONFIGS)
+    rather than only calls into ATen's matmuls."""
+    import zipfile
+
+    with zipfile.ZipFile(package) as archive:
+        return any(b"micro_gemm" in archive.read(n) for n in archive.namelist() if n.endswith(".cpp"))
+
+
 @pytest.mark.slow
 def test_compiled_steps_give_the_eager_tokens_and_a_restart_loads_them(checkpoint, cache_dir):
     expected = _tokens(_llm(checkpoint, VANILLA, decode_graphs=False), GREEDY)
@@ -59,6 +68,7 @@ def test_compiled_steps_give_the_eager_tokens_and_a_restart_loads_them(checkpoin
     assert any(name.startswith("speculative-") for name in stats.by_key)
     assert sorted(p.name for p in (cache_dir / "steps").glob("*.pt2")) == sorted(f"{n}.pt2" for n in stats.by_key)
     assert not list((cache_dir / "steps").glob(".*"))  # no temporary file left behind
+    assert all(_uses_cpp_gemm(cache_dir / "steps" / f"{n}.pt2") for n in stats.by_key)
 
     again = _llm(checkpoint, VANILLA, decode_graphs=True)
     assert _tokens(again, GREEDY) == expected
