@@ -50,7 +50,9 @@ FORMAT = 2  # bump when what a package computes changes without the inputs of it
 # timed at compile time. At a decode step's shapes (1-32 rows against a few hundred columns) the
 # template's kernels, inlined into the package, run 2-8x faster than a library call (the shipped
 # model's plain step: 1.0 ms against 1.9 ms), for ~3 s of compile time per distinct GEMM shape.
-INDUCTOR_CONFIGS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+# The timings stay out of the server's log.
+INDUCTOR_CONFIGS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                    "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
 
 
 def step_cache_dir() -> Path:
@@ -109,7 +111,7 @@ class ExportedSteps:
             "format": FORMAT, "model": model_fingerprint(model_dir), "dtype": str(dtype),
             "backend": backend.name, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "code": _code_fingerprint(model, backend), "mtp_modules": model.num_mtp_modules,
-            "inductor": INDUCTOR_CONFIGS,
+            "inductor": dict(INDUCTOR_CONFIGS),
         }
 
     # ---- entry points --------------------------------------------------------------------------
@@ -274,7 +276,8 @@ class ExportedSteps:
             program = torch.export.export(_Graph(run), tuple(tensors), dynamic_shapes=(spec,), strict=False)
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")
-            torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=INDUCTOR_CONFIGS)
+            torch._inductor.aoti_compile_and_package(program, package_path=str(tmp),
+                                                      inductor_configs=dict(INDUCTOR_CONFIGS))  # torch adds to it
         os.replace(tmp, path)  # another process compiling the same step writes the same file
         self.stats.compile_s += time.perf_counter() - start
         log.info("compiled the %s step %s in %.1f s -> %s", path.name.split("-")[0], path.name,
