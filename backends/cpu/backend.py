@@ -206,7 +206,8 @@ def set_cpu_threads(requested: Optional[int] = None, ranks_on_host: int = 1, sou
         if threads > 1:
             _note_spinning_threads()
     torch.set_num_threads(threads)
-    logger.info("cpu threads: %d (%s; OMP_WAIT_POLICY=%s%s)", threads, source, os.environ.get("OMP_WAIT_POLICY"),
+    logger.info("cpu threads: %d (%s; OMP_WAIT_POLICY=%s, GOMP_SPINCOUNT=%s%s)", threads, source,
+                os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT"),
                 " set after torch loaded, not in effect" if _wait_policy_source() == "too late" else "")
     return threads
 

@@ -126,7 +126,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="also measure compiled decode steps (decodeGraphs; the first run compiles for minutes)")
     p.add_argument("--configs", default=None,
-                   help="comma-separated configuration names to run (default: all), e.g. 'mtp off,vanilla K=3'")
+                   help="comma-separated configuration names to run (default: all), e.g. 'mtp off,vanilla K=3'; "
+                        "'mtp off' always runs (every speed-up is against it)")
     p.add_argument("--async", dest="asynchronous", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure async scheduling (MTP off and K=3)")
     p.add_argument("--split-fuse", action=argparse.BooleanOptionalAction, default=False,

@@ -44,6 +44,7 @@ from mindspec.llm import LLM
 from mindspec.text_generator.sampling.params import SamplingParams
 
 BATCHING = ("static", "continuous")
+BASELINE = "mtp off"  # what every speed-up and token identity is measured against
 # Continuous batching: prompts per run = WAVES x the running limit, so the end-of-run tail (fewer
 # than b sequences left) is amortised over 4 waves of admissions instead of dominating the run.
 WAVES = 4
@@ -108,7 +109,7 @@ def default_configs(ks: list[int], mtp_modules: int, bos: int, eos: int, compile
     relaxed acceptance; with ``asynchronous``, async scheduling of MTP off and K=3; with
     ``compiled``, the compiled decode step for the main ones; with ``split_fuse``, SplitFuse for
     MTP off and K=3 adaptive (both modes); with ``trees``, draft trees (tree_configs)."""
-    out = [Config("mtp off")]
+    out = [Config(BASELINE)]
     for k in [k for k in ks if k <= mtp_modules]:
         out.append(Config(f"vanilla K={k}", mtp(k, "vanilla")))
     for k in ks:
@@ -169,9 +170,10 @@ def on_model(configs: list[Config], model: str, label: str) -> list[Config]:
 
 
 def select_configs(configs: list[Config], names: str) -> list[Config]:
-    """The configurations named in ``names`` (comma-separated), in their usual order; an unknown
-    name is an error that lists the known ones."""
-    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    """The configurations named in ``names`` (comma-separated), in their usual order, and always
+    the baseline (every speed-up and the token identity are against it); an unknown name is an
+    error that lists the known ones."""
+    wanted = [n.strip() for n in names.split(",") if n.strip()] + [BASELINE]
     known = {c.name for c in configs}
     unknown = [n for n in wanted if n not in known]
     if unknown:
@@ -299,7 +301,7 @@ def run_hf(model, groups: list[list[list[int]]], lengths: list[list[int]], m: Me
     m.latency_per_token_ms.append(1e3 * statistics.mean(latencies))
 
 
-def summarise(results: dict[str, Measurement], baseline: str = "mtp off") -> dict:
+def summarise(results: dict[str, Measurement], baseline: str = BASELINE) -> dict:
     """Per configuration: medians over rounds, and the speed-up over the baseline two ways: the
     ratio of medians, and per round against the baseline's run of the same round (paired: a slow
     spell of the machine that hits one round hits both runs of it more than runs rounds apart)."""

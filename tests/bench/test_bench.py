@@ -250,6 +250,8 @@ def test_configs_are_chosen_by_name():
     assert [c.name for c in chosen] == ["mtp off", "vanilla K=3 +compile"]  # the usual order
     with pytest.raises(ValueError, match="unknown configuration.*'K=9'.*choose from"):
         speed.select_configs(configs, "mtp off,K=9")
+    # the baseline is measured even when not named: every speed-up and identity is against it
+    assert [c.name for c in speed.select_configs(configs, "mtp off +compile")] == ["mtp off", "mtp off +compile"]
 
 
 def test_unknown_configs_and_a_missing_llama_cpp_are_one_clear_error(tmp_path, capsys, monkeypatch):
