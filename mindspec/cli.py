@@ -47,13 +47,14 @@ def _add_debug_arg(p: argparse.ArgumentParser, default) -> None:
 def _add_threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="cpu backend: intra-op threads per process (beats $MINDSPEC_CPU_THREADS, which beats the "
-                        "config's cpuThreads; default: one per usable core, split among dp ranks)")
+                        "config's cpuThreads; default: one for a model below hidden size 1024, such as the shipped one, else "
+                        "one per usable core, split among dp ranks)")
 
 
 def _add_compile_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", dest="decode_graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="decode steps as compiled packages on cpu (the first run compiles, for about a minute per "
-                        "shape; later runs load them), as graphs on cuda/npu (replaces ModelConfig.decodeGraphs)")
+                   help="decode steps as compiled packages on cpu (the first run compiles, for one to two minutes "
+                        "per shape; later runs load them), as graphs on cuda/npu (replaces ModelConfig.decodeGraphs)")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
