@@ -47,8 +47,8 @@ def _add_debug_arg(p: argparse.ArgumentParser, default) -> None:
 def _add_threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="cpu backend: intra-op threads per process (beats $MINDSPEC_CPU_THREADS, which beats the "
-                        "config's cpuThreads; default: one for a model below hidden size 1024, such as the shipped one, else "
-                        "one per usable core, split among dp ranks)")
+                        "config's cpuThreads; default: one for a model below hidden size 1024, such as the "
+                        "shipped one, else one per usable core, split among dp ranks)")
 
 
 def _add_compile_arg(p: argparse.ArgumentParser) -> None:
