@@ -120,9 +120,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "another name (the output copies the prompt); mixed: both, alternating")
     p.add_argument("--threads", type=int, default=None,
                    help="cpu threads for every engine (default: what mindspec picks for the model, 1 for the "
-                        "shipped one: with OpenMP's passive waiting a second thread slows a small model down)")
-    # Off by default: the first run compiles a package per batch-size bucket and step shape (about
-    # a minute each on two cores); later runs load them from the cache directory.
+                        "shipped one: with OpenMP's passive waiting a second thread slows a small model down; "
+                        "GOMP_SPINCOUNT=300000 in the environment makes threads spin before they sleep)")
+    # Off by default: the first run compiles a package per batch-size bucket and step shape (one to
+    # two minutes each on two cores); later runs load them from the cache directory.
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="also measure compiled decode steps (decodeGraphs; the first run compiles for minutes)")
     p.add_argument("--configs", default=None,
