@@ -85,8 +85,7 @@ def account_decode_steps(llm, prompt: list[int], steps: int = 8, num_seqs: int =
 
     engine = getattr(llm, "engine", llm)
     params = SamplingParams(temperature=0, max_tokens=steps * 8 + 16, ignore_eos=True)
-    for _ in range(num_seqs):
-        engine.add_request(list(prompt), params)
+    states = [engine.add_request(list(prompt), params) for _ in range(num_seqs)]
     engine.step()  # prefill
     engine.step()  # the first decode step sets up per-sequence state: counted from the next one
     mode = StepAccounting()
@@ -94,6 +93,11 @@ def account_decode_steps(llm, prompt: list[int], steps: int = 8, num_seqs: int =
         for _ in range(steps):
             engine.step()
     mode.counts.steps = steps
+    # Aborted, not decoded to the end: the steps after these would let adaptive speculation
+    # choose arms by measured step times, which vary between runs, and a start-up warm-up
+    # (LLMEngine.warmup_decode) would then meet different compiled-step shapes every time.
+    for state in states:
+        engine.abort(state.request_id)
     while engine.has_unfinished():
         engine.step()
     return mode.counts.per_step()

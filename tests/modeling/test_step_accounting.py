@@ -33,3 +33,23 @@ def test_per_step_divides_by_steps():
             torch.ones(2).add_(1)
     mode.counts.steps = 4
     assert mode.counts.per_step()["ops_outside_graphs"] == 2 and mode.counts.per_step()["steps"] == 4
+
+
+def test_accounting_an_engine_runs_only_the_counted_steps(tmp_path):
+    """The request is aborted after the counted steps, not decoded to its end: later steps would
+    let adaptive speculation choose arms by measured time, and a start-up warm-up
+    (LLMEngine.warmup_decode) would meet different compiled-step shapes on every start."""
+    from mindspec import LLM
+    from mindspec.modeling.step_accounting import account_decode_steps
+    from tests.support.checkpoints import make_self_predicting_checkpoint, tiny_v3_config
+
+    cfg = tiny_v3_config(num_hidden_layers=2, num_nextn_predict_layers=2)
+    path = make_self_predicting_checkpoint(tmp_path / "ckpt", cfg, seed=1)
+    llm = LLM(model=str(path), dtype="float32", cache_block_size=4, num_blocks=64, progress=False,
+              plugin_params={"plugin_type": "mtp", "num_speculative_tokens": 2})
+    engine, steps = llm.engine, []
+    step = engine.step
+    engine.step = lambda: steps.append(1) or step()
+    counts = account_decode_steps(llm, [3, 4, 5, 6], steps=4)
+    assert len(steps) == 1 + 1 + 4  # prefill, the uncounted first decode step, the counted ones
+    assert counts["steps"] == 4 and not engine.has_unfinished() and not engine.requests
