@@ -166,6 +166,7 @@ def test_a_compiled_step_launches_few_ops_outside_its_package(checkpoint, cache_
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # timing: the other worker's load would blur it
 def test_a_package_runs_through_its_library_with_the_gil_released(checkpoint, cache_dir, monkeypatch):
     """The engine runs each package through its model library's C ABI (aoti_runner.py): the
     same outputs as torch's loader, while another Python thread keeps running (torch's loader
