@@ -1,5 +1,6 @@
 """Makes the repository root importable so tests can ``from tests.support... import ...``, and
 orders the collection for the parallel workers (below)."""
+import collections
 import os
 import sys
 
@@ -12,8 +13,8 @@ def pytest_collection_modifyitems(config, items):
     """Files with the most slow tests first (each file's tests stay together, in their order):
     on the README's two parallel workers the longest files start at once instead of ending the
     run alone on one worker."""
-    slow = {}
-    for item in items:
-        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
-    first_seen = {path: i for i, path in reversed(list(enumerate(item.path for item in items)))}
+    slow = collections.Counter(item.path for item in items if item.get_closest_marker("slow"))
+    first_seen = {}  # pytest may interleave a file's items (it groups parametrized fixtures by scope)
+    for i, item in enumerate(items):
+        first_seen.setdefault(item.path, i)
     items.sort(key=lambda item: (-slow[item.path], first_seen[item.path]))
