@@ -55,6 +55,10 @@ def _add_compile_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", dest="decode_graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="decode steps as compiled packages on cpu (the first run compiles, for one to two minutes "
                         "per shape; later runs load them), as graphs on cuda/npu (replaces ModelConfig.decodeGraphs)")
+    p.add_argument("--compile-workers", type=int, default=None, metavar="N",
+                   help="with --compile on cpu: compile shapes first met in N worker processes while the step runs "
+                        "eagerly; 0: compile on the serving thread (replaces ModelConfig.compileWorkers; default: "
+                        "one per core, at most 4, for serve and configs; 0 for --model)")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -92,7 +96,7 @@ def _model_kwargs(args: argparse.Namespace) -> dict:
     """The model options given on the command line; the others keep the model's defaults."""
     given = dict(backend=args.backend, dtype=args.dtype, plugin_params=args.plugin_params,
                  cache_block_size=args.cache_block_size, num_blocks=args.num_blocks, cpu_threads=args.threads,
-                 decode_graphs=args.decode_graphs)
+                 decode_graphs=args.decode_graphs, compile_workers=args.compile_workers)
     return {k: v for k, v in given.items() if v is not None}
 
 
@@ -158,8 +162,13 @@ def _with_ports(config, args: argparse.Namespace):
 
 def with_decode_graphs(config, on: bool):
     """The config with ModelConfig.decodeGraphs set on every model (--compile / --no-compile)."""
+    return with_model_options(config, decode_graphs=on)
+
+
+def with_model_options(config, **options):
+    """The config with these ModelConfig fields set on every model."""
     deploy = config.backend.model_deploy
-    models = [replace(m, decode_graphs=on) for m in deploy.models]
+    models = [replace(m, **options) for m in deploy.models]
     return replace(config, backend=replace(config.backend, model_deploy=replace(deploy, models=models)))
 
 
@@ -211,6 +220,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = _with_ports(server.resolve_config(args.config), args)
     if args.decode_graphs is not None:
         config = with_decode_graphs(config, args.decode_graphs)
+    if args.compile_workers is not None:
+        if args.compile_workers < 0:
+            raise CliError(f"--compile-workers: must be >= 0, got {args.compile_workers}")
+        config = with_model_options(config, compile_workers=args.compile_workers)
     _apply_threads(config, args.threads)
     torchrun = launch.torchrun_env()
     if torchrun is not None and torchrun[0] != 0:  # a follower rank: no HTTP, so no ports

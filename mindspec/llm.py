@@ -44,6 +44,7 @@ class LLM:
         moe_ep: int = 1,
         dist_timeout: float = 600.0,
         decode_graphs: Optional[bool] = None,
+        compile_workers: Optional[int] = None,
         cpu_threads: Optional[int] = None,
         enable_prefix_caching: Optional[bool] = None,
         **scheduler_limits,
@@ -54,7 +55,7 @@ class LLM:
         # config's otherwise); a value given always replaces it, never silently ignored.
         given = dict(backend=backend, dtype=dtype, plugin_params=plugin_params, cache_block_size=cache_block_size,
                      num_blocks=num_blocks, kv_cache_gb=kv_cache_gb, device=device, decode_graphs=decode_graphs,
-                     enable_prefix_caching=enable_prefix_caching)
+                     compile_workers=compile_workers, enable_prefix_caching=enable_prefix_caching)
         # dp ranks (attention data parallel) with moe_ep-way expert parallel: dp - 1 more processes
         parallel, where = ParallelConfig(world_size=dp, dp=dp, moe_ep=moe_ep, timeout_s=dist_timeout), ""
         if model is None and config is None:  # the shipped default model, MTP on (K = 3)

@@ -174,3 +174,18 @@ def test_serve_compile_sets_decode_graphs_on_the_config():
     assert with_decode_graphs(config, False).model.decode_graphs is False
     assert build_parser().parse_args(["serve", "--compile"]).decode_graphs is True
     assert build_parser().parse_args(["serve"]).decode_graphs is None
+
+
+def test_serve_compile_workers_set_the_config():
+    from mindspec.cli import build_parser, with_model_options
+    from mindspec.config.defaults import default_config
+
+    config = default_config()
+    assert build_parser().parse_args(["serve", "--compile-workers", "3"]).compile_workers == 3
+    assert build_parser().parse_args(["serve"]).compile_workers is None
+    assert with_model_options(config, compile_workers=0).model.compile_workers == 0
+
+
+def test_serve_rejects_negative_compile_workers():
+    result = _run("serve", "--compile-workers", "-1")
+    assert result.returncode != 0 and "--compile-workers: must be >= 0, got -1" in result.stderr

@@ -92,6 +92,8 @@ class ModelConfig:
     tp: int = 1
     # mindspec: decode steps as captured graphs (cuda/npu) or compiled AOTInductor packages (cpu); None = backend default
     decode_graphs: Optional[bool] = None
+    # mindspec (compileWorkers): processes compiling cpu packages of shapes first met; None = a server's default
+    compile_workers: Optional[int] = None
     # mindspec (cpuThreads): intra-op threads per process on the cpu backend; None = default policy
     cpu_threads: Optional[int] = None
     extra: dict = field(default_factory=dict)
@@ -329,6 +331,7 @@ def _model(s: _Section, base_dir: Path) -> ModelConfig:
         kv_link_timeout=s.num("kv_link_timeout", 1080.0),
         decode_graphs=None if s.data.get("decodeGraphs") is None else s.bool("decodeGraphs", False),
         cpu_threads=s.int("cpuThreads", None, 1),
+        compile_workers=s.int("compileWorkers", None, 0),
         extra={k: v for k, v in s.data.items() if k not in _MODEL_KEYS},
     )
 

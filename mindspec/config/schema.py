@@ -165,6 +165,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "models": _skip("per-architecture options (ep_level, ...)"),
         "dtype": _ext("ModelConfig.dtype"),
         "decodeGraphs": _ext("ModelConfig.decode_graphs"),
+        "compileWorkers": _ext("ModelConfig.compile_workers -> EngineArgs.compile_workers (cpu packages of shapes "
+                               "first met compile in that many worker processes while the step runs eagerly; 0: "
+                               "on the serving thread; absent: one per core, at most 4)"),
         "distTimeout": _ext("ModelConfig.dist_timeout"),
         "cpuThreads": _ext("ModelConfig.cpu_threads -> EngineArgs.cpu_threads (cpu backend threads per process; "
                            "absent: the default policy)"),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -15,6 +16,12 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 def _check_int(name: str, value, lo: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < lo:
         raise ValueError(f"{name}: must be an integer >= {lo}, got {value!r}")
+
+
+def default_compile_workers() -> int:
+    """Compile processes of a server: one per core, at most 4 (each holds a copy of the step's
+    program; they run at the lowest priority, so the server keeps the cores it uses)."""
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 @dataclass
@@ -33,6 +40,10 @@ class EngineArgs:
     # Decode steps as captured graphs (cuda/npu) or compiled AOTInductor packages (cpu); None: on where the backend
     # captures graphs, off on cpu (compiling takes minutes there).
     decode_graphs: Optional[bool] = None
+    # cpu packages: worker processes that compile a shape first met while the step runs eagerly
+    # (exported_step.py); 0: it compiles on the calling thread, the step waiting. A MindIE config
+    # without compileWorkers gets default_compile_workers() (a server must not stall its requests).
+    compile_workers: int = 0
     # Intra-op threads of the cpu backend, per process (LLM(cpu_threads=), --threads, ModelConfig
     # cpuThreads); None: $MINDSPEC_CPU_THREADS, else the default policy of
     # mindspec.backends.cpu.backend.set_cpu_threads.
@@ -54,6 +65,7 @@ class EngineArgs:
         gb = self.kv_cache_gb
         if gb is not None and (isinstance(gb, bool) or not isinstance(gb, (int, float)) or not gb > 0):
             raise ValueError(f"kv_cache_gb: must be a number > 0 (GB), got {self.kv_cache_gb!r}")
+        _check_int("compile_workers", self.compile_workers, 0)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching: must be true or false, got {self.enable_prefix_caching!r}")
         if self.cpu_threads is not None:
@@ -130,6 +142,7 @@ class EngineArgs:
             dtype=model.dtype,
             plugin_params=model.plugin_params,
             decode_graphs=model.decode_graphs,
+            compile_workers=default_compile_workers() if model.compile_workers is None else model.compile_workers,
             cpu_threads=getattr(model, "cpu_threads", None),  # ModelConfig.cpuThreads
             cache_block_size=sched.cache_block_size,
             num_blocks=sched.num_blocks,

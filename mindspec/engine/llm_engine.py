@@ -56,6 +56,7 @@ class LLMEngine:
         self.model_wrapper = ModelWrapper(
             args.model, args.backend, args.resolved_dtype(args.backend), num_mtp_modules=num_mtp,
             device=args.device, progress=args.progress, decode_graphs=args.decode_graphs,
+            compile_workers=args.compile_workers,
         )
         self.tokenizer = _maybe_tokenizer(args.model)
         self.eos_token_ids = self._eos_token_ids()
@@ -242,6 +243,7 @@ class LLMEngine:
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         for n in batch_sizes:
             self.generate([ids] * n, params)
+        self.model_wrapper.compiled.wait_for_compiles()  # worker processes compile these shapes side by side
         self.step_accounting = account_decode_steps(self, ids, steps=4)
         self.spec_stats = SpecDecodeStats.for_drafts(len(self.spec_stats.accepted_per_position))
         for plugin in self.plugin_manager.plugins:
@@ -353,6 +355,8 @@ class LLMEngine:
     def close(self) -> None:
         if self.async_stepper is not None:
             self.async_stepper.close()
+        if self.model_wrapper.compiled is not None:
+            self.model_wrapper.compiled.close()
 
     def _is_stop(self, seq: Sequence, token: int) -> Optional[FinishReason]:
         state = self.requests[seq.seq_id]

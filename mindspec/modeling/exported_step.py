@@ -20,6 +20,10 @@ compiled again. The weights are constants inside the package. A package runs thr
 library's C ABI with the GIL released (aoti_runner.py), so async scheduling's host thread works
 while it computes; torch's loader, which holds the GIL, where that does not apply.
 
+With ``workers`` > 0 a shape not in the cache is exported on the calling thread (seconds) and
+compiled in a worker process (background_compiles.py) while the step runs eagerly; without, it
+compiles on the calling thread, the step waiting for it.
+
 Any failure (no C++ toolchain, an op export cannot trace) logs one warning per shape and that
 shape runs eagerly from then on: serving never depends on the compiler.
 """
@@ -37,6 +41,7 @@ from typing import Callable
 import torch
 
 from mindspec.modeling.aoti_runner import open_released
+from mindspec.modeling.background_compiles import DONE, PENDING, BackgroundCompiles
 from mindspec.modeling.gguf_file import is_gguf, split_files
 from mindspec.modeling.random_checkpoint import MANIFEST
 from mindspec.modeling.step_accounting import outside_accounting
@@ -79,13 +84,15 @@ def model_fingerprint(model_dir: Path) -> str:
 
 @dataclass
 class ExportStats:
-    compiled: int = 0  # packages compiled in this process
+    compiled: int = 0  # packages compiled by this process (or its workers)
     loaded: int = 0  # packages found in the cache directory
     failed: int = 0  # shapes that run eagerly after a failed export or compile
+    compiling: int = 0  # shapes whose package a worker is compiling (they run eagerly meanwhile)
     calls: int = 0  # steps that ran compiled
-    compile_s: float = 0.0
+    export_s: float = 0.0  # on the calling thread
+    compile_s: float = 0.0  # export and compile on the calling thread, or a worker's wall time
     load_s: float = 0.0
-    by_key: dict = field(default_factory=dict)  # package name -> "compiled" | "loaded" | "failed"
+    by_key: dict = field(default_factory=dict)  # package name -> "compiled" | "loaded" | "failed" | "compiling"
 
 
 class _Graph(torch.nn.Module):
@@ -99,14 +106,24 @@ class _Graph(torch.nn.Module):
         return self.run(*tensors)
 
 
+@dataclass
+class _Compiling:
+    """A shape whose package a worker is compiling."""
+
+    path: Path
+
+
 class ExportedSteps:
     """The model's decode entry points (``forward``, ``forward_speculative``) as compiled
-    packages, one per shape; the graph runner calls these with bucket-padded inputs only."""
+    packages, one per shape; the graph runner calls these with bucket-padded inputs only.
+    ``workers`` > 0: compile new shapes in that many worker processes."""
 
-    def __init__(self, model, backend, model_dir: Path, dtype: torch.dtype):
+    def __init__(self, model, backend, model_dir: Path, dtype: torch.dtype, workers: int = 0):
         self.model, self.backend = model, backend
         self.stats = ExportStats()
-        self._runners: dict[tuple, object] = {}  # shape key -> loaded package, or None (eager)
+        # shape key -> loaded package, _Compiling, or None (eager)
+        self._runners: dict[tuple, object] = {}
+        self.background = BackgroundCompiles(workers, torch.get_num_threads()) if workers else None
         self._identity = {
             "format": FORMAT, "model": model_fingerprint(model_dir), "dtype": str(dtype),
             "backend": backend.name, "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -223,11 +240,26 @@ class ExportedSteps:
         if key not in self._runners:
             self._runners[key] = self._package(key, run, tensors, dims)
         runner = self._runners[key]
-        if runner is None:
+        if isinstance(runner, _Compiling):
+            runner = self._runners[key] = self._arrived(runner)
+        if runner is None or isinstance(runner, _Compiling):
             return None
         self.stats.calls += 1
         with outside_accounting():
             return runner(*tensors)
+
+    def wait_for_compiles(self) -> None:
+        """Block until the workers have compiled every shape met so far, and load the packages."""
+        if self.background is None:
+            return
+        self.background.wait()
+        for key, runner in self._runners.items():
+            if isinstance(runner, _Compiling):
+                self._runners[key] = self._arrived(runner)
+
+    def close(self) -> None:
+        if self.background is not None:
+            self.background.close()
 
     def package_path(self, key: tuple) -> Path:
         blob = json.dumps({**self._identity, "key": key}, sort_keys=True, default=str)
@@ -244,17 +276,54 @@ class ExportedSteps:
                     return runner
                 path.unlink(missing_ok=True)  # unreadable (a torch or toolchain change, a cut write): compile again
                 path.with_suffix(".so").unlink(missing_ok=True)
-            self._compile(path, run, tensors, dims)
+            start = time.perf_counter()
+            program = _export(run, tensors, dims)
+            self.stats.export_s += time.perf_counter() - start
+            if self.background is not None:
+                return self._submit(path, program)
+            compile_package(program, path)
+            self.stats.compile_s += time.perf_counter() - start
             runner = open_released(path) or torch._inductor.aoti_load_package(str(path))
             self.stats.compiled += 1
             self.stats.by_key[path.stem] = "compiled"
             return runner
         except Exception as exc:  # no toolchain, an untraceable op: run this shape eagerly
-            log.warning("compiling the %s step %s failed (%s: %s); it runs eagerly", key[0], path.stem,
-                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-            self.stats.failed += 1
-            self.stats.by_key[path.stem] = "failed"
-            return None
+            return self._failed(key[0], path, exc)
+
+    def _submit(self, path: Path, program) -> _Compiling:
+        staged = path.parent / ".programs" / f"{path.stem}.{os.getpid()}.pt2"
+        staged.parent.mkdir(parents=True, exist_ok=True)
+        torch.export.save(program, str(staged))
+        self.background.submit(staged, path)
+        self.stats.compiling += 1
+        self.stats.by_key[path.stem] = "compiling"
+        log.info("compiling the %s step %s in a worker process; it runs eagerly until then", path.stem.split("-")[0],
+                 path.stem)
+        return _Compiling(path)
+
+    def _arrived(self, pending: _Compiling):
+        """The loaded package once its worker is done; ``pending`` meanwhile; None if it failed."""
+        state = self.background.state(pending.path)
+        if state == PENDING:
+            return pending
+        self.stats.compiling -= 1
+        job = self.background.jobs[pending.path]
+        self.stats.compile_s += job.seconds
+        runner = self._load(pending.path) if state == DONE else None
+        if runner is None:
+            return self._failed(pending.path.stem.split("-")[0], pending.path, RuntimeError(job.error or "no package"))
+        self.stats.compiled += 1
+        self.stats.by_key[pending.path.stem] = "compiled"
+        log.info("the %s step %s compiled in %.0f s (worker process); it runs compiled from now on",
+                 pending.path.stem.split("-")[0], pending.path.stem, job.seconds)
+        return runner
+
+    def _failed(self, kind: str, path: Path, exc: Exception) -> None:
+        log.warning("compiling the %s step %s failed (%s: %s); it runs eagerly", kind, path.stem,
+                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        self.stats.failed += 1
+        self.stats.by_key[path.stem] = "failed"
+        return None
 
     def _load(self, path: Path):
         start = time.perf_counter()
@@ -267,21 +336,27 @@ class ExportedSteps:
         self.stats.load_s += time.perf_counter() - start
         return runner
 
-    def _compile(self, path: Path, run: Callable, tensors: list[torch.Tensor], dims: list[dict]) -> None:
-        start = time.perf_counter()
-        named: dict[str, torch.export.Dim] = {}
-        spec = tuple({i: named.setdefault(n, torch.export.Dim(n, min=2, max=1 << 24)) for i, n in d.items()} or None
-                     for d in dims)
-        with torch.inference_mode(False), torch.no_grad():
-            program = torch.export.export(_Graph(run), tuple(tensors), dynamic_shapes=(spec,), strict=False)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")
-            torch._inductor.aoti_compile_and_package(program, package_path=str(tmp),
-                                                      inductor_configs=dict(INDUCTOR_CONFIGS))  # torch adds to it
-        os.replace(tmp, path)  # another process compiling the same step writes the same file
-        self.stats.compile_s += time.perf_counter() - start
-        log.info("compiled the %s step %s in %.1f s -> %s", path.name.split("-")[0], path.name,
-                 time.perf_counter() - start, path)
+
+def _export(run: Callable, tensors: list[torch.Tensor], dims: list[dict]) -> torch.export.ExportedProgram:
+    named: dict[str, torch.export.Dim] = {}
+    spec = tuple({i: named.setdefault(n, torch.export.Dim(n, min=2, max=1 << 24)) for i, n in d.items()} or None
+                 for d in dims)
+    with torch.inference_mode(False), torch.no_grad():
+        return torch.export.export(_Graph(run), tuple(tensors), dynamic_shapes=(spec,), strict=False)
+
+
+def compile_package(program: torch.export.ExportedProgram, path: Path) -> None:
+    """AOTInductor-compile ``program`` into the package ``path``, written atomically (another
+    process compiling the same step writes the same file)."""
+    start = time.perf_counter()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")
+    with torch.inference_mode(False), torch.no_grad():
+        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp),
+                                                  inductor_configs=dict(INDUCTOR_CONFIGS))  # torch adds to it
+    os.replace(tmp, path)
+    log.info("compiled the %s step %s in %.1f s -> %s", path.name.split("-")[0], path.name,
+             time.perf_counter() - start, path)
 
 
 def _signature(tensors: list[torch.Tensor], dims: list[dict]) -> tuple:

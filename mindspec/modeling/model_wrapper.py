@@ -56,6 +56,7 @@ class ModelWrapper:
         device: Optional[str] = None,
         progress: bool = True,
         decode_graphs: Optional[bool] = None,
+        compile_workers: int = 0,
     ):
         self.model_dir = Path(model_dir)
         self.backend = backend if isinstance(backend, Backend) else get_backend(backend, device)
@@ -74,7 +75,8 @@ class ModelWrapper:
         self.cache_config: Optional[CacheConfig] = None
         self.decode_graphs = decode_graphs
         self.graph_runner = None
-        self.compiled = ExportedSteps(self.model, self.backend, self.model_dir, self.dtype) if export else None
+        self.compiled = (ExportedSteps(self.model, self.backend, self.model_dir, self.dtype, compile_workers)
+                         if export else None)
         self._tree_drafters: dict[tuple, TreeDrafter] = {}
 
     @property

@@ -70,7 +70,8 @@ class ServiceMetrics:
         if compiled is not None:
             st = compiled.stats
             self.compiled_steps.set(st.calls)
-            for state, n in (("compiled", st.compiled), ("loaded", st.loaded), ("failed", st.failed)):
+            for state, n in (("compiled", st.compiled), ("loaded", st.loaded), ("failed", st.failed),
+                             ("compiling", st.compiling)):
                 self.packages.labels(state=state).set(n)
         for kind, value in (engine.step_accounting or {}).items():
             if kind != "steps":

@@ -90,7 +90,8 @@ def test_bad_values_name_their_path(keys, value, message):
      ("plugin_params", "{bad", "plugin_params: plugin_params is not valid JSON"),
      ("modelWeightPath", "", "modelWeightPath: must not be empty"), ("dp", 0, "dp: must be in >= 1"),
      ("cpuThreads", 0, "cpuThreads: must be in >= 1"), ("cpuThreads", "4", "cpuThreads: must be an integer"),
-     ("cpuThreads", 2.5, "cpuThreads: must be an integer")],
+     ("cpuThreads", 2.5, "cpuThreads: must be an integer"), ("compileWorkers", -1, "compileWorkers: must be in >= 0"),
+     ("compileWorkers", True, "compileWorkers: must be an integer")],
 )
 def test_bad_model_values_name_their_path(key, value, message):
     d = _sample()
@@ -149,6 +150,22 @@ def test_cpu_threads_reach_the_engine_args(caplog):
         cfg = parse_config(d)
     assert cfg.model.cpu_threads == 3 and caplog.records == [] and "cpuThreads" not in cfg.model.extra
     assert EngineArgs.from_mindie_config(cfg).cpu_threads == 3
+
+
+def test_compile_workers_default_to_a_servers_count():
+    from mindspec.engine.args import EngineArgs, default_compile_workers
+
+    d = _sample()
+    cfg = parse_config(d)
+    assert cfg.model.compile_workers is None
+    assert EngineArgs.from_mindie_config(cfg).compile_workers == default_compile_workers() >= 1
+    d["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["compileWorkers"] = 0
+    cfg = parse_config(d)
+    assert cfg.model.compile_workers == 0 and "compileWorkers" not in cfg.model.extra
+    assert EngineArgs.from_mindie_config(cfg).compile_workers == 0
+    assert EngineArgs(model="m").compile_workers == 0  # a library engine compiles on its own thread
+    with pytest.raises(ValueError, match="compile_workers: must be an integer >= 0"):
+        EngineArgs(model="m", compile_workers=-2)
 
 
 def test_unreadable_files(tmp_path):

@@ -162,6 +162,7 @@ def test_a_compiled_step_launches_few_ops_outside_its_package(checkpoint, cache_
     at_warmup = llm.engine.step_accounting["ops_outside_graphs"]
     assert at_warmup <= 8 and f'mindspec_decode_step_host_work{{kind="ops_outside_graphs"}} {at_warmup}' in text
     assert 'mindspec_compiled_step_packages{state="failed"} 0.0' in text
+    assert 'mindspec_compiled_step_packages{state="compiling"} 0.0' in text
     assert f"mindspec_compiled_decode_steps {float(llm.engine.model_wrapper.compiled.stats.calls)}" in text
 
 

@@ -1,0 +1,40 @@
+"""Compile one saved step program into a package, in its own process (background_compiles.py).
+
+    python -m mindspec.modeling.compile_worker PROGRAM PACKAGE THREADS
+
+PROGRAM is a ``torch.export``-saved program of a decode step; the package is written to PACKAGE
+atomically, compiled for THREADS intra-op threads (the serving process's count, part of the
+package's cache key). The worker runs at the lowest scheduling priority so that the serving
+process keeps the cores it needs; it exits 1 with the error as its last line on failure.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from mindspec.modeling.exported_step import compile_package
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3:
+        print(__doc__, file=sys.stderr)
+        return 2
+    program, package, threads = Path(argv[0]), Path(argv[1]), int(argv[2])
+    try:
+        os.nice(19)
+    except OSError:
+        pass
+    torch.set_num_threads(threads)
+    try:
+        compile_package(torch.export.load(str(program)), package)
+    except Exception as exc:
+        print(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
