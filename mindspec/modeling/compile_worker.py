@@ -33,6 +33,8 @@ def main(argv: list[str]) -> int:
     except Exception as exc:
         print(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", file=sys.stderr)
         return 1
+    finally:
+        program.unlink(missing_ok=True)  # also when the server that staged it is gone
     return 0
 
 
