@@ -244,14 +244,20 @@ class LLMEngine:
         compiled = self.model_wrapper.compiled
         for n in batch_sizes:
             self.generate([ids] * n, params)
-        compiled.wait_for_compiles()  # worker processes compile these shapes side by side
-        self.step_accounting = account_decode_steps(self, ids, steps=4)
-        for _ in range(3):  # the counted steps met a shape of their own (another arm): count compiled steps
-            if not compiled.stats.compiling:
-                break
-            compiled.wait_for_compiles()
-            self.step_accounting = account_decode_steps(self, ids, steps=4)
+        # The counted steps run each time from a reset controller, inside its first exploration of
+        # the arms (adaptive.py), so they meet the same shapes every time, whatever steps cost:
+        # once before the wait, so that worker processes compile those shapes with the others.
+        self._account_decode_steps(ids)
+        compiled.wait_for_compiles()
+        self.step_accounting = self._account_decode_steps(ids)
         self.spec_stats = SpecDecodeStats.for_drafts(len(self.spec_stats.accepted_per_position))
+        self._reset_adaptive()
+
+    def _account_decode_steps(self, ids: list[int]) -> dict:
+        self._reset_adaptive()
+        return account_decode_steps(self, ids, steps=4)
+
+    def _reset_adaptive(self) -> None:
         for plugin in self.plugin_manager.plugins:
             if hasattr(plugin, "adaptive"):
                 plugin.adaptive.reset()
