@@ -162,6 +162,16 @@ def pad_rows_per_seq(inputs: ModelInputs, rows: int) -> tuple[ModelInputs, np.nd
     return padded, row_map
 
 
+def draft_rows_bucket(rows: int) -> int:
+    """The padded rows per sequence of draft steps whose sequences need at most ``rows``: even up
+    to 8 (a steady speculative step: MTP Vanilla with K=3 needs 6), then a power of two. Rows
+    above 8 come from catching up MTP entries (up to CATCH_UP + K), rare steps whose every row
+    count would otherwise be a shape of its own to compile."""
+    if rows <= 8:
+        return rows + rows % 2
+    return 1 << (rows - 1).bit_length()
+
+
 def verifies_every_row(inputs: ModelInputs) -> bool:
     """Every row is an lm_head row, in order: a verification forward (each sequence's last token
     and its drafts), whose sequences may verify different numbers of drafts."""
@@ -379,8 +389,8 @@ class DecodeGraphRunner:
         num_seqs, q = inputs.num_seqs, int(inputs.q_lens[0])
         sub_q = max(int(s.q_lens.max()) for s in sub_steps)
         # Rows per sequence in the draft steps: a multiple of q for the slack-sequence layout;
-        # with uniform rows any count fits, rounded up to even so catch-up steps add few shapes.
-        per_seq = sub_q + sub_q % 2 if self.uniform_draft_rows else -(-sub_q // q) * q
+        # with uniform rows any count fits (draft_rows_bucket).
+        per_seq = draft_rows_bucket(sub_q) if self.uniform_draft_rows else -(-sub_q // q) * q
         lm_per_seq = len(inputs.lm_head_indices) // num_seqs
         main_spec, sub_spec = self._spec(inputs), self._spec(inputs, per_seq)
         row_map = None

@@ -11,8 +11,8 @@ from mindspec import LLM, SamplingParams
 from mindspec.backends.cpu import CpuBackend
 from mindspec.modeling.forward_metadata import build_model_inputs, input_arrays, to_device
 from mindspec.modeling.graph_runner import (
-    DecodeGraphRunner, EagerStep, PadSpec, StaticInputs, maybe_graph_runner, pad_inputs, pad_rows_per_seq,
-    pad_verify_rows,
+    DecodeGraphRunner, EagerStep, PadSpec, StaticInputs, draft_rows_bucket, maybe_graph_runner, pad_inputs,
+    pad_rows_per_seq, pad_verify_rows,
 )
 from mindspec.modeling.model_wrapper import ModelWrapper
 from mindspec.plugins.mtp import decode_inputs as di
@@ -180,6 +180,11 @@ def test_padding_rows_live_in_the_dummy_block_only():
     # two lm_head rows per sequence (verification): the last two rows of each padding sequence
     two = pad_inputs(inputs.with_(lm_head_indices=np.array([1, 2, 4, 5])), PadSpec(3, 3, 9, 6, 63, BLOCK_SIZE), 2)
     assert two.lm_head_indices.tolist() == [1, 2, 4, 5, 7, 8]
+
+
+def test_draft_rows_buckets_are_even_then_powers_of_two():
+    assert [draft_rows_bucket(n) for n in (1, 2, 3, 5, 6, 7, 8)] == [2, 2, 4, 6, 6, 8, 8]
+    assert [draft_rows_bucket(n) for n in (9, 12, 16, 17, 35)] == [16, 16, 16, 32, 64]
 
 
 def test_rows_per_seq_padding_keeps_each_sequences_rows_first():
