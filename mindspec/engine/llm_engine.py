@@ -40,6 +40,10 @@ from .scheduler import ScheduledBatch, Scheduler, SeqUpdate
 from .sequence import FinishReason, Sequence
 
 logger = logging.getLogger(__name__)
+# After the warm-up, with compile workers: the steps a shape without a package runs eagerly before
+# it is exported. A batch's steady shape passes it in a fraction of a second; a catch-up step's
+# row count or a batch size met in passing may never, and costs no export pause.
+EXPORT_AFTER_STEPS = 16
 
 Prompt = Union[str, list[int]]
 
@@ -250,6 +254,8 @@ class LLMEngine:
         self._account_decode_steps(ids)
         compiled.wait_for_compiles()
         self.step_accounting = self._account_decode_steps(ids)
+        if compiled.background is not None:  # serving: rare shapes stay eager, recurring ones compile
+            compiled.export_after = EXPORT_AFTER_STEPS
         self.spec_stats = SpecDecodeStats.for_drafts(len(self.spec_stats.accepted_per_position))
         self._reset_adaptive()
 

@@ -124,6 +124,11 @@ class ExportedSteps:
         # shape key -> loaded package, _Compiling, or None (eager)
         self._runners: dict[tuple, object] = {}
         self.background = BackgroundCompiles(workers, torch.get_num_threads()) if workers else None
+        # Steps of a shape with no package run eagerly this many times before it is exported (the
+        # export pauses the calling thread for seconds): the engine raises it after its warm-up,
+        # so that shapes met rarely while serving (long catch-ups, passing batch sizes) stay eager.
+        self.export_after = 1
+        self._misses: dict[tuple, int] = {}  # shape key -> steps run eagerly without a package
         self._identity = {
             "format": FORMAT, "model": model_fingerprint(model_dir), "dtype": str(dtype),
             "backend": backend.name, "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -238,6 +243,8 @@ class ExportedSteps:
     def _run(self, key: tuple, run: Callable, tensors: list[torch.Tensor], dims: list[dict]):
         """The package's outputs for ``tensors``, or None: run this step eagerly."""
         if key not in self._runners:
+            if not self._due(key):
+                return None
             self._runners[key] = self._package(key, run, tensors, dims)
         runner = self._runners[key]
         if isinstance(runner, _Compiling):
@@ -247,6 +254,14 @@ class ExportedSteps:
         self.stats.calls += 1
         with outside_accounting():
             return runner(*tensors)
+
+    def _due(self, key: tuple) -> bool:
+        """Whether a shape met again is to be loaded or exported now: at once when a package is
+        in the cache, else on its ``export_after``-th step."""
+        if self.export_after <= 1:
+            return True
+        seen = self._misses[key] = self._misses.get(key, 0) + 1
+        return seen >= self.export_after or self.package_path(key).is_file()
 
     def wait_for_compiles(self) -> None:
         """Block until the workers have compiled every shape met so far, and load the packages."""

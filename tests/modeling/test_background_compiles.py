@@ -10,7 +10,7 @@ import pytest
 
 from mindspec import SamplingParams
 from mindspec.engine.args import EngineArgs
-from mindspec.engine.llm_engine import LLMEngine
+from mindspec.engine.llm_engine import EXPORT_AFTER_STEPS, LLMEngine
 from mindspec.engine.scheduler import SchedulerConfig
 from mindspec.modeling import background_compiles, exported_step
 from mindspec.modeling.background_compiles import DONE, FAILED, PENDING, BackgroundCompiles
@@ -113,6 +113,11 @@ def test_a_shape_first_met_runs_eagerly_until_its_worker_is_done(checkpoint, tmp
     assert compiled.stats.compiling == 0 and compiled.stats.by_key[name] == "compiled" and compiled.stats.compiled == 1
     assert (tmp_path / "steps" / f"{name}.pt2").is_file() and not list((tmp_path / "steps" / ".programs").iterdir())
     assert _tokens(engine, 1) == expected and compiled.stats.calls > 0
+    # After a server's warm-up a shape without a package is exported on its export_after-th step
+    # only; one whose package is in the cache loads at once.
+    compiled.export_after = 3
+    assert [compiled._due(("rare",)) for _ in range(3)] == [False, False, True]
+    assert compiled._due(next(iter(compiled._runners)))
     engine.close()
 
     # A server's start-up: the warm-up's new shape (bucket 2) compiles in a worker and the
@@ -121,6 +126,7 @@ def test_a_shape_first_met_runs_eagerly_until_its_worker_is_done(checkpoint, tmp
     served = _engine(checkpoint, True, 2, decode_graphs=True, compile_workers=2)
     stats = served.model_wrapper.compiled.stats
     assert sorted(stats.by_key.values()) == ["compiled", "loaded"] and stats.compiling == 0
+    assert served.model_wrapper.compiled.export_after == EXPORT_AFTER_STEPS > 1
     calls = stats.calls
     assert _tokens(served, 2) == expected2 and stats.calls > calls and stats.failed == 0
     served.close()
