@@ -14,7 +14,6 @@ waiting. Workers are stopped when the engine closes or the process exits.
 """
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import subprocess
@@ -57,8 +56,7 @@ class BackgroundCompiles:
         self.workers, self.threads = workers, threads
         self.jobs: dict[Path, CompileJob] = {}  # by package path
         self._queue: deque[CompileJob] = deque()
-        self._finalizer = weakref.finalize(self, _stop_all, self.jobs)
-        atexit.register(self._finalizer)
+        self._finalizer = weakref.finalize(self, _stop_all, self.jobs)  # also runs at interpreter exit
 
     def submit(self, program: Path, package: Path) -> None:
         job = self.jobs[package] = CompileJob(program, package)

@@ -30,12 +30,18 @@ def _job(tmp_path, name: str):
     return program, tmp_path / f"{name}.pt2"
 
 
+def _two_jobs_on_one_worker(tmp_path):
+    """-> (compiles, [(program, package)] * 2), both submitted."""
+    compiles = BackgroundCompiles(workers=1, threads=1)
+    jobs = [_job(tmp_path, "a"), _job(tmp_path, "b")]
+    for program, package in jobs:
+        compiles.submit(program, package)
+    return compiles, jobs
+
+
 def test_jobs_queue_for_the_workers_and_end_with_their_packages(tmp_path, monkeypatch):
     _fake_worker(monkeypatch, WRITES_PACKAGE, "0.5")
-    compiles = BackgroundCompiles(workers=1, threads=1)
-    (p1, out1), (p2, out2) = _job(tmp_path, "a"), _job(tmp_path, "b")
-    compiles.submit(p1, out1)
-    compiles.submit(p2, out2)
+    compiles, [(p1, out1), (p2, out2)] = _two_jobs_on_one_worker(tmp_path)
     assert compiles.jobs[out1].proc is not None and compiles.jobs[out2].proc is None  # one worker: b waits
     assert compiles.state(out1) == compiles.state(out2) == PENDING
     compiles.wait(poll_s=0.05)
@@ -57,10 +63,7 @@ def test_a_failed_worker_reports_its_last_line(tmp_path, monkeypatch):
 
 def test_close_stops_running_workers(tmp_path, monkeypatch):
     _fake_worker(monkeypatch, WRITES_PACKAGE, "60")
-    compiles = BackgroundCompiles(workers=1, threads=1)
-    (p1, out1), (p2, out2) = _job(tmp_path, "a"), _job(tmp_path, "b")
-    compiles.submit(p1, out1)
-    compiles.submit(p2, out2)
+    compiles, [(p1, out1), (p2, out2)] = _two_jobs_on_one_worker(tmp_path)
     proc = compiles.jobs[out1].proc
     start = time.perf_counter()
     compiles.close()
