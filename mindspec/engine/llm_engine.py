@@ -44,6 +44,9 @@ logger = logging.getLogger(__name__)
 # it is exported. A batch's steady shape passes it in a fraction of a second; a catch-up step's
 # row count or a batch size met in passing may never, and costs no export pause.
 EXPORT_AFTER_STEPS = 16
+# ... and at most one export (a pause of the running requests, 10-14 s for the shipped model's
+# speculative steps on two cores) per this many seconds.
+EXPORT_INTERVAL_S = 60.0
 
 Prompt = Union[str, list[int]]
 
@@ -255,7 +258,7 @@ class LLMEngine:
         compiled.wait_for_compiles()
         self.step_accounting = self._account_decode_steps(ids)
         if compiled.background is not None:  # serving: rare shapes stay eager, recurring ones compile
-            compiled.export_after = EXPORT_AFTER_STEPS
+            compiled.export_after, compiled.export_interval_s = EXPORT_AFTER_STEPS, EXPORT_INTERVAL_S
         self.spec_stats = SpecDecodeStats.for_drafts(len(self.spec_stats.accepted_per_position))
         self._reset_adaptive()
 
