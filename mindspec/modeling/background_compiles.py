@@ -46,6 +46,14 @@ class CompileJob:
     def log_path(self) -> Path:
         return self.program.with_suffix(".log")
 
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.state == PENDING
+
+    def remove_files(self) -> None:
+        for path in (self.program, self.log_path):
+            path.unlink(missing_ok=True)
+
 
 class BackgroundCompiles:
     """At most ``workers`` compile processes at once; further jobs queue."""
@@ -85,13 +93,13 @@ class BackgroundCompiles:
     # ---- workers -------------------------------------------------------------------------------
     def _advance(self) -> None:
         for job in self.jobs.values():
-            if job.proc is not None and job.state == PENDING and job.proc.poll() is not None:
+            if job.running and job.proc.poll() is not None:
                 self._finish(job)
         while self._queue and self._running() < self.workers:
             self._start(self._queue.popleft())
 
     def _running(self) -> int:
-        return sum(job.proc is not None and job.state == PENDING for job in self.jobs.values())
+        return sum(job.running for job in self.jobs.values())
 
     def _start(self, job: CompileJob) -> None:
         cmd = [*WORKER, str(job.program), str(job.package), str(self.threads)]
@@ -105,8 +113,7 @@ class BackgroundCompiles:
             job.state = DONE
         else:
             job.state, job.error = FAILED, _last_line(job.log_path) or f"exit status {job.proc.returncode}"
-        for path in (job.program, job.log_path):
-            path.unlink(missing_ok=True)
+        job.remove_files()
 
 
 def _worker_env() -> dict[str, str]:
@@ -131,5 +138,4 @@ def _stop_all(jobs: dict[Path, CompileJob]) -> None:
             job.proc.wait()
         if job.state == PENDING:
             job.state, job.error = FAILED, "stopped"
-            for path in (job.program, job.log_path):
-                path.unlink(missing_ok=True)
+            job.remove_files()

@@ -312,7 +312,7 @@ class ExportedSteps:
             self.stats.by_key[path.stem] = "compiled"
             return runner
         except Exception as exc:  # no toolchain, an untraceable op: run this shape eagerly
-            return self._failed(key[0], path, exc)
+            return self._failed(path, _first_line(exc))
 
     def _submit(self, path: Path, program) -> _Compiling:
         staged = path.parent / ".programs" / f"{path.stem}.{os.getpid()}.pt2"
@@ -321,8 +321,7 @@ class ExportedSteps:
         self.background.submit(staged, path)
         self.stats.compiling += 1
         self.stats.by_key[path.stem] = "compiling"
-        log.info("compiling the %s step %s in a worker process; it runs eagerly until then", path.stem.split("-")[0],
-                 path.stem)
+        log.info("compiling the %s step %s in a worker process; it runs eagerly until then", _kind(path), path.stem)
         return _Compiling(path)
 
     def _arrived(self, pending: _Compiling):
@@ -335,16 +334,15 @@ class ExportedSteps:
         self.stats.compile_s += job.seconds
         runner = self._load(pending.path) if state == DONE else None
         if runner is None:
-            return self._failed(pending.path.stem.split("-")[0], pending.path, RuntimeError(job.error or "no package"))
+            return self._failed(pending.path, job.error or "no package")
         self.stats.compiled += 1
         self.stats.by_key[pending.path.stem] = "compiled"
         log.info("the %s step %s compiled in %.0f s (worker process); it runs compiled from now on",
-                 pending.path.stem.split("-")[0], pending.path.stem, job.seconds)
+                 _kind(pending.path), pending.path.stem, job.seconds)
         return runner
 
-    def _failed(self, kind: str, path: Path, exc: Exception) -> None:
-        log.warning("compiling the %s step %s failed (%s: %s); it runs eagerly", kind, path.stem,
-                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+    def _failed(self, path: Path, reason: str) -> None:
+        log.warning("compiling the %s step %s failed (%s); it runs eagerly", _kind(path), path.stem, reason)
         self.stats.failed += 1
         self.stats.by_key[path.stem] = "failed"
         return None
@@ -354,8 +352,7 @@ class ExportedSteps:
         try:
             runner = open_released(path) or torch._inductor.aoti_load_package(str(path))
         except Exception as exc:
-            log.warning("the compiled step %s cannot be loaded (%s: %s); compiling it again", path,
-                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            log.warning("the compiled step %s cannot be loaded (%s); compiling it again", path, _first_line(exc))
             return None
         self.stats.load_s += time.perf_counter() - start
         return runner
@@ -379,8 +376,17 @@ def compile_package(program: torch.export.ExportedProgram, path: Path) -> None:
         torch._inductor.aoti_compile_and_package(program, package_path=str(tmp),
                                                   inductor_configs=dict(INDUCTOR_CONFIGS))  # torch adds to it
     os.replace(tmp, path)
-    log.info("compiled the %s step %s in %.1f s -> %s", path.name.split("-")[0], path.name,
+    log.info("compiled the %s step %s in %.1f s -> %s", _kind(path), path.name,
              time.perf_counter() - start, path)
+
+
+def _kind(path: Path) -> str:
+    """A package's step kind ("decode", "speculative", "tree"): the first part of its name."""
+    return path.stem.split("-")[0]
+
+
+def _first_line(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
 def _signature(tensors: list[torch.Tensor], dims: list[dict]) -> tuple:
