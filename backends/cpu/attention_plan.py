@@ -6,7 +6,8 @@ left-aligned). When every sequence has the same q_len, as in plain decode and MT
 the grid is a reshape of the flat batch and no scatter is needed. Keys are gathered from the paged
 cache as one [B, S] index of flat cache rows (memoised per block size); the mask is an additive
 float32 bias [B, Q, 1, S] (0 allowed, -inf masked), broadcast over heads. Prefill uses the same
-plan: with no cached context its keys are the new tokens themselves.
+plan: with no cached context its keys are the new tokens themselves. An exported step computes
+the same plan inside, as tensor ops over the lengths and block tables (``traced_plan``).
 """
 from __future__ import annotations
 
@@ -90,20 +91,14 @@ class AttentionPlan:
 
 
 def attention_plan(meta: AttentionMetadata, device: torch.device) -> AttentionPlan:
-    """The plan for ``meta``, built on first use and memoised in ``meta.scratch``, with its tree
-    mask applied."""
-    plan = host_plan(meta, device)
-    if plan.tree_cols is not None:
-        plan.with_tree(meta.tree_mask)
-    return plan
-
-
-def host_plan(meta: AttentionMetadata, device: torch.device) -> AttentionPlan:
-    """The plan as built from the host lengths (a tree mask's part not applied: what an exported
-    step takes as inputs)."""
+    """The plan for ``meta``, built from the host lengths on first use and memoised in
+    ``meta.scratch`` (where an exported step binds its traced_plan instead), with its tree mask
+    applied."""
     plan = meta.scratch.get(PLAN_KEY)
     if plan is None:
         plan = meta.scratch[PLAN_KEY] = _build(meta, device)
+    if plan.tree_cols is not None:
+        plan.with_tree(meta.tree_mask)
     return plan
 
 
@@ -167,15 +162,22 @@ def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(a).to(device)  # every array here is freshly made and contiguous; no copy on the cpu
 
 
+def grid_indices(meta: AttentionMetadata, device: torch.device) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(tok_seq, tok_pos) [T] of the plan: each flat token's grid cell; (None, None) when every
+    sequence has the same q_len (the grid is a reshape)."""
+    if min(meta.q_lens_host, default=0) == meta.max_q_len:
+        return None, None
+    q_lens = np.asarray(meta.q_lens_host, dtype=np.int64)
+    seq = np.repeat(np.arange(len(q_lens)), q_lens)
+    starts = np.cumsum(q_lens) - q_lens
+    return _tensor(seq, device), _tensor(np.arange(len(seq)) - starts[seq], device)
+
+
 def _build(meta: AttentionMetadata, device: torch.device) -> AttentionPlan:
     B, Q, S = meta.num_seqs, meta.max_q_len, meta.max_seq_len
     q_lens = np.asarray(meta.q_lens_host, dtype=np.int64)
     seq_lens = np.asarray(meta.seq_lens_host, dtype=np.int64)
-    tok_seq = tok_pos = None
-    if (q_lens != Q).any():
-        seq = np.repeat(np.arange(B), q_lens)
-        starts = np.cumsum(q_lens) - q_lens
-        tok_seq, tok_pos = _tensor(seq, device), _tensor(np.arange(len(seq)) - starts[seq], device)
+    tok_seq, tok_pos = grid_indices(meta, device)
     tree_cols = None
     if meta.tree_mask is not None:
         tree_cols = _tensor(_tree_cols(q_lens, seq_lens, S), device)
@@ -216,3 +218,36 @@ def _tree_cols(q_lens: np.ndarray, seq_lens: np.ndarray, S: int) -> np.ndarray:
     """[B, S] the column of key s among the sequence's new rows, -1 outside them."""
     col = np.arange(S)[None, :] - (seq_lens - q_lens)[:, None]
     return np.where((col >= 0) & (col < q_lens[:, None]), col, -1).astype(np.int64)
+
+
+# ---- the plan as tensor ops: what an exported step computes inside ---------------------------
+# The same values as _bias, _cache_rows and _tree_cols, from the metadata's device tensors, so a
+# compiled step takes its lengths and tables as inputs and the host builds no plan. The key
+# count S is the size of ``key_index`` (arange(S)): the step's one dynamic size.
+
+
+def traced_plan(meta: AttentionMetadata, key_index: torch.Tensor, tok_seq: Optional[torch.Tensor] = None,
+                tok_pos: Optional[torch.Tensor] = None) -> tuple[AttentionPlan, torch.Tensor]:
+    """-> (the plan, cache rows [B, S]) of ``meta`` (its seq_lens, q_lens and block_tables
+    tensors; max_q_len from the host lengths), a tree mask's columns included when it has one."""
+    seq_lens = meta.seq_lens.to(torch.int64)[:, None]  # [B, 1]
+    q_lens = meta.q_lens.to(torch.int64)[:, None]
+    ctx = seq_lens - q_lens  # cached tokens before the new ones
+    k = key_index[None, :]  # [1, S]
+    in_seq = k < seq_lens  # [B, S]
+    columns = (key_index // meta.block_size).clamp_max(meta.block_tables.shape[1] - 1)
+    table = meta.block_tables.to(torch.int64)[:, columns]  # [B, S]
+    rows = torch.where(in_seq, table * meta.block_size + k % meta.block_size, 0)
+    i = torch.arange(meta.max_q_len, device=key_index.device)[None, :, None]  # [1, Q, 1]
+    allowed = in_seq[:, None, :] & (k[:, None, :] < ctx[:, :, None])
+    if meta.tree_mask is None:  # bottom-right causal among the new tokens
+        allowed = allowed | (in_seq[:, None, :] & (k[:, None, :] <= ctx[:, :, None] + i))
+    allowed = allowed | ((i >= q_lens[:, :, None]) & (k[:, None, :] == 0))  # padding cells see key 0
+    bias = torch.where(allowed, 0.0, float("-inf")).to(torch.float32)[:, :, None, :]  # [B, Q, 1, S]
+    tree_cols = None
+    if meta.tree_mask is not None:
+        col = k - ctx
+        tree_cols = torch.where((col >= 0) & (col < q_lens), col, -1)
+    plan = AttentionPlan(num_seqs=meta.num_seqs, max_q=meta.max_q_len, max_s=0, tok_seq=tok_seq, tok_pos=tok_pos,
+                         bias=bias, tree_cols=tree_cols)
+    return plan, rows

@@ -3,7 +3,7 @@
 Every op is vectorised over tokens and heads, and written for a CPU where per-op overhead, not
 FLOPs, dominates small models: what every layer of a forward would recompute (the padded token
 grid, the causal/tree mask, the cache gather index) is derived once per forward into an
-AttentionPlan (``prepare``), and attention runs as two batched GEMMs over the gathered latent rows.
+AttentionPlan (attention_plan.py: on the host, or inside an exported step), and attention runs as two batched GEMMs over the gathered latent rows.
 Numerics follow transformers' DeepSeek-V2/V3 eager code (RMSNorm and routers in fp32, cos/sin cast
 to the activation dtype, softmax in fp32, expert outputs weighted in fp32 and cast back before the
 sum).
@@ -32,7 +32,7 @@ from mindspec.modeling.quantized import is_quantized
 
 from . import linear as packed_linear
 from . import moe
-from .attention_plan import PLAN_KEY, ROWS_KEY, AttentionPlan, attention_groups, attention_plan, cache_rows, host_plan
+from .attention_plan import PLAN_KEY, ROWS_KEY, attention_groups, attention_plan, cache_rows, grid_indices, traced_plan
 
 logger = logging.getLogger(__name__)
 
@@ -251,13 +251,11 @@ class CpuBackend(Backend):
             return super().mem_get_info()
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        self._rope_memo.clear()  # a new forward: its positions and slots may be old tensors with new values
+        """A new forward: clear the per-call memos (its positions and slots may be old tensors with
+        new values). The attention plans are memoised on first use (attention_plan), so a step
+        that runs as an exported package, which computes them inside, builds none on the host."""
+        self._rope_memo.clear()
         self._spill_memo.clear()
-        groups = attention_groups(meta, self.device)
-        for m in [meta] if groups is None else [g.meta for g in groups]:
-            attention_plan(m, self.device)
-            if m.block_size:
-                cache_rows(m, m.block_size, self.device)
 
     # ---- cache ---------------------------------------------------------------------------
     def allocate_latent_cache(
@@ -267,29 +265,27 @@ class CpuBackend(Backend):
         return _cache_over(rows, block_size, kv_lora_rank)
 
     # ---- whole-step export -------------------------------------------------------------------
-    # A decode step's ops read, besides the model inputs, the slots, the attention plan's bias and
-    # the cache rows of every key (``prepare``): the context length S is their one dynamic size.
+    # A decode step's ops read, besides the model inputs, the slots and the attention plan, which
+    # the exported step computes from the lengths and block tables (attention_plan.traced_plan):
+    # the context length S, the size of key_index, is its one dynamic size.
     @property
     def supports_step_export(self) -> bool:
         return True
 
     def step_tensors(self, meta: AttentionMetadata, name: str) -> list[tuple[torch.Tensor, dict[int, str]]]:
-        plan = host_plan(meta, self.device)  # a tree mask is applied inside the exported step
-        s = f"{name}_context"
-        tensors = [(meta.slots, {}), (plan.context_bias, {3: s}), (cache_rows(meta, meta.block_size, self.device), {1: s})]
-        if plan.tree_cols is not None:  # a tree step: the mask is computed inside, its columns here
-            tensors.append((plan.tree_cols, {1: s}))
-        if plan.tok_seq is not None:  # sequences with different q_lens: the grid scatter's indices
-            tensors += [(plan.tok_seq, {}), (plan.tok_pos, {})]
+        key_index = torch.arange(meta.max_seq_len, device=meta.seq_lens.device)
+        tensors = [(meta.slots, {}), (meta.seq_lens, {}), (meta.q_lens, {}), (meta.block_tables, {}),
+                   (key_index, {0: f"{name}_context"})]
+        tok_seq, tok_pos = grid_indices(meta, self.device)
+        if tok_seq is not None:  # sequences with different q_lens: the grid scatter's indices
+            tensors += [(tok_seq, {}), (tok_pos, {})]
         return tensors
 
     def bind_step_tensors(self, meta: AttentionMetadata, tensors: list[torch.Tensor]) -> AttentionMetadata:
-        slots, bias, rows, *rest = tensors
-        tree_cols = rest.pop(0) if meta.tree_mask is not None else None
-        tok_seq, tok_pos = rest or (None, None)
-        bound = replace(meta, slots=slots, scratch={})
-        bound.scratch[PLAN_KEY] = AttentionPlan(num_seqs=meta.num_seqs, max_q=meta.max_q_len, max_s=0,
-                                                tok_seq=tok_seq, tok_pos=tok_pos, bias=bias, tree_cols=tree_cols)
+        slots, seq_lens, q_lens, block_tables, key_index, *grid = tensors
+        bound = replace(meta, slots=slots, seq_lens=seq_lens, q_lens=q_lens, block_tables=block_tables, scratch={})
+        plan, rows = traced_plan(bound, key_index, *grid)
+        bound.scratch[PLAN_KEY] = plan
         bound.scratch[(ROWS_KEY, meta.block_size)] = rows
         return bound
 

@@ -43,10 +43,14 @@ class PackedLayout:
             want = [(dt.name, shape) for dt, shape, _ in self.fields]
             raise ValueError(f"packed transfer: arrays {got} do not fit the layout {want}")
         staging = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pinned)
-        raw = staging.numpy()
+        self.write(arrays, staging)
+        return staging
+
+    def write(self, arrays: Sequence[np.ndarray], buffer: torch.Tensor) -> None:
+        """The arrays into a host uint8 ``buffer`` [nbytes] at their offsets (they fit: ``stage``)."""
+        raw = buffer.numpy()
         for a, (dt, _, off) in zip(arrays, self.fields):
             raw[off : off + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
-        return staging
 
     def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Typed tensors over ``buffer`` (uint8 [nbytes], any device), one per field."""

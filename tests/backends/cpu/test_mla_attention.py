@@ -151,3 +151,27 @@ def test_bf16_close_to_fp32():
     out = be.mla_attention(q_lat.bfloat16(), q_pe.bfloat16(), cache16, meta, SCALE)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref32, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("q_lens, tree", [([1, 1, 1], False), ([4, 4, 4], False), ([4, 1, 3], False), ([4, 3, 4], True)])
+def test_plan_computed_from_step_tensors_equals_the_host_plan(q_lens, tree):
+    """An exported step binds its metadata to step_tensors and computes the plan from the lengths
+    and block tables inside: the same mask, cache rows and attention as the plan built on the host."""
+    from backends.cpu.attention_plan import PLAN_KEY, ROWS_KEY, attention_plan, cache_rows
+
+    seq_lens = [9, 17, 6]
+    mask = None
+    if tree:
+        mask = (torch.rand(3, 4, 4, generator=torch.Generator().manual_seed(5)) < 0.5) | torch.eye(4, dtype=torch.bool)
+    be, cache, meta, seqs, q_nope, q_pe = _setup(seq_lens, q_lens, seed=4, tree_mask=mask)
+    meta.block_size = BS  # what an engine's metadata carries (the exported step's cache rows need it)
+    tensors = [t for t, _ in be.step_tensors(meta, "m")]
+    bound = be.bind_step_tensors(meta, tensors)
+    assert PLAN_KEY in bound.scratch and not meta.scratch  # nothing was planned on the host
+    host, traced = attention_plan(meta, meta.slots.device), attention_plan(bound, meta.slots.device)
+    assert torch.equal(traced.bias, host.bias)
+    assert torch.equal(cache_rows(bound, BS, meta.slots.device), cache_rows(meta, BS, meta.slots.device))
+    assert (traced.tok_seq is None) == (len(set(q_lens)) == 1)
+    w_uk, w_uv = _weights(torch.Generator().manual_seed(2))
+    out = _absorbed(be, cache, bound, q_nope, q_pe, w_uk, w_uv)
+    torch.testing.assert_close(out.double(), _reference(meta, seqs, q_nope, q_pe, w_uk, w_uv), atol=1e-5, rtol=1e-5)
