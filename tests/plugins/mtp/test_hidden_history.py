@@ -47,3 +47,13 @@ def test_invalid_rows_read_zeros():
     h.write(np.array([a]), np.array([0]), np.array([3]), rows, np.array([0]))
     got = h.read(np.array([a, a, a]), np.array([2, -7, 0]), valid=np.array([True, False, True]))
     assert torch.equal(got, torch.stack([rows[2], torch.zeros(4), rows[0]]))
+
+
+def test_one_write_of_more_than_keep_positions_keeps_the_newest():
+    """A step accepting more tokens than the history keeps (long suffix drafts): its last ``keep``
+    positions survive, whatever order rows of one write land in."""
+    h = HiddenHistory(keep=3)
+    a = h.add(1, torch.zeros(1, 4))
+    rows = _rows(range(7), 6)
+    h.write(np.array([a]), np.array([10]), np.array([5]), rows, np.array([2]))  # positions 10..14 from rows 2..6
+    assert torch.equal(h.read(np.full(3, a), np.array([12, 13, 14])), rows[4:7])
