@@ -162,7 +162,7 @@ def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(a).to(device)  # every array here is freshly made and contiguous; no copy on the cpu
 
 
-def grid_indices(meta: AttentionMetadata, device: torch.device) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+def grid_indices(meta: AttentionMetadata, device: torch.device) -> tuple[Optional[torch.Tensor], ...]:
     """(tok_seq, tok_pos) [T] of the plan: each flat token's grid cell; (None, None) when every
     sequence has the same q_len (the grid is a reshape)."""
     if min(meta.q_lens_host, default=0) == meta.max_q_len:

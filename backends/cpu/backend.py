@@ -3,7 +3,8 @@
 Every op is vectorised over tokens and heads, and written for a CPU where per-op overhead, not
 FLOPs, dominates small models: what every layer of a forward would recompute (the padded token
 grid, the causal/tree mask, the cache gather index) is derived once per forward into an
-AttentionPlan (attention_plan.py: on the host, or inside an exported step), and attention runs as two batched GEMMs over the gathered latent rows.
+AttentionPlan (attention_plan.py: on the host, or inside an exported step), and attention runs
+as two batched GEMMs over the gathered latent rows.
 Numerics follow transformers' DeepSeek-V2/V3 eager code (RMSNorm and routers in fp32, cos/sin cast
 to the activation dtype, softmax in fp32, expert outputs weighted in fp32 and cast back before the
 sum).

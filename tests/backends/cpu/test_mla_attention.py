@@ -153,7 +153,8 @@ def test_bf16_close_to_fp32():
     torch.testing.assert_close(out.float(), ref32, atol=5e-2, rtol=5e-2)
 
 
-@pytest.mark.parametrize("q_lens, tree", [([1, 1, 1], False), ([4, 4, 4], False), ([4, 1, 3], False), ([4, 3, 4], True)])
+@pytest.mark.parametrize("q_lens, tree", [([1, 1, 1], False), ([4, 4, 4], False), ([4, 1, 3], False),
+                                          ([4, 3, 4], True)])
 def test_plan_computed_from_step_tensors_equals_the_host_plan(q_lens, tree):
     """An exported step binds its metadata to step_tensors and computes the plan from the lengths
     and block tables inside: the same mask, cache rows and attention as the plan built on the host."""
