@@ -390,8 +390,10 @@ def _first_line(exc: Exception) -> str:
 
 
 def _signature(tensors: list[torch.Tensor], dims: list[dict]) -> tuple:
-    """What a package is specialised on: each input's dtype and static sizes (-1: dynamic)."""
-    return tuple((str(t.dtype), tuple(-1 if i in d else n for i, n in enumerate(t.shape)))
+    """What a package is specialised on: each input's dtype and static sizes (-1: dynamic).
+    Computed every step over ~40 tensors: dtypes stay objects (``package_path`` writes them as
+    str, the same text) and shapes without dynamic dims are taken whole."""
+    return tuple((t.dtype, tuple(-1 if i in d else n for i, n in enumerate(t.shape)) if d else tuple(t.shape))
                  for t, d in zip(tensors, dims))
 
 
