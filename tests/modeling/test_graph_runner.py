@@ -199,6 +199,9 @@ def test_rows_per_seq_padding_keeps_each_sequences_rows_first():
     assert (padded.block_tables == inputs.block_tables).all()
     with pytest.raises(ValueError, match="do not fit"):
         pad_rows_per_seq(inputs, 2)
+    # rows already in shape: the inputs as they are, each row where it was
+    again, same = pad_rows_per_seq(padded, 3)
+    assert again is padded and same.tolist() == list(range(9))
 
 
 def test_pad_refuses_what_does_not_fit():
