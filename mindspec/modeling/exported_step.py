@@ -362,8 +362,14 @@ def _export(run: Callable, tensors: list[torch.Tensor], dims: list[dict]) -> tor
     named: dict[str, torch.export.Dim] = {}
     spec = tuple({i: named.setdefault(n, torch.export.Dim(n, min=2, max=1 << 24)) for i, n in d.items()} or None
                  for d in dims)
+    # The graph runner's inputs are int32 and int64 views of one byte buffer: the program keeps
+    # its example inputs, and torch.export.save refuses views of one storage as different types
+    # (a worker compiles a saved program). Copies of what shares a storage, then (small inputs:
+    # the caches own theirs). Views made in inference mode have no ``_base``: storages are compared.
+    examples = tuple(t.clone() if t.untyped_storage().nbytes() != t.numel() * t.element_size() else t
+                     for t in tensors)
     with torch.inference_mode(False), torch.no_grad():
-        return torch.export.export(_Graph(run), tuple(tensors), dynamic_shapes=(spec,), strict=False)
+        return torch.export.export(_Graph(run), examples, dynamic_shapes=(spec,), strict=False)
 
 
 def compile_package(program: torch.export.ExportedProgram, path: Path) -> None:
