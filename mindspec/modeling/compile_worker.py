@@ -1,9 +1,10 @@
-"""Compile one saved step program into a package, in its own process (background_compiles.py).
+"""Compile one staged step into a package, in its own process (background_compiles.py).
 
-    python -m mindspec.modeling.compile_worker PROGRAM PACKAGE THREADS
+    python -m mindspec.modeling.compile_worker STEP PACKAGE THREADS
 
-PROGRAM is a ``torch.export``-saved program of a decode step; the package is written to PACKAGE
-atomically, compiled for THREADS intra-op threads (the serving process's count, part of the
+STEP is a ``torch.export``-saved program of a decode step, or a step recipe (``*.recipe``,
+step_recipes.py) from which the worker loads the model and exports the step itself, off the
+serving thread; the package is written to PACKAGE atomically, compiled for THREADS intra-op threads (the serving process's count, part of the
 package's cache key). The worker runs at the lowest scheduling priority so that the serving
 process keeps the cores it needs; it exits 1 with the error as its last line on failure.
 """
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from mindspec.modeling.exported_step import compile_package
+from mindspec.modeling.exported_step import RECIPE_SUFFIX, compile_package, export_recipe
+from mindspec.modeling.step_recipes import StepRecipe
 
 
 def main(argv: list[str]) -> int:
@@ -29,7 +31,11 @@ def main(argv: list[str]) -> int:
         pass
     torch.set_num_threads(threads)
     try:
-        compile_package(torch.export.load(str(program)), package)
+        if program.suffix == RECIPE_SUFFIX:
+            exported = export_recipe(StepRecipe.load(program))
+        else:
+            exported = torch.export.load(str(program))
+        compile_package(exported, package)
     except Exception as exc:
         print(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", file=sys.stderr)
         return 1

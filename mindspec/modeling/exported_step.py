@@ -45,10 +45,12 @@ from mindspec.modeling.background_compiles import DONE, PENDING, BackgroundCompi
 from mindspec.modeling.gguf_file import is_gguf, split_files
 from mindspec.modeling.random_checkpoint import MANIFEST
 from mindspec.modeling.step_accounting import outside_accounting
+from mindspec.modeling.step_recipes import DECODE, SPECULATIVE, TREE, StepRecipe, trace_fn
 
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "MINDSPEC_CACHE_DIR"
+RECIPE_SUFFIX = ".recipe"  # a staged step a worker exports itself (step_recipes.py)
 FORMAT = 2  # bump when what a package computes changes without the inputs of its key changing
 
 # Every GEMM of a step is a choice between ATen's kernel and Inductor's C++ micro-GEMM template,
@@ -120,6 +122,7 @@ class ExportedSteps:
 
     def __init__(self, model, backend, model_dir: Path, dtype: torch.dtype, workers: int = 0):
         self.model, self.backend = model, backend
+        self.model_dir, self.dtype = Path(model_dir), dtype  # what a worker loads to export a step itself
         self.stats = ExportStats()
         # shape key -> loaded package, _Compiling, or None (eager)
         self._runners: dict[tuple, object] = {}
@@ -148,26 +151,16 @@ class ExportedSteps:
             (input_ids, {}), (positions, {}), (lm_head_indices, {}), *tree,
             *b.step_tensors(meta, "m"), *b.cache_tensors(caches),
         ])
-        key = ("decode", _signature(tensors, dims))
-        n_meta = len(tensors) - 3 - len(tree) - len(caches)
-
-        def run(ids, pos, lm, *rest):
-            if tree:
-                mask, rest = rest[0], rest[1:]
-            m = b.bind_step_tensors(meta, list(rest[:n_meta]))
-            if tree:
-                m.tree_mask = mask
-            out = self.model.forward(ids, pos, b.bind_cache_tensors(caches, list(rest[n_meta:])), m, lm)
-            return out.logits, out.hidden_states
-
-        outputs = self._run(key, run, tensors, dims)
+        key = (DECODE, _signature(tensors, dims))
+        args = {"meta": meta, "n_meta": len(tensors) - 3 - len(tree) - len(caches), "tree": bool(tree)}
+        outputs = self._run(key, args, caches, tensors, dims)
         if outputs is None:
             return self.model.forward(input_ids, positions, caches, meta, lm_head_indices)
         return ModelOutput(logits=outputs[0], hidden_states=outputs[1])
 
     def forward_speculative(self, input_ids, positions, meta, lm_head_indices, sub_input_ids, sub_hidden_states,
                             lm_head_local_dp, steps, caches):
-        from mindspec.models.deepseekv2.flash_causal_deepseekv2 import DraftStep, ModelOutput
+        from mindspec.models.deepseekv2.flash_causal_deepseekv2 import ModelOutput
 
         b = self.backend
         main = b.step_tensors(meta, "m")
@@ -177,24 +170,10 @@ class ExportedSteps:
             (lm_head_local_dp, {}), *main, *[t for s in per_step for t in s], *b.cache_tensors(caches),
         ])
         sizes = [len(main)] + [len(s) for s in per_step]
-        key = ("speculative", _signature(tensors, dims), tuple(sizes),
+        key = (SPECULATIVE, _signature(tensors, dims), tuple(sizes),
                tuple((s.module_idx, s.lm_rows_only) for s in steps))
-
-        def run(ids, pos, lm, sub_ids, sub_hidden, lm_local, *rest):
-            parts, at = [], 0
-            for n in sizes:
-                parts.append(list(rest[at : at + n]))
-                at += n
-            m = b.bind_step_tensors(meta, parts[0])
-            draft_steps = [
-                DraftStep(s.module_idx, p[0], b.bind_step_tensors(s.meta, p[1:]), s.lm_rows_only)
-                for s, p in zip(steps, parts[1:])
-            ]
-            cs = b.bind_cache_tensors(caches, list(rest[at:]))
-            out = self.model.forward_speculative(ids, pos, m, lm, sub_ids, sub_hidden, lm_local, draft_steps, cs)
-            return out.logits, out.hidden_states, out.draft_tokens
-
-        outputs = self._run(key, run, tensors, dims)
+        args = {"meta": meta, "steps": [(s.module_idx, s.meta, s.lm_rows_only) for s in steps], "sizes": sizes}
+        outputs = self._run(key, args, caches, tensors, dims)
         if outputs is None:
             return self.model.forward_speculative(input_ids, positions, meta, lm_head_indices, sub_input_ids,
                                                   sub_hidden_states, lm_head_local_dp, steps, caches)
@@ -205,8 +184,7 @@ class ExportedSteps:
         tree masks are drafted inside the package: the metadata are planned with a stand-in mask
         (the plan exports the mask's columns; ``with_tree`` applies the real one inside)."""
         from mindspec.models.deepseekv2.flash_causal_deepseekv2 import ModelOutput
-        from mindspec.modeling.forward_metadata import DeviceInputs
-        from mindspec.modeling.tree_speculation import DraftTree, TreeDraftStep, verify_tree
+        from mindspec.modeling.tree_speculation import DraftTree, verify_tree
 
         b = self.backend
         for meta in [main.meta] + [s.inputs.meta for s in steps[1:]]:
@@ -222,32 +200,23 @@ class ExportedSteps:
             *main_meta, *[t for s in per_step for t in s], *b.cache_tensors(caches),
         ])
         sizes = [len(main_meta)] + [len(s) for s in per_step]
-        key = ("tree", _signature(tensors, dims), tuple(sizes), drafter.shape.key, drafter.eagle,
+        key = (TREE, _signature(tensors, dims), tuple(sizes), drafter.shape.key, drafter.eagle,
                tuple(s.module_idx for s in steps))
-
-        def run(ids, pos, lm, hidden, *rest):
-            parts, at = [], 0
-            for n in sizes:
-                parts.append(list(rest[at : at + n]))
-                at += n
-            m = DeviceInputs(ids, pos, b.bind_step_tensors(main.meta, parts[0]), lm)
-            bound = [TreeDraftStep(s.module_idx, DeviceInputs(p[0], p[1], b.bind_step_tensors(s.inputs.meta, p[8:]), p[2]),
-                                   *p[3:8]) for s, p in zip(steps, parts[1:])]
-            out, tree = verify_tree(self.model, drafter, m, bound, hidden, b.bind_cache_tensors(caches, list(rest[at:])))
-            return out.logits, out.hidden_states, tree.tokens, tree.parents, tree.depths
-
-        outputs = self._run(key, run, tensors, dims)
+        args = {"shape": drafter.shape, "eagle": drafter.eagle, "meta": main.meta,
+                "steps": [(s.module_idx, s.inputs.meta) for s in steps], "sizes": sizes}
+        outputs = self._run(key, args, caches, tensors, dims)
         if outputs is None:
             return verify_tree(self.model, drafter, main, steps, first_hidden, caches)
         return ModelOutput(logits=outputs[0], hidden_states=outputs[1]), DraftTree(*outputs[2:])
 
     # ---- packages ------------------------------------------------------------------------------
-    def _run(self, key: tuple, run: Callable, tensors: list[torch.Tensor], dims: list[dict]):
-        """The package's outputs for ``tensors``, or None: run this step eagerly."""
+    def _run(self, key: tuple, args: dict, caches: list, tensors: list[torch.Tensor], dims: list[dict]):
+        """The package's outputs for ``tensors``, or None: run this step eagerly. ``args``: what
+        step_recipes.trace_fn builds the traced function of ``key[0]`` from."""
         if key not in self._runners:
             if not self._due(key):
                 return None
-            self._runners[key] = self._package(key, run, tensors, dims)
+            self._runners[key] = self._package(key, args, caches, tensors, dims)
         runner = self._runners[key]
         if isinstance(runner, _Compiling):
             runner = self._runners[key] = self._arrived(runner)
@@ -289,7 +258,7 @@ class ExportedSteps:
         blob = json.dumps({**self._identity, "key": key}, sort_keys=True, default=str)
         return step_cache_dir() / f"{key[0]}-{hashlib.sha256(blob.encode()).hexdigest()[:32]}.pt2"
 
-    def _package(self, key: tuple, run: Callable, tensors: list[torch.Tensor], dims: list[dict]):
+    def _package(self, key: tuple, args: dict, caches: list, tensors: list[torch.Tensor], dims: list[dict]):
         path = self.package_path(key)
         try:
             if path.is_file():
@@ -300,8 +269,10 @@ class ExportedSteps:
                     return runner
                 path.unlink(missing_ok=True)  # unreadable (a torch or toolchain change, a cut write): compile again
                 path.with_suffix(".so").unlink(missing_ok=True)
+            if self.background is not None and _worker_can_load(self.model):  # the worker exports it too
+                return self._submit(path, self._recipe(key, args, caches, tensors, dims))
             start = time.perf_counter()
-            program = _export(run, tensors, dims)
+            program = _export(trace_fn(key[0], self.model, self.backend, caches, args), tensors, dims)
             self.stats.export_s += time.perf_counter() - start
             if self.background is not None:
                 return self._submit(path, program)
@@ -314,10 +285,24 @@ class ExportedSteps:
         except Exception as exc:  # no toolchain, an untraceable op: run this shape eagerly
             return self._failed(path, _first_line(exc))
 
-    def _submit(self, path: Path, program) -> _Compiling:
-        staged = path.parent / ".programs" / f"{path.stem}.{os.getpid()}.pt2"
+    def _recipe(self, key: tuple, args: dict, caches: list, tensors: list[torch.Tensor], dims: list[dict]) -> StepRecipe:
+        cache = caches[0]
+        return StepRecipe(
+            kind=key[0], args=args, inputs=tensors[: len(tensors) - len(caches)], dims=dims, signature=key[1],
+            model_dir=str(self.model_dir), dtype=self.dtype, backend=self.backend.name,
+            num_mtp_modules=self.model.num_mtp_modules, num_blocks=cache.num_blocks, block_size=cache.block_size,
+            cache_dtype=cache.c_kv.dtype,
+        )
+
+    def _submit(self, path: Path, step: torch.export.ExportedProgram | StepRecipe) -> _Compiling:
+        """Hand a worker the exported program, or the recipe it exports the step from itself."""
+        suffix = RECIPE_SUFFIX if isinstance(step, StepRecipe) else ".pt2"
+        staged = path.parent / ".programs" / f"{path.stem}.{os.getpid()}{suffix}"
         staged.parent.mkdir(parents=True, exist_ok=True)
-        torch.export.save(program, str(staged))
+        if isinstance(step, StepRecipe):
+            step.save(staged)
+        else:
+            torch.export.save(step, str(staged))
         self.background.submit(staged, path)
         self.stats.compiling += 1
         self.stats.by_key[path.stem] = "compiling"
@@ -356,6 +341,33 @@ class ExportedSteps:
             return None
         self.stats.load_s += time.perf_counter() - start
         return runner
+
+
+def _worker_can_load(model) -> bool:
+    """Whether a worker process loading the checkpoint gets this model: not with expert
+    parallelism, where each rank holds a slice of the experts and calls collectives."""
+    from mindspec.distributed import parallel_state
+
+    return parallel_state.current().ep_size == 1
+
+
+def export_recipe(recipe: StepRecipe) -> torch.export.ExportedProgram:
+    """Export the step ``recipe`` describes, with the model loaded from its checkpoint and caches
+    of the same shape (a compile worker's side of ``_submit``)."""
+    from mindspec.backend import get_backend
+    from mindspec.modeling.loader import read_hf_config
+    from mindspec.modeling.registry import model_class, supported_model_types
+
+    backend = get_backend(recipe.backend)
+    model_type = read_hf_config(recipe.model_dir, supported_model_types())["model_type"]
+    model = model_class(model_type).load(recipe.model_dir, backend, recipe.dtype, num_mtp_modules=recipe.num_mtp_modules,
+                                         progress=False, keep_quantized=False)
+    caches = model.allocate_caches(recipe.num_blocks, recipe.block_size, recipe.cache_dtype)
+    tensors = [t.to(backend.device) for t in recipe.inputs] + [t for t, _ in backend.cache_tensors(caches)]
+    if _signature(tensors, recipe.dims) != recipe.signature:
+        raise ValueError(f"the rebuilt {recipe.kind} step's inputs {_signature(tensors, recipe.dims)} differ from "
+                         f"the serving process's {recipe.signature}")
+    return _export(trace_fn(recipe.kind, model, backend, caches, recipe.args), tensors, recipe.dims)
 
 
 def _export(run: Callable, tensors: list[torch.Tensor], dims: list[dict]) -> torch.export.ExportedProgram:

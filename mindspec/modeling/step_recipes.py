@@ -1,0 +1,139 @@
+"""What a compiled step traces, as a recipe a compile worker can rebuild on its own.
+
+A package is a traced function of flat tensors (exported_step.py): it rebinds the forward's
+metadata and caches from them and calls the model. The function is built here from a step's
+kind and its arguments (the metadata templates, the MTP modules of each draft stage, a tree's
+shape), given a model, a backend and caches. The serving process builds it for a step it
+exports itself; for one a worker process exports, it saves a ``StepRecipe`` (those arguments,
+example inputs, and how to load the model) and the worker loads the model, allocates caches of
+the same shape and traces the same function: a shape first met while serving then costs the
+serving thread a file write, not an export (seconds of tracing).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from mindspec.backend import AttentionMetadata
+
+DECODE, SPECULATIVE, TREE = "decode", "speculative", "tree"
+
+
+@dataclass
+class StepRecipe:
+    """One step to export in a worker process: ``trace_fn(kind, model, backend, caches, args)``
+    over ``inputs`` followed by the caches' tensors."""
+
+    kind: str
+    args: dict  # the kind's arguments (``trace_fn``), metadata templates included
+    inputs: list[torch.Tensor]  # example inputs before the caches'
+    dims: list[dict]  # dynamic dimensions of every input, the caches' included
+    signature: tuple  # what the package is specialised on (exported_step._signature): checked on rebuild
+    # how the worker gets the same model and caches
+    model_dir: str
+    dtype: torch.dtype
+    backend: str
+    num_mtp_modules: int
+    num_blocks: int
+    block_size: int
+    cache_dtype: torch.dtype
+
+    def save(self, path: Path) -> None:
+        torch.save(portable(self), str(path))
+
+    @staticmethod
+    def load(path: Path) -> "StepRecipe":
+        recipe = torch.load(str(path), weights_only=False)
+        if not isinstance(recipe, StepRecipe):
+            raise ValueError(f"{path} holds a {type(recipe).__name__}, not a step recipe")
+        return recipe
+
+
+def trace_fn(kind: str, model, backend, caches: list, args: dict) -> Callable:
+    """The function a package of ``kind`` computes, over flat tensors."""
+    builders = {DECODE: _decode, SPECULATIVE: _speculative, TREE: _tree}
+    if kind not in builders:
+        raise ValueError(f"unknown step kind {kind!r}")
+    return builders[kind](model, backend, caches, **args)
+
+
+def _decode(model, b, caches, meta: AttentionMetadata, n_meta: int, tree: bool) -> Callable:
+    """A plain decode step (``tree``: a tree verification's mask comes first after the inputs)."""
+
+    def run(ids, pos, lm, *rest):
+        if tree:
+            mask, rest = rest[0], rest[1:]
+        m = b.bind_step_tensors(meta, list(rest[:n_meta]))
+        if tree:
+            m.tree_mask = mask
+        out = model.forward(ids, pos, b.bind_cache_tensors(caches, list(rest[n_meta:])), m, lm)
+        return out.logits, out.hidden_states
+
+    return run
+
+
+def _speculative(model, b, caches, meta: AttentionMetadata, steps: list[tuple], sizes: list[int]) -> Callable:
+    """Every MTP draft stage and the verification. ``steps``: (module, metadata, lm_rows_only) of
+    each draft stage; ``sizes``: how many step tensors the verification and each stage take."""
+    from mindspec.models.deepseekv2.flash_causal_deepseekv2 import DraftStep
+
+    def run(ids, pos, lm, sub_ids, sub_hidden, lm_local, *rest):
+        parts, at = _split(rest, sizes)
+        m = b.bind_step_tensors(meta, parts[0])
+        draft_steps = [DraftStep(module, p[0], b.bind_step_tensors(step_meta, p[1:]), narrow)
+                       for (module, step_meta, narrow), p in zip(steps, parts[1:])]
+        cs = b.bind_cache_tensors(caches, list(rest[at:]))
+        out = model.forward_speculative(ids, pos, m, lm, sub_ids, sub_hidden, lm_local, draft_steps, cs)
+        return out.logits, out.hidden_states, out.draft_tokens
+
+    return run
+
+
+def _tree(model, b, caches, shape, eagle: bool, meta: AttentionMetadata, steps: list[tuple],
+          sizes: list[int]) -> Callable:
+    """A padded tree step (tree_speculation.verify_tree). ``steps``: (module, metadata) of each
+    draft step; each takes 8 tensors before its metadata's (tree_speculation.TreeDraftStep)."""
+    from mindspec.modeling.forward_metadata import DeviceInputs
+    from mindspec.modeling.tree_speculation import TreeDrafter, TreeDraftStep, verify_tree
+
+    drafter = TreeDrafter(model, shape, eagle)
+
+    def run(ids, pos, lm, hidden, *rest):
+        parts, at = _split(rest, sizes)
+        main = DeviceInputs(ids, pos, b.bind_step_tensors(meta, parts[0]), lm)
+        bound = [TreeDraftStep(module, DeviceInputs(p[0], p[1], b.bind_step_tensors(step_meta, p[8:]), p[2]), *p[3:8])
+                 for (module, step_meta), p in zip(steps, parts[1:])]
+        out, tree = verify_tree(model, drafter, main, bound, hidden, b.bind_cache_tensors(caches, list(rest[at:])))
+        return out.logits, out.hidden_states, tree.tokens, tree.parents, tree.depths
+
+    return run
+
+
+def _split(rest: tuple, sizes: list[int]) -> tuple[list[list[torch.Tensor]], int]:
+    """``rest`` cut into consecutive parts of ``sizes`` -> (parts, where the caches' tensors start)."""
+    parts, at = [], 0
+    for n in sizes:
+        parts.append(list(rest[at : at + n]))
+        at += n
+    return parts, at
+
+
+def portable(value):
+    """``value`` with every tensor it holds copied into storage of its own, metadata memos
+    dropped: the graph runner's inputs are int32 and int64 views of one byte buffer, which
+    ``torch.save`` refuses to write side by side."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, AttentionMetadata):
+        return replace(value, scratch={}, **{f.name: portable(getattr(value, f.name)) for f in fields(value)
+                                              if isinstance(getattr(value, f.name), torch.Tensor)})
+    if isinstance(value, StepRecipe):
+        return replace(value, args=portable(value.args), inputs=portable(value.inputs))
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(portable(v) for v in value)
+    return value
