@@ -3,10 +3,11 @@
 Compiling one package takes one to two minutes on two cores (Inductor's code generation, the
 GEMM timing and the C++ compiler), almost all of it outside the traced model. A shape first met
 while serving (a batch size or a draft count the warm-up did not meet) would stall every running
-request for that long. Instead the serving thread exports the step (``torch.export``, seconds),
-saves the program, and a worker process (``python -m mindspec.modeling.compile_worker``, at the
-lowest scheduling priority) compiles it into the package cache; the step runs eagerly until the
-package is there, then loads it. At start-up the same workers compile the warm-up's shapes side
+request for that long. Instead the serving thread saves the step's recipe (step_recipes.py: its
+metadata and example inputs, milliseconds), and a worker process (``python -m
+mindspec.modeling.compile_worker``, at the lowest scheduling priority) loads the model, exports
+the step and compiles it into the package cache; the step runs eagerly until the package is
+there, then loads it. At start-up the same workers compile the warm-up's shapes side
 by side, and the warm-up waits for them.
 
 The scheduler calls ``state`` once per step of a pending shape: a ``poll`` of the worker, no
@@ -28,13 +29,13 @@ from typing import Optional
 log = logging.getLogger(__name__)
 
 PENDING, DONE, FAILED = "pending", "done", "failed"
-# A worker's command; it is given the program, the package and the thread count.
+# A worker's command; it is given the recipe, the package and the thread count.
 WORKER = [sys.executable, "-m", "mindspec.modeling.compile_worker"]
 
 
 @dataclass
 class CompileJob:
-    program: Path  # the saved ExportedProgram, removed when the job ends
+    recipe: Path  # the saved step recipe, removed when the job ends
     package: Path  # where the worker writes the package (atomically)
     submitted: float = field(default_factory=time.perf_counter)
     proc: Optional[subprocess.Popen] = None
@@ -44,14 +45,14 @@ class CompileJob:
 
     @property
     def log_path(self) -> Path:
-        return self.program.with_suffix(".log")
+        return self.recipe.with_suffix(".log")
 
     @property
     def running(self) -> bool:
         return self.proc is not None and self.state == PENDING
 
     def remove_files(self) -> None:
-        for path in (self.program, self.log_path):
+        for path in (self.recipe, self.log_path):
             path.unlink(missing_ok=True)
 
 
@@ -66,8 +67,8 @@ class BackgroundCompiles:
         self._queue: deque[CompileJob] = deque()
         self._finalizer = weakref.finalize(self, _stop_all, self.jobs)  # also runs at interpreter exit
 
-    def submit(self, program: Path, package: Path) -> None:
-        job = self.jobs[package] = CompileJob(program, package)
+    def submit(self, recipe: Path, package: Path) -> None:
+        job = self.jobs[package] = CompileJob(recipe, package)
         self._queue.append(job)
         self._advance()
 
@@ -102,7 +103,7 @@ class BackgroundCompiles:
         return sum(job.running for job in self.jobs.values())
 
     def _start(self, job: CompileJob) -> None:
-        cmd = [*WORKER, str(job.program), str(job.package), str(self.threads)]
+        cmd = [*WORKER, str(job.recipe), str(job.package), str(self.threads)]
         with open(job.log_path, "wb") as out:
             job.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                         env=_worker_env())

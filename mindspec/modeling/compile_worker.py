@@ -1,10 +1,10 @@
-"""Compile one staged step into a package, in its own process (background_compiles.py).
+"""Export and compile one step into a package, in its own process (background_compiles.py).
 
-    python -m mindspec.modeling.compile_worker STEP PACKAGE THREADS
+    python -m mindspec.modeling.compile_worker RECIPE PACKAGE THREADS
 
-STEP is a ``torch.export``-saved program of a decode step, or a step recipe (``*.recipe``,
-step_recipes.py) from which the worker loads the model and exports the step itself, off the
-serving thread; the package is written to PACKAGE atomically, compiled for THREADS intra-op threads (the serving process's count, part of the
+RECIPE is a saved step recipe (step_recipes.py): the worker loads the model from its checkpoint,
+exports the step (seconds of tracing kept off the serving thread) and compiles it; the package
+is written to PACKAGE atomically, compiled for THREADS intra-op threads (the serving process's count, part of the
 package's cache key). The worker runs at the lowest scheduling priority so that the serving
 process keeps the cores it needs; it exits 1 with the error as its last line on failure.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from mindspec.modeling.exported_step import RECIPE_SUFFIX, compile_package, export_recipe
+from mindspec.modeling.exported_step import compile_package, export_recipe
 from mindspec.modeling.step_recipes import StepRecipe
 
 
@@ -24,23 +24,19 @@ def main(argv: list[str]) -> int:
     if len(argv) != 3:
         print(__doc__, file=sys.stderr)
         return 2
-    program, package, threads = Path(argv[0]), Path(argv[1]), int(argv[2])
+    recipe, package, threads = Path(argv[0]), Path(argv[1]), int(argv[2])
     try:
         os.nice(19)
     except OSError:
         pass
     torch.set_num_threads(threads)
     try:
-        if program.suffix == RECIPE_SUFFIX:
-            exported = export_recipe(StepRecipe.load(program))
-        else:
-            exported = torch.export.load(str(program))
-        compile_package(exported, package)
+        compile_package(export_recipe(StepRecipe.load(recipe)), package)
     except Exception as exc:
         print(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", file=sys.stderr)
         return 1
     finally:
-        program.unlink(missing_ok=True)  # also when the server that staged it is gone
+        recipe.unlink(missing_ok=True)  # also when the server that staged it is gone
     return 0
 
 

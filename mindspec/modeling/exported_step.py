@@ -50,7 +50,6 @@ from mindspec.modeling.step_recipes import DECODE, SPECULATIVE, TREE, StepRecipe
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "MINDSPEC_CACHE_DIR"
-RECIPE_SUFFIX = ".recipe"  # a staged step a worker exports itself (step_recipes.py)
 FORMAT = 2  # bump when what a package computes changes without the inputs of its key changing
 
 # Every GEMM of a step is a choice between ATen's kernel and Inductor's C++ micro-GEMM template,
@@ -269,13 +268,11 @@ class ExportedSteps:
                     return runner
                 path.unlink(missing_ok=True)  # unreadable (a torch or toolchain change, a cut write): compile again
                 path.with_suffix(".so").unlink(missing_ok=True)
-            if self.background is not None and _worker_can_load(self.model):  # the worker exports it too
+            if self.background is not None and _worker_can_load(self.model):
                 return self._submit(path, self._recipe(key, args, caches, tensors, dims))
             start = time.perf_counter()
             program = _export(trace_fn(key[0], self.model, self.backend, caches, args), tensors, dims)
             self.stats.export_s += time.perf_counter() - start
-            if self.background is not None:
-                return self._submit(path, program)
             compile_package(program, path)
             self.stats.compile_s += time.perf_counter() - start
             runner = open_released(path) or torch._inductor.aoti_load_package(str(path))
@@ -294,15 +291,11 @@ class ExportedSteps:
             cache_dtype=cache.c_kv.dtype,
         )
 
-    def _submit(self, path: Path, step: torch.export.ExportedProgram | StepRecipe) -> _Compiling:
-        """Hand a worker the exported program, or the recipe it exports the step from itself."""
-        suffix = RECIPE_SUFFIX if isinstance(step, StepRecipe) else ".pt2"
-        staged = path.parent / ".programs" / f"{path.stem}.{os.getpid()}{suffix}"
+    def _submit(self, path: Path, recipe: StepRecipe) -> _Compiling:
+        """A worker exports and compiles the step: the calling thread only writes its recipe."""
+        staged = path.parent / ".recipes" / f"{path.stem}.{os.getpid()}.recipe"
         staged.parent.mkdir(parents=True, exist_ok=True)
-        if isinstance(step, StepRecipe):
-            step.save(staged)
-        else:
-            torch.export.save(step, str(staged))
+        recipe.save(staged)
         self.background.submit(staged, path)
         self.stats.compiling += 1
         self.stats.by_key[path.stem] = "compiling"
@@ -345,7 +338,8 @@ class ExportedSteps:
 
 def _worker_can_load(model) -> bool:
     """Whether a worker process loading the checkpoint gets this model: not with expert
-    parallelism, where each rank holds a slice of the experts and calls collectives."""
+    parallelism, where each rank holds a slice of the experts and calls collectives (such a
+    step is compiled on the calling thread, if it exports at all)."""
     from mindspec.distributed import parallel_state
 
     return parallel_state.current().ep_size == 1
@@ -374,14 +368,8 @@ def _export(run: Callable, tensors: list[torch.Tensor], dims: list[dict]) -> tor
     named: dict[str, torch.export.Dim] = {}
     spec = tuple({i: named.setdefault(n, torch.export.Dim(n, min=2, max=1 << 24)) for i, n in d.items()} or None
                  for d in dims)
-    # The graph runner's inputs are int32 and int64 views of one byte buffer: the program keeps
-    # its example inputs, and torch.export.save refuses views of one storage as different types
-    # (a worker compiles a saved program). Copies of what shares a storage, then (small inputs:
-    # the caches own theirs). Views made in inference mode have no ``_base``: storages are compared.
-    examples = tuple(t.clone() if t.untyped_storage().nbytes() != t.numel() * t.element_size() else t
-                     for t in tensors)
     with torch.inference_mode(False), torch.no_grad():
-        return torch.export.export(_Graph(run), examples, dynamic_shapes=(spec,), strict=False)
+        return torch.export.export(_Graph(run), tuple(tensors), dynamic_shapes=(spec,), strict=False)
 
 
 def compile_package(program: torch.export.ExportedProgram, path: Path) -> None:

@@ -25,17 +25,17 @@ def _fake_worker(monkeypatch, code: str, *args: str) -> None:
 
 
 def _job(tmp_path, name: str):
-    program = tmp_path / f"{name}.program.pt2"
-    program.write_bytes(b"program")
-    return program, tmp_path / f"{name}.pt2"
+    recipe = tmp_path / f"{name}.recipe"
+    recipe.write_bytes(b"recipe")
+    return recipe, tmp_path / f"{name}.pt2"
 
 
 def _two_jobs_on_one_worker(tmp_path):
-    """-> (compiles, [(program, package)] * 2), both submitted."""
+    """-> (compiles, [(recipe, package)] * 2), both submitted."""
     compiles = BackgroundCompiles(workers=1, threads=1)
     jobs = [_job(tmp_path, "a"), _job(tmp_path, "b")]
-    for program, package in jobs:
-        compiles.submit(program, package)
+    for recipe, package in jobs:
+        compiles.submit(recipe, package)
     return compiles, jobs
 
 
@@ -47,18 +47,18 @@ def test_jobs_queue_for_the_workers_and_end_with_their_packages(tmp_path, monkey
     compiles.wait(poll_s=0.05)
     assert compiles.state(out1) == compiles.state(out2) == DONE
     assert out1.read_bytes() == out2.read_bytes() == b"p"
-    assert not p1.exists() and not p2.exists()  # programs and logs are removed
+    assert not p1.exists() and not p2.exists()  # recipes and logs are removed
     assert not list(tmp_path.glob("*.log"))
 
 
 def test_a_failed_worker_reports_its_last_line(tmp_path, monkeypatch):
     _fake_worker(monkeypatch, FAILS)
     compiles = BackgroundCompiles(workers=2, threads=1)
-    program, out = _job(tmp_path, "a")
-    compiles.submit(program, out)
+    recipe, out = _job(tmp_path, "a")
+    compiles.submit(recipe, out)
     compiles.wait(poll_s=0.05)
     assert compiles.state(out) == FAILED and compiles.jobs[out].error == "RuntimeError: no C++ compiler"
-    assert not out.exists() and not program.exists()
+    assert not out.exists() and not recipe.exists()
 
 
 def test_close_stops_running_workers(tmp_path, monkeypatch):
@@ -119,7 +119,7 @@ def test_a_shape_first_met_runs_eagerly_until_its_worker_is_done(checkpoint, tmp
 
     compiled.wait_for_compiles()
     assert compiled.stats.compiling == 0 and compiled.stats.by_key[name] == "compiled" and compiled.stats.compiled == 1
-    assert (tmp_path / "steps" / f"{name}.pt2").is_file() and not list((tmp_path / "steps" / ".programs").iterdir())
+    assert (tmp_path / "steps" / f"{name}.pt2").is_file() and not list((tmp_path / "steps" / ".recipes").iterdir())
     assert _tokens(engine, 1) == expected and compiled.stats.calls > 0
     # After a server's warm-up a shape without a package is exported on its export_after-th step
     # only; one whose package is in the cache loads at once.
