@@ -20,9 +20,10 @@ compiled again. The weights are constants inside the package. A package runs thr
 library's C ABI with the GIL released (aoti_runner.py), so async scheduling's host thread works
 while it computes; torch's loader, which holds the GIL, where that does not apply.
 
-With ``workers`` > 0 a shape not in the cache is exported on the calling thread (seconds) and
-compiled in a worker process (background_compiles.py) while the step runs eagerly; without, it
-compiles on the calling thread, the step waiting for it.
+With ``workers`` > 0 a shape not in the cache is exported and compiled in a worker process
+(background_compiles.py), which loads the model itself from the step's recipe (step_recipes.py),
+while the step runs eagerly; without, it is exported and compiled on the calling thread, the
+step waiting for it.
 
 Any failure (no C++ toolchain, an op export cannot trace) logs one warning per shape and that
 shape runs eagerly from then on: serving never depends on the compiler.
