@@ -41,12 +41,9 @@ from .sequence import FinishReason, Sequence
 
 logger = logging.getLogger(__name__)
 # After the warm-up, with compile workers: the steps a shape without a package runs eagerly before
-# it is exported. A batch's steady shape passes it in a fraction of a second; a catch-up step's
-# row count or a batch size met in passing may never, and costs no export pause.
+# a worker compiles it. A batch's steady shape passes it in a fraction of a second; a catch-up
+# step's row count or a batch size met in passing may never, and costs no compile.
 EXPORT_AFTER_STEPS = 16
-# ... and at most one export (a pause of the running requests, 10-14 s for the shipped model's
-# speculative steps on two cores) per this many seconds.
-EXPORT_INTERVAL_S = 60.0
 
 Prompt = Union[str, list[int]]
 
@@ -258,7 +255,7 @@ class LLMEngine:
         compiled.wait_for_compiles()
         self.step_accounting = self._account_decode_steps(ids)
         if compiled.background is not None:  # serving: rare shapes stay eager, recurring ones compile
-            compiled.export_after, compiled.export_interval_s = EXPORT_AFTER_STEPS, EXPORT_INTERVAL_S
+            compiled.export_after = EXPORT_AFTER_STEPS
         self.spec_stats = SpecDecodeStats.for_drafts(len(self.spec_stats.accepted_per_position))
         self._reset_adaptive()
 

@@ -127,13 +127,11 @@ class ExportedSteps:
         # shape key -> loaded package, _Compiling, or None (eager)
         self._runners: dict[tuple, object] = {}
         self.background = BackgroundCompiles(workers, torch.get_num_threads()) if workers else None
-        # Steps of a shape with no package run eagerly this many times before it is exported (the
-        # export pauses the calling thread for seconds): the engine raises it after its warm-up,
-        # so that shapes met rarely while serving (long catch-ups, passing batch sizes) stay eager.
+        # Steps of a shape with no package run eagerly this many times before it is compiled: the
+        # engine raises it after its warm-up, so that shapes met rarely while serving (long
+        # catch-ups, passing batch sizes) cost no compile (minutes of a core, ~140 MB of cache).
         self.export_after = 1
-        self.export_interval_s = 0.0  # and at most one export per this many seconds
         self._misses: dict[tuple, int] = {}  # shape key -> steps run eagerly without a package
-        self._last_export = float("-inf")
         self._identity = {
             "format": FORMAT, "model": model_fingerprint(model_dir), "dtype": str(dtype),
             "backend": backend.name, "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -227,19 +225,12 @@ class ExportedSteps:
             return runner(*tensors)
 
     def _due(self, key: tuple) -> bool:
-        """Whether a shape met again is to be loaded or exported now: at once when a package is
-        in the cache, else from its ``export_after``-th step on, once ``export_interval_s`` have
-        passed since the last export (the shapes met most often get there first)."""
-        if self.export_after <= 1 and self.export_interval_s <= 0:
+        """Whether a shape met again is to be loaded or compiled now: at once when a package is
+        in the cache, else from its ``export_after``-th step on."""
+        if self.export_after <= 1:
             return True
         seen = self._misses[key] = self._misses.get(key, 0) + 1
-        if self.package_path(key).is_file():
-            return True
-        now = time.monotonic()
-        if seen < self.export_after or now - self._last_export < self.export_interval_s:
-            return False
-        self._last_export = now
-        return True
+        return seen >= self.export_after or self.package_path(key).is_file()
 
     def wait_for_compiles(self) -> None:
         """Block until the workers have compiled every shape met so far, and load the packages."""

@@ -10,7 +10,7 @@ import pytest
 
 from mindspec import SamplingParams
 from mindspec.engine.args import EngineArgs
-from mindspec.engine.llm_engine import EXPORT_AFTER_STEPS, EXPORT_INTERVAL_S, LLMEngine
+from mindspec.engine.llm_engine import EXPORT_AFTER_STEPS, LLMEngine
 from mindspec.engine.scheduler import SchedulerConfig
 from mindspec.modeling import background_compiles, exported_step
 from mindspec.modeling.background_compiles import DONE, FAILED, PENDING, BackgroundCompiles
@@ -121,11 +121,10 @@ def test_a_shape_first_met_runs_eagerly_until_its_worker_is_done(checkpoint, tmp
     assert compiled.stats.compiling == 0 and compiled.stats.by_key[name] == "compiled" and compiled.stats.compiled == 1
     assert (tmp_path / "steps" / f"{name}.pt2").is_file() and not list((tmp_path / "steps" / ".recipes").iterdir())
     assert _tokens(engine, 1) == expected and compiled.stats.calls > 0
-    # After a server's warm-up a shape without a package is exported on its export_after-th step
+    # After a server's warm-up a shape without a package is compiled on its export_after-th step
     # only; one whose package is in the cache loads at once.
-    compiled.export_after, compiled.export_interval_s = 3, 3600
+    compiled.export_after = 3
     assert [compiled._due(("rare",)) for _ in range(3)] == [False, False, True]
-    assert [compiled._due(("other",)) for _ in range(4)] == [False] * 4  # an export in the last hour
     assert compiled._due(next(iter(compiled._runners)))
     engine.close()
 
@@ -136,7 +135,6 @@ def test_a_shape_first_met_runs_eagerly_until_its_worker_is_done(checkpoint, tmp
     stats = served.model_wrapper.compiled.stats
     assert sorted(stats.by_key.values()) == ["compiled", "loaded"] and stats.compiling == 0
     assert served.model_wrapper.compiled.export_after == EXPORT_AFTER_STEPS > 1
-    assert served.model_wrapper.compiled.export_interval_s == EXPORT_INTERVAL_S > 0
     calls = stats.calls
     assert _tokens(served, 2) == expected2 and stats.calls > calls and stats.failed == 0
     served.close()
