@@ -260,7 +260,7 @@ class ExportedSteps:
                     return runner
                 path.unlink(missing_ok=True)  # unreadable (a torch or toolchain change, a cut write): compile again
                 path.with_suffix(".so").unlink(missing_ok=True)
-            if self.background is not None and _worker_can_load(self.model):
+            if self.background is not None and _worker_can_load():
                 return self._submit(path, self._recipe(key, args, caches, tensors, dims))
             start = time.perf_counter()
             program = _export(trace_fn(key[0], self.model, self.backend, caches, args), tensors, dims)
@@ -328,7 +328,7 @@ class ExportedSteps:
         return runner
 
 
-def _worker_can_load(model) -> bool:
+def _worker_can_load() -> bool:
     """Whether a worker process loading the checkpoint gets this model: not with expert
     parallelism, where each rank holds a slice of the experts and calls collectives (such a
     step is compiled on the calling thread, if it exports at all)."""
