@@ -4,9 +4,10 @@
 
 RECIPE is a saved step recipe (step_recipes.py): the worker loads the model from its checkpoint,
 exports the step (seconds of tracing kept off the serving thread) and compiles it; the package
-is written to PACKAGE atomically, compiled for THREADS intra-op threads (the serving process's count, part of the
-package's cache key). The worker runs at the lowest scheduling priority so that the serving
-process keeps the cores it needs; it exits 1 with the error as its last line on failure.
+is written to PACKAGE atomically, compiled for THREADS intra-op threads (the serving process's
+count, part of the package's cache key). The worker runs at the lowest scheduling priority so
+that the serving process keeps the cores it needs; it exits 1 with the error as its last line
+on failure.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from mindspec.modeling.exported_step import compile_package, export_recipe
+from mindspec.modeling.exported_step import first_line, compile_package, export_recipe
 from mindspec.modeling.step_recipes import StepRecipe
 
 
@@ -33,7 +34,7 @@ def main(argv: list[str]) -> int:
     try:
         compile_package(export_recipe(StepRecipe.load(recipe)), package)
     except Exception as exc:
-        print(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", file=sys.stderr)
+        print(first_line(exc), file=sys.stderr)
         return 1
     finally:
         recipe.unlink(missing_ok=True)  # also when the server that staged it is gone

@@ -272,7 +272,7 @@ class ExportedSteps:
             self.stats.by_key[path.stem] = "compiled"
             return runner
         except Exception as exc:  # no toolchain, an untraceable op: run this shape eagerly
-            return self._failed(path, _first_line(exc))
+            return self._failed(path, first_line(exc))
 
     def _recipe(self, key: tuple, args: dict, caches: list, tensors: list[torch.Tensor], dims: list[dict]) -> StepRecipe:
         cache = caches[0]
@@ -322,7 +322,7 @@ class ExportedSteps:
         try:
             runner = open_released(path) or torch._inductor.aoti_load_package(str(path))
         except Exception as exc:
-            log.warning("the compiled step %s cannot be loaded (%s); compiling it again", path, _first_line(exc))
+            log.warning("the compiled step %s cannot be loaded (%s); compiling it again", path, first_line(exc))
             return None
         self.stats.load_s += time.perf_counter() - start
         return runner
@@ -383,7 +383,7 @@ def _kind(path: Path) -> str:
     return path.stem.split("-")[0]
 
 
-def _first_line(exc: Exception) -> str:
+def first_line(exc: Exception) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
