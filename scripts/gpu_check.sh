@@ -46,9 +46,16 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   $PY -c "import sys, torch, triton, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"
   $PY -c "import mindspec.backends.cuda, mindspec.models.deepseekv2; print('mindspec imports from', mindspec.__path__)"
 } 2>&1 | tee "$OUT/env.log"
+# mindspec's runtime dependencies beyond a CUDA image's usual packages: carry them as wheels
+# (the device tool's README: .whl/ in carry, installed with --target into PYTHONPATH)
+if ! $PY -c "import gguf" 2>/dev/null; then
+  echo "gpu_check: python package 'gguf' is missing (mindspec imports it at start): carry its wheel" | tee -a "$OUT/env.log"
+  exit 2
+fi
 
 if [[ $WHAT == tests || $WHAT == all ]]; then
-  timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider --timeout 150 -o addopts="" -rfE \
+  # SIGINT, not TERM: pytest then still prints which tests failed before the limit
+  timeout -s INT -k 30 "${TEST_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider --timeout 150 -o addopts="" -rfE \
     tests/backends/cuda tests/modeling/test_graph_runner.py ${TEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -80
 fi
 if [[ $WHAT == bench || $WHAT == all ]]; then

@@ -6,9 +6,10 @@ Per K block the kernel multiplies the e4m3 tiles and scales the partial products
 activation scale of each row and the weight scale of each column's row block:
     y[m, n] = sum_kb (x_q[m, kb] . w[n, kb]) * x_s[m, kb] * w_s[n // bn, kb]
 The e4m3 tiles go into tl.dot as they are on GPUs with FP8 tensor cores (compute capability 8.9
-and up); elsewhere they are upcast first, to bfloat16 on a GPU (e4m3 values are exact there) and
-to float32 under Triton's interpreter (whose bfloat16 is not to be trusted). Weights whose K block
-is too narrow for tl.dot (< 16) or not a power of two are dequantized for the call instead.
+and up) when the K block is at least one FP8 MMA deep (32); elsewhere they are upcast first, to
+bfloat16 on a GPU (e4m3 values are exact there) and to float32 under Triton's interpreter (whose
+bfloat16 is not to be trusted). Weights whose K block is too narrow for tl.dot (< 16) or not a
+power of two are dequantized for the call instead.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from mindspec.backends.cuda.launch import MIN_DOT, pow2
 from mindspec.modeling.fp8 import E4M3_MAX, Fp8Weight
 
 SCALE_FLOOR = 1e-10  # an all-zero activation group gets this scale (its values quantize to 0)
+FP8_MMA_K = 32  # the K depth of one 8-bit tensor-core MMA (sm89 mma.sync, sm90 wgmma): tl.dot's least
+E4M3_DOT, BF16_DOT, F32_DOT = 0, 1, 2  # how the kernel multiplies its tiles (UPCAST)
 
 
 @triton.jit
@@ -28,7 +31,7 @@ def _fp8_block_linear_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, num_rows, n_out, k_in,
     stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om,
     SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr,  # 0: e4m3 into tl.dot; 1: bfloat16; 2: float32 (ieee)
+    UPCAST: tl.constexpr,  # E4M3_DOT, BF16_DOT or F32_DOT
 ):
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -69,10 +72,18 @@ def fits(w: Fp8Weight) -> bool:
     return w.weight.dim() == 2 and bk >= MIN_DOT and bk == pow2(bk) and w.weight.stride(-1) == 1
 
 
-def _upcast(device: torch.device) -> int:
+def dot_mode(capability: tuple[int, int] | None, block_k: int) -> int:
+    """How tiles of a K block ``block_k`` wide are multiplied on a GPU of ``capability``
+    (None: Triton's interpreter)."""
+    if capability is None:
+        return F32_DOT
+    return E4M3_DOT if capability >= (8, 9) and block_k >= FP8_MMA_K else BF16_DOT
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
     if interpreting() or device.type != "cuda":
-        return 2
-    return 0 if torch.cuda.get_device_capability(device) >= (8, 9) else 1
+        return None
+    return torch.cuda.get_device_capability(device)
 
 
 def fp8_block_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
@@ -90,6 +101,6 @@ def fp8_block_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     _fp8_block_linear_kernel[grid](
         x_q, x_s, w.weight, w.scale_inv, out, rows, n_out, k_in,
         x_q.stride(0), x_s.stride(0), w.weight.stride(0), w.scale_inv.stride(0), out.stride(0),
-        SCALE_ROWS=bn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, UPCAST=_upcast(x.device), num_warps=4,
+        SCALE_ROWS=bn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, UPCAST=dot_mode(_capability(x.device), bk), num_warps=4,
     )
     return out.view(*lead, n_out)

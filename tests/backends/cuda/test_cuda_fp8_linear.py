@@ -83,6 +83,18 @@ def test_a_k_block_too_narrow_for_tl_dot_falls_back_to_dequantizing(device):
     torch.testing.assert_close(fp8_block_linear(x, w), x @ w.dequantize(torch.float32).T)
 
 
+def test_e4m3_tiles_reach_tl_dot_only_on_fp8_tensor_cores_and_k_blocks_one_mma_deep():
+    """Hopper's and Ada's 8-bit MMAs are 32 deep (the kernel's cases with 16-wide K blocks failed
+    natively on an H200, the 32- and 128-wide ones passed): narrower e4m3 tiles are upcast."""
+    from mindspec.backends.cuda.fp8_linear import BF16_DOT, E4M3_DOT, F32_DOT, dot_mode
+
+    assert dot_mode((9, 0), 128) == E4M3_DOT
+    assert dot_mode((8, 9), 32) == E4M3_DOT
+    assert dot_mode((9, 0), 16) == BF16_DOT
+    assert dot_mode((8, 0), 128) == BF16_DOT
+    assert dot_mode(None, 128) == F32_DOT
+
+
 @pytest.mark.slow
 def test_fp8_checkpoint_on_cuda_keeps_its_projections_fp8_and_follows_cpu(tmp_path, device):
     """The same FP8 checkpoint: cpu runs dequantized weights on full-precision activations, cuda
