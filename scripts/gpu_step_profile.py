@@ -56,7 +56,7 @@ def timed_steps(engine, n: int) -> tuple[float, float]:
 def profile(name: str, plugin_params: dict) -> dict:
     llm = LLM(model=str(default_model_dir()), backend="cuda", dtype=DTYPE, progress=False, plugin_params=plugin_params)
     engine = llm.engine
-    accounting = account_decode_steps(engine, list(range(5, 40)), steps=8)  # also warms the graphs up
+    accounting = account_decode_steps(engine, list(range(5, 40)), steps=8, by_op=True)  # also warms the graphs up
     timed_steps(engine, 30)
     wall, tokens = timed_steps(engine, STEPS)
     host = cProfile.Profile()

@@ -320,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"batch {batch} ({args.batching}, {time.time() - t:.0f} s): " +
               ", ".join(f"{n} {r['tokens_per_s_median']:.0f} tok/s" for n, r in row.items()), flush=True)
     # Per decode step at batch 1: ops launched outside compiled steps, host syncs, H2D copies.
-    report["step_accounting"] = {name: account_decode_steps(llm, prompts[0], steps=8) for name, llm in llms.items()}
+    report["step_accounting"] = {name: account_decode_steps(llm, prompts[0], steps=8, by_op=True) for name, llm in llms.items()}
     if args.profile:
         report["profile"] = _profile(llms, prompts, params)
         if on_gpu:

@@ -10,8 +10,9 @@ host; on the cpu backend everything is on the host, so only the value reads coun
 """
 from __future__ import annotations
 
+from collections import Counter
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -27,10 +28,16 @@ class StepCounts:
     host_syncs: float = 0.0
     h2d_copies: float = 0.0
     steps: int = 0
+    by_op: Counter = field(default_factory=Counter)  # the counted ops by name (aten overload)
 
-    def per_step(self) -> dict:
+    def per_step(self, by_op: bool = False) -> dict:
+        """The counts per step; ``by_op`` adds ``ops``: each counted op's launches per step, most first."""
         n = max(self.steps, 1)
-        return {k: (v / n if k != "steps" else v) for k, v in asdict(self).items()}
+        out = {"ops_outside_graphs": self.ops_outside_graphs / n, "host_syncs": self.host_syncs / n,
+               "h2d_copies": self.h2d_copies / n, "steps": self.steps}
+        if by_op:
+            out["ops"] = {name: count / n for name, count in self.by_op.most_common()}
+        return out
 
 
 class StepAccounting(TorchDispatchMode):
@@ -54,6 +61,7 @@ class StepAccounting(TorchDispatchMode):
                 self.counts.host_syncs += 1
         if not func.is_view:
             self.counts.ops_outside_graphs += 1
+            self.counts.by_op[str(func)] += 1
         return out
 
 
@@ -77,10 +85,10 @@ def outside_accounting() -> Iterator[None]:
         yield
 
 
-def account_decode_steps(llm, prompt: list[int], steps: int = 8, num_seqs: int = 1) -> dict:
+def account_decode_steps(llm, prompt: list[int], steps: int = 8, num_seqs: int = 1, by_op: bool = False) -> dict:
     """Counts per decode step of ``num_seqs`` copies of ``prompt`` on an LLM or its engine:
     prefill first (not counted), then ``steps`` engine steps, each a decode step (speculative
-    where the engine speculates)."""
+    where the engine speculates). ``by_op``: which ops, too (``StepCounts.per_step``)."""
     from mindspec.text_generator.sampling.params import SamplingParams
 
     engine = getattr(llm, "engine", llm)
@@ -98,4 +106,4 @@ def account_decode_steps(llm, prompt: list[int], steps: int = 8, num_seqs: int =
     # (LLMEngine.warmup_decode) would then meet different compiled-step shapes every time.
     for state in states:
         engine.abort(state.request_id)
-    return mode.counts.per_step()
+    return mode.counts.per_step(by_op)

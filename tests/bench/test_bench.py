@@ -58,6 +58,7 @@ def test_bench_writes_json_and_png(tmp_path):
     assert rows["mtp off"]["speedup_vs_mtp_off"] == 1.0
     accounting = report["step_accounting"]
     assert set(accounting) == set(report["configs"]) and accounting["mtp off"]["ops_outside_graphs"] > 50  # eager
+    assert sum(accounting["mtp off"]["ops"].values()) == pytest.approx(accounting["mtp off"]["ops_outside_graphs"])
     assert rows["vanilla K=1"]["mean_drafts_per_step"] == 1.0
     assert 1.0 <= rows["vanilla K=1"]["mean_accepted_length"] <= 2.0
 

@@ -33,6 +33,17 @@ def test_per_step_divides_by_steps():
             torch.ones(2).add_(1)
     mode.counts.steps = 4
     assert mode.counts.per_step()["ops_outside_graphs"] == 2 and mode.counts.per_step()["steps"] == 4
+    assert "ops" not in mode.counts.per_step()  # /metrics exports every value as a gauge
+
+
+def test_ops_by_name_add_up_to_the_count():
+    with StepAccounting() as mode:
+        for _ in range(2):
+            torch.ones(2).add_(1).view(2, 1)
+    mode.counts.steps = 2
+    ops = mode.counts.per_step(by_op=True)["ops"]
+    assert ops == {"aten.ones.default": 1.0, "aten.add_.Tensor": 1.0}
+    assert sum(ops.values()) == mode.counts.per_step()["ops_outside_graphs"]
 
 
 def test_accounting_an_engine_runs_only_the_counted_steps(tmp_path):
