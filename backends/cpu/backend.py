@@ -240,6 +240,7 @@ class CpuBackend(Backend):
         super().__init__(device)
         self._rope_memo, self._spill_memo = _LastCall(), _LastCall()
         self.pack_weights = packed_linear.packing_enabled()
+        self._key_range = torch.arange(0)  # step_tensors' key indices are prefixes of it
 
     def default_device(self) -> str:
         return "cpu"
@@ -274,13 +275,20 @@ class CpuBackend(Backend):
         return True
 
     def step_tensors(self, meta: AttentionMetadata, name: str) -> list[tuple[torch.Tensor, dict[int, str]]]:
-        key_index = torch.arange(meta.max_seq_len, device=meta.seq_lens.device)
+        key_index = self._key_index(meta.max_seq_len, meta.seq_lens.device)
         tensors = [(meta.slots, {}), (meta.seq_lens, {}), (meta.q_lens, {}), (meta.block_tables, {}),
                    (key_index, {0: f"{name}_context"})]
         tok_seq, tok_pos = grid_indices(meta, self.device)
         if tok_seq is not None:  # sequences with different q_lens: the grid scatter's indices
             tensors += [(tok_seq, {}), (tok_pos, {})]
         return tensors
+
+    def _key_index(self, n: int, device: torch.device) -> torch.Tensor:
+        """arange(n) as a prefix of one cached range: a compiled step's stages take it every step,
+        and a view costs no allocation."""
+        if self._key_range.numel() < n or self._key_range.device != device:
+            self._key_range = torch.arange(max(n, 2 * self._key_range.numel(), 256), device=device)
+        return self._key_range[:n]
 
     def bind_step_tensors(self, meta: AttentionMetadata, tensors: list[torch.Tensor]) -> AttentionMetadata:
         slots, seq_lens, q_lens, block_tables, key_index, *grid = tensors

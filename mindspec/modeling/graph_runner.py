@@ -41,7 +41,7 @@ import torch
 from mindspec.modeling.forward_metadata import (
     NUM_INPUT_ARRAYS, ModelInputs, build_model_inputs, device_inputs, input_arrays, token_positions,
 )
-from mindspec.modeling.packed_transfer import PackedLayout, pinned_staging
+from mindspec.modeling.packed_transfer import PackedLayout, Staging
 from mindspec.modeling.step_accounting import outside_accounting
 
 log = logging.getLogger(__name__)
@@ -201,7 +201,7 @@ class StaticInputs:
     def __init__(self, templates: list[ModelInputs], extras: list[np.ndarray], device: torch.device):
         arrays = self._arrays(templates, extras)
         self.layout = PackedLayout.of(arrays)
-        self.pinned = pinned_staging(device)
+        self.staging = Staging(device)
         self.buffer = torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=device)
         views = self.layout.views(self.buffer)
         n = NUM_INPUT_ARRAYS
@@ -217,7 +217,8 @@ class StaticInputs:
         if self.buffer.device.type == "cpu" and self.layout.fits(arrays):  # host memory already: no staging copy
             self.layout.write(arrays, self.buffer)
         else:
-            self.buffer.copy_(self.layout.stage(arrays, self.pinned), non_blocking=True)
+            self.buffer.copy_(self.staging.fill(self.layout, arrays), non_blocking=True)
+            self.staging.sent()
         # Eager backends read the host lists; a captured graph never looks at them again.
         for static, x in zip(self.inputs, padded):
             static.meta.seq_lens_host = x.seq_lens.tolist()
@@ -370,7 +371,7 @@ class DecodeGraphRunner:
         if tree_mask is not None:
             entry.statics.inputs[0].meta.tree_mask[:num_seqs].copy_(tree_mask)
         out = self._replay(entry)
-        return _sliced(out, len(real.lm_head_indices), real.num_tokens, None, self._static(entry), row_map)
+        return _sliced(out, len(real.lm_head_indices), real.num_tokens, None, row_map)
 
     def capture_decode_buckets(self, max_seqs: int) -> None:
         """Capture the plain decode step of every bucket up to the one holding ``max_seqs`` now,
@@ -425,7 +426,7 @@ class DecodeGraphRunner:
             if rows < entry.hidden.shape[0]:
                 entry.hidden[rows:].zero_()
         out = self._replay(entry)
-        return _sliced(out, len(real.lm_head_indices), real.num_tokens, num_seqs, self._static(entry), main_map)
+        return _sliced(out, len(real.lm_head_indices), real.num_tokens, num_seqs, main_map)
 
     # ---- tree speculation -------------------------------------------------------------------------
     def accepts_tree(self, inputs: ModelInputs, steps: list) -> bool:
@@ -480,7 +481,7 @@ class DecodeGraphRunner:
 
         if not self.capture:
             return EagerStep(run)
-        return _LazyCapture(self, key, run)
+        return _LazyCapture(self, key, lambda: _with_greedy(run()))
 
     @staticmethod
     def _static(entry: _Entry) -> bool:
@@ -520,23 +521,33 @@ class _LazyCapture:
         return graph
 
 
-def _sliced(out, num_logits: int, num_rows: int, num_seqs: Optional[int], static: bool,
-            row_map: Optional[np.ndarray] = None):
-    """The real rows of a padded step's output; copied out of a captured graph's static buffers.
-    ``row_map``: a verification padded per sequence, whose real rows (logits and hidden states
-    alike: every row is an lm_head row) are gathered back in their original order."""
+def _with_greedy(out):
+    """A captured step's outputs with the argmax of its logits computed inside the graph (greedy
+    sampling then launches nothing but the copy to the host); a tree step's as they are."""
+    if not hasattr(out, "greedy_tokens"):
+        return out
+    return replace(out, greedy_tokens=out.logits.argmax(dim=-1))
+
+
+def _sliced(out, num_logits: int, num_rows: int, num_seqs: Optional[int], row_map: Optional[np.ndarray] = None):
+    """The real rows of a padded step's output. ``row_map``: a verification padded per sequence,
+    whose real rows (logits and hidden states alike: every row is an lm_head row) are gathered
+    back in their original order. Rows of a captured graph's outputs are views of its static
+    buffers, valid until the runner's next step: an engine step consumes them (sampling,
+    verification, the drafter's caches) before the next one runs."""
     index = None if row_map is None else torch.from_numpy(row_map).to(out.logits.device, non_blocking=True)
 
-    def rows(t: torch.Tensor, n: int, per_token: bool = True) -> torch.Tensor:
-        if per_token and index is not None:
-            return t.index_select(0, index)  # a new tensor: nothing to copy out of the graph's buffers
-        return t[:n].clone() if static else t[:n]
+    def rows(t: Optional[torch.Tensor], n: int, per_token: bool = True) -> Optional[torch.Tensor]:
+        if t is None:
+            return None
+        return t.index_select(0, index) if per_token and index is not None else t[:n]
 
     return replace(
         out,
         logits=rows(out.logits, num_logits),
         hidden_states=rows(out.hidden_states, num_rows),
-        draft_tokens=None if num_seqs is None or out.draft_tokens is None else rows(out.draft_tokens, num_seqs, False),
+        draft_tokens=None if num_seqs is None else rows(out.draft_tokens, num_seqs, False),
+        greedy_tokens=rows(out.greedy_tokens, num_logits),
     )
 
 

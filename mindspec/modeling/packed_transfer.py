@@ -38,16 +38,19 @@ class PackedLayout:
 
     def stage(self, arrays: Sequence[np.ndarray], pinned: bool = False) -> torch.Tensor:
         """A host uint8 tensor [nbytes] holding the arrays at their offsets."""
-        if not self.fits(arrays):
-            got = [(a.dtype.name, tuple(a.shape)) for a in arrays]
-            want = [(dt.name, shape) for dt, shape, _ in self.fields]
-            raise ValueError(f"packed transfer: arrays {got} do not fit the layout {want}")
+        self.check(arrays)
         staging = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pinned)
         self.write(arrays, staging)
         return staging
 
+    def check(self, arrays: Sequence[np.ndarray]) -> None:
+        if not self.fits(arrays):
+            got = [(a.dtype.name, tuple(a.shape)) for a in arrays]
+            want = [(dt.name, shape) for dt, shape, _ in self.fields]
+            raise ValueError(f"packed transfer: arrays {got} do not fit the layout {want}")
+
     def write(self, arrays: Sequence[np.ndarray], buffer: torch.Tensor) -> None:
-        """The arrays into a host uint8 ``buffer`` [nbytes] at their offsets (they fit: ``stage``)."""
+        """The arrays into a host uint8 ``buffer`` [>= nbytes] at their offsets (they fit: ``check``)."""
         raw = buffer.numpy()
         for a, (dt, _, off) in zip(arrays, self.fields):
             raw[off : off + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
@@ -70,12 +73,50 @@ def pinned_staging(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def to_device_packed(arrays: Sequence[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
-    """The arrays as device tensors (views of one buffer), moved in one copy. On cpu nothing
-    moves: the tensors share the arrays' memory."""
+class Staging:
+    """One reusable host buffer for a caller's packed host-to-device copies (page-locked where
+    the device has it), instead of a fresh one per copy: a step then allocates nothing on the
+    host. The copies are asynchronous, so the buffer is rewritten only once the device has
+    read the previous copy out of it (an event recorded after each copy)."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.pinned = pinned_staging(self.device)
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self._read = torch.Event(device=self.device) if self.pinned else None
+        self._pending = False
+
+    def fill(self, layout: PackedLayout, arrays: Sequence[np.ndarray]) -> torch.Tensor:
+        """The host tensor [layout.nbytes] holding ``arrays``; copy it once, then call ``sent``."""
+        if self._pending:
+            self._read.synchronize()
+            self._pending = False
+        if self.buffer.numel() < layout.nbytes:
+            size = max(layout.nbytes, 2 * self.buffer.numel())
+            self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
+        host = self.buffer[: layout.nbytes]
+        layout.check(arrays)
+        layout.write(arrays, host)
+        return host
+
+    def sent(self) -> None:
+        """The copy out of the last ``fill`` is queued on the current stream."""
+        if self._read is not None:
+            self._read.record()
+            self._pending = True
+
+
+def to_device_packed(arrays: Sequence[np.ndarray], device: torch.device | str,
+                     staging: Staging | None = None) -> list[torch.Tensor]:
+    """The arrays as device tensors (views of one buffer), moved in one copy, through
+    ``staging`` when the caller keeps one. On cpu nothing moves: the tensors share the arrays'
+    memory."""
     device = torch.device(device)
     if device.type == "cpu":
         return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
     layout = PackedLayout.of(arrays)
-    staging = layout.stage(arrays, pinned=pinned_staging(device))
-    return layout.views(staging.to(device, non_blocking=True))
+    if staging is None:
+        return layout.views(layout.stage(arrays, pinned=pinned_staging(device)).to(device, non_blocking=True))
+    moved = staging.fill(layout, arrays).to(device, non_blocking=True)
+    staging.sent()
+    return layout.views(moved)

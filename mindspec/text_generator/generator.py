@@ -35,6 +35,7 @@ class GeneratorOutput:
     logits: torch.Tensor  # [N, vocab] float32, rows at lm_head_indices
     hidden_states: torch.Tensor  # [T, hidden] (after the final norm)
     draft_tokens: Optional[torch.Tensor] = None  # [bs, K] when a drafter ran in the same forward
+    greedy_tokens: Optional[torch.Tensor] = None  # [N] argmax of logits, where a captured graph computed it
     tree: Optional[DraftTree] = None  # a tree speculation step's trees
 
 
@@ -214,7 +215,8 @@ class Generator:
             out = w.forward_prefill_mtp(to_device(inputs, self.device), mtp_modules, nxt)
         else:
             out = w.forward_host(inputs)
-        return GeneratorOutput(logits=out.logits, hidden_states=out.hidden_states, draft_tokens=out.draft_tokens)
+        return GeneratorOutput(logits=out.logits, hidden_states=out.hidden_states, draft_tokens=out.draft_tokens,
+                               greedy_tokens=out.greedy_tokens)
 
     # ---- data parallel -----------------------------------------------------------------------
     def _forward_dp(self, inputs, subs, hidden_states, mtp_modules, draft_logits=None) -> GeneratorOutput:

@@ -67,6 +67,7 @@ class StepOutputs:
     logits: torch.Tensor  # [N, vocab] float32
     hidden_states: torch.Tensor  # [T, hidden]
     draft_tokens: Optional[torch.Tensor] = None  # [B, K]
+    greedy_tokens: Optional[torch.Tensor] = None  # [N] argmax of logits, where a captured graph computed it
     sampled: Optional[np.ndarray] = None  # [N] int64 sampled target token per row
     logprobs: Optional[np.ndarray] = None  # [N] float32
     top_logprobs: Optional[tuple[np.ndarray, np.ndarray]] = None  # ([N, n] ids, [N, n] values)

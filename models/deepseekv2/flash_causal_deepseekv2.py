@@ -35,6 +35,7 @@ class ModelOutput:
     logits: torch.Tensor  # [N, vocab] float32, rows at lm_head_indices
     hidden_states: torch.Tensor  # [T, hidden] every token (main: after the final norm; MTP: block output)
     draft_tokens: Optional[torch.Tensor] = None  # [B, K] from forward_speculative
+    greedy_tokens: Optional[torch.Tensor] = None  # [N] argmax of logits, where a captured graph computed it
 
 
 # (draft step logits [B, V], the drafts of the steps before [B] each) -> the logits to take the argmax of

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from mindspec.modeling.forward_metadata import token_positions
-from mindspec.modeling.packed_transfer import to_device_packed
+from mindspec.modeling.packed_transfer import Staging, to_device_packed
 
 
 class HiddenHistory:
@@ -28,6 +28,9 @@ class HiddenHistory:
         self.capacity = 0  # slots the buffer holds
         self._slots: dict[int, int] = {}
         self._free: list[int] = []
+        # host buffers of the index copies of reads and of writes (allocated with the buffer)
+        self._read_staging: Optional[Staging] = None
+        self._write_staging: Optional[Staging] = None
 
     def add(self, seq_id: int, like: torch.Tensor) -> int:
         """A slot for ``seq_id`` (its old one if it has one), in a buffer of ``like``'s width,
@@ -52,7 +55,7 @@ class HiddenHistory:
         first_rows, first_positions, counts = first_rows + over, first_positions + over, counts - over
         seq_idx, rows = token_positions(first_rows, counts)
         _, positions = token_positions(first_positions, counts)
-        dst, src = to_device_packed([self._rows(slots[seq_idx], positions), rows], self.buf.device)
+        dst, src = to_device_packed([self._rows(slots[seq_idx], positions), rows], self.buf.device, self._write_staging)
         self.buf.index_copy_(0, dst, hidden.index_select(0, src).to(self.buf.dtype))
 
     def read(self, slots: np.ndarray, positions: np.ndarray, valid: Optional[np.ndarray] = None) -> torch.Tensor:
@@ -62,7 +65,7 @@ class HiddenHistory:
         rows = self._rows(slots, positions)
         if valid is not None:
             rows = np.where(valid, rows, 0)
-        (index,) = to_device_packed([rows], self.buf.device)
+        (index,) = to_device_packed([rows], self.buf.device, self._read_staging)
         return self.buf.index_select(0, index)
 
     def _rows(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -75,4 +78,6 @@ class HiddenHistory:
         grown = torch.zeros(1 + capacity * self.keep, like.shape[-1], dtype=like.dtype, device=like.device)
         if self.buf is not None:
             grown[: self.buf.shape[0]] = self.buf  # slot s keeps its rows: they depend on keep only
+        else:
+            self._read_staging, self._write_staging = Staging(like.device), Staging(like.device)
         self.buf, self.capacity = grown, capacity

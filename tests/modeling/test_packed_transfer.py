@@ -50,3 +50,35 @@ def test_to_device_views_equal_the_zero_copy_cpu_tensors():
             plain.meta.q_lens, plain.meta.q_start_loc, plain.lm_head_indices]
     for a, b in zip(mine, packed):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_staging_reuses_one_host_buffer_and_grows_for_a_larger_layout():
+    from mindspec.modeling.packed_transfer import Staging
+
+    staging = Staging("cpu")
+    arrays = _arrays()
+    layout = PackedLayout.of(arrays)
+    first = staging.fill(layout, arrays)
+    assert [np.array_equal(t.numpy(), a) for t, a in zip(layout.views(first), arrays)] == [True] * len(arrays)
+    again = staging.fill(layout, [a[::-1].copy() if a.ndim == 1 else a for a in arrays])
+    assert again.data_ptr() == first.data_ptr()  # the same memory, rewritten
+    bigger = [np.arange(layout.nbytes, dtype=np.int64)]
+    grown = staging.fill(PackedLayout.of(bigger), bigger)
+    assert grown.numel() == 8 * layout.nbytes and np.array_equal(grown.numpy().view(np.int64), bigger[0])
+    with pytest.raises(ValueError, match="do not fit"):
+        staging.fill(layout, bigger)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked staging and its event need CUDA")
+def test_staging_waits_for_the_device_to_read_a_copy_before_rewriting_it():
+    """Copies from page-locked memory are asynchronous: a second fill right after the first copy
+    must not change what the first copy delivers."""
+    from mindspec.modeling.packed_transfer import Staging
+
+    staging = Staging("cuda")
+    big = np.arange(1 << 22, dtype=np.int64)  # 32 MB: the copy is still running when fill returns
+    torch.cuda._sleep(10_000_000)  # keep the stream busy so the first copy is queued, not done
+    (first,) = to_device_packed([big], "cuda", staging)
+    (second,) = to_device_packed([-big], "cuda", staging)
+    torch.cuda.synchronize()
+    assert torch.equal(first.cpu(), torch.from_numpy(big)) and torch.equal(second.cpu(), torch.from_numpy(-big))
