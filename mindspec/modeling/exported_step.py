@@ -214,7 +214,8 @@ class ExportedSteps:
         if key not in self._runners:
             if not self._due(key):
                 return None
-            self._runners[key] = self._package(key, args, caches, tensors, dims)
+            with outside_accounting():  # loading, exporting or compiling is no step's work
+                self._runners[key] = self._package(key, args, caches, tensors, dims)
         runner = self._runners[key]
         if isinstance(runner, _Compiling):
             runner = self._runners[key] = self._arrived(runner)

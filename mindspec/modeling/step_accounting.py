@@ -7,6 +7,10 @@ call), so what is counted is exactly what the engine still launches op by op. Vi
 launch no kernel) are not counted. A host synchronisation is a read of a tensor's value on the
 host (``item``, ``tolist``, ``bool``: ``aten._local_scalar_dense``) or a copy from a device to the
 host; on the cpu backend everything is on the host, so only the value reads count.
+
+``Tensor.to`` (and ``cpu``, ``cuda``, ``double`` ...) of an inference tensor, as every tensor a
+forward under ``torch.inference_mode`` returns is, copies without passing the dispatch mode (no
+``aten._to_copy`` reaches it): a function mode beside it counts those copies.
 """
 from __future__ import annotations
 
@@ -16,10 +20,14 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
+from torch.overrides import TorchFunctionMode, _pop_mode_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode
 
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
 _COPIES = {torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default}
+_TO_METHODS = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda, torch.Tensor.double, torch.Tensor.float,
+               torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.long, torch.Tensor.int, torch.Tensor.bool,
+               torch.Tensor.type}
 
 
 @dataclass
@@ -46,6 +54,17 @@ class StepAccounting(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.counts = StepCounts()
+        self._inference_copies = _InferenceCopies(self)
+
+    def __enter__(self):
+        self._inference_copies.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._inference_copies.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -55,13 +74,40 @@ class StepAccounting(TorchDispatchMode):
             return out
         if func in _COPIES:
             src, dst = _copy_devices(func, args, kwargs, out)
-            if src is not None and src.type == "cpu" and dst.type != "cpu":
-                self.counts.h2d_copies += 1
-            elif src is not None and src.type != "cpu" and dst.type == "cpu":
-                self.counts.host_syncs += 1
+            if src is not None:
+                self.count_copy(src, dst)
         if not func.is_view:
-            self.counts.ops_outside_graphs += 1
-            self.counts.by_op[str(func)] += 1
+            self.count_op(str(func))
+        return out
+
+    def count_op(self, name: str) -> None:
+        self.counts.ops_outside_graphs += 1
+        self.counts.by_op[name] += 1
+
+    def count_copy(self, src: torch.device, dst: torch.device) -> None:
+        if src.type == "cpu" and dst.type != "cpu":
+            self.counts.h2d_copies += 1
+        elif src.type != "cpu" and dst.type == "cpu":
+            self.counts.host_syncs += 1
+
+
+class _InferenceCopies(TorchFunctionMode):
+    """The copies ``Tensor.to`` and its kin make of inference tensors, which the dispatch mode
+    does not see, counted as the ``aten._to_copy`` they are; only while ``accounting`` is the
+    current dispatch mode (not inside ``outside_accounting``)."""
+
+    def __init__(self, accounting: StepAccounting):
+        super().__init__()
+        self.accounting = accounting
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        src = args[0] if args else None
+        if (func in _TO_METHODS and isinstance(src, torch.Tensor) and src.is_inference()
+                and isinstance(out, torch.Tensor) and out is not src
+                and _get_current_dispatch_mode() is self.accounting):
+            self.accounting.count_copy(src.device, out.device)
+            self.accounting.count_op(str(torch.ops.aten._to_copy.default))
         return out
 
 
@@ -77,11 +123,23 @@ def _copy_devices(func, args, kwargs, out):
 @contextmanager
 def outside_accounting() -> Iterator[None]:
     """Runs a compiled graph or package unseen by an active StepAccounting (its ops are not
-    launched one by one by the host); a no-op otherwise."""
-    if not isinstance(_get_current_dispatch_mode(), StepAccounting):
+    launched one by one by the host), or exports one without the accounting's modes in the
+    way; a no-op otherwise."""
+    mode = _get_current_dispatch_mode()
+    if not isinstance(mode, StepAccounting):
         yield
         return
-    with _disable_current_modes():
+    with _disable_current_modes(), _function_mode_popped(mode._inference_copies):
+        yield
+
+
+@contextmanager
+def _function_mode_popped(mode: TorchFunctionMode) -> Iterator[None]:
+    stack = torch._C._len_torch_function_stack()
+    if not stack or torch._C._get_function_stack_at(stack - 1) is not mode:
+        yield
+        return
+    with _pop_mode_temporarily():
         yield
 
 

@@ -27,6 +27,22 @@ def test_a_compiled_region_is_not_counted():
         assert torch.equal(x + 1, torch.full((4,), 2.0))
 
 
+def test_copies_of_inference_tensors_count_though_the_dispatch_mode_misses_them():
+    """A forward under torch.inference_mode returns inference tensors, whose ``.to()`` / ``.cpu()``
+    never reaches a dispatch mode as ``aten._to_copy``: the sampled tokens' copy to the host went
+    uncounted so."""
+    with torch.inference_mode():
+        tokens = torch.arange(6) * 2
+    with StepAccounting() as mode:
+        tokens[:4].double()  # a copy
+        tokens.to(torch.int64)  # the same dtype and device: no copy
+        torch.ones(2).double()  # an ordinary tensor: the dispatch mode's own count
+        with outside_accounting():
+            tokens.double()
+    assert dict(mode.counts.by_op) == {"aten._to_copy.default": 2, "aten.ones.default": 1}
+    assert torch._C._len_torch_function_stack() == 0
+
+
 def test_per_step_divides_by_steps():
     with StepAccounting() as mode:
         for _ in range(4):
