@@ -522,11 +522,17 @@ class _LazyCapture:
 
 
 def _with_greedy(out):
-    """A captured step's outputs with the argmax of its logits computed inside the graph (greedy
-    sampling then launches nothing but the copy to the host); a tree step's as they are."""
+    """A captured step's outputs with the argmax of its logits computed inside the graph, and a
+    speculative step's drafts right after it in the same buffer: greedy sampling and acceptance
+    then read both with one copy to the host (StepOutputs.greedy_host). A tree step's as they are."""
     if not hasattr(out, "greedy_tokens"):
         return out
-    return replace(out, greedy_tokens=out.logits.argmax(dim=-1))
+    greedy = out.logits.argmax(dim=-1)  # [N]
+    if out.draft_tokens is None:
+        return replace(out, greedy_tokens=greedy)
+    packed = torch.cat([greedy, out.draft_tokens.reshape(-1).to(greedy.dtype)])  # [N + B * K]
+    n = greedy.shape[0]
+    return replace(out, greedy_tokens=packed[:n], draft_tokens=packed[n:].view(out.draft_tokens.shape))
 
 
 def _sliced(out, num_logits: int, num_rows: int, num_seqs: Optional[int], row_map: Optional[np.ndarray] = None):

@@ -81,6 +81,19 @@ class StepOutputs:
     # Sequences that verified drafts made on the host instead of draft_tokens' row: {b: drafts}
     host_drafts: Optional[dict[int, list[int]]] = None
     _drafts_host: Optional[np.ndarray] = field(default=None, repr=False)
+    _read_drafts: Optional[np.ndarray] = field(default=None, repr=False)  # came with greedy_host's copy
+
+    def greedy_host(self) -> np.ndarray:
+        """[N] the argmax of each logits row on the host (``greedy_tokens`` where the step computed
+        them, else computed here). Where a captured step packed its drafts after them in one buffer
+        (graph_runner._with_greedy) the drafts come along in the same copy."""
+        greedy = self.greedy_tokens if self.greedy_tokens is not None else self.logits.argmax(dim=-1)
+        span = _packed_span(greedy, self.draft_tokens) if self._drafts_host is None else None
+        if span is None:
+            return greedy.cpu().numpy()
+        host, at = span.cpu().numpy(), self.draft_tokens.storage_offset() - greedy.storage_offset()
+        self._read_drafts = host[at : at + self.draft_tokens.numel()].reshape(self.draft_tokens.shape)
+        return host[: greedy.numel()]
 
     def drafts_host(self) -> Optional[np.ndarray]:
         """The drafts each sequence verified on the host [B, W]: draft_tokens read back from the
@@ -88,7 +101,7 @@ class StepOutputs:
         token 0 past a sequence's own, which acceptance never reaches: it is capped at each
         sequence's count)."""
         if self._drafts_host is None and self.draft_tokens is not None:
-            drafts = self.draft_tokens.cpu().numpy()
+            drafts = self._read_drafts if self._read_drafts is not None else self.draft_tokens.cpu().numpy()
             if self.host_drafts:
                 width = max(drafts.shape[1], *(len(d) for d in self.host_drafts.values()))
                 drafts = np.pad(drafts, ((0, 0), (0, width - drafts.shape[1])))
@@ -97,6 +110,17 @@ class StepOutputs:
                     drafts[b, : len(d)] = d
             self._drafts_host = drafts
         return self._drafts_host
+
+
+def _packed_span(first: torch.Tensor, second: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """One 1-D view over two contiguous tensors of one buffer, ``second`` after ``first``; None
+    where they are not laid out so."""
+    if (second is None or first.dim() != 1 or first.dtype != second.dtype or not first.is_contiguous()
+            or not second.is_contiguous() or first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
+            or second.storage_offset() < first.storage_offset() + first.numel()):
+        return None
+    length = second.storage_offset() + second.numel() - first.storage_offset()
+    return first.as_strided((length,), (1,), first.storage_offset())
 
 
 def draft_grid(drafts: list[list[int]]) -> np.ndarray:
