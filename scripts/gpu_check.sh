@@ -10,10 +10,11 @@
 #   bash scripts/gpu_check.sh py SCRIPT [ARGS...]
 #   bash scripts/gpu_check.sh session                          # a 15-minute device budget's first call
 #
-# `session` is what a session lent a GPU runs first, in one call of about 8 minutes (9 with the
-# machine's start), returning at most 8 files: the tests natively, draft trees and chains against
-# MTP off at batch 1 (float32), and the engine step profile in bf16 (MTP off, eagle and vanilla K=3:
-# wall, device and host time per step, the eagle step's host cProfile).
+# `session` is what a session lent a GPU runs first, in one call of about 10 minutes (11 with the
+# machine's start), returning at most 8 files: the tests natively (~5 minutes on a fresh H200:
+# Triton compiles every kernel first), draft trees and chains against MTP off at batch 1 (float32),
+# and the engine step profile in bf16 (MTP off, eagle and vanilla K=3: wall, device and host time
+# per step, ops outside graphs by name, the eagle step's host cProfile).
 #
 # `all` runs every GPU measurement: tests, the kernel benchmarks, the comparison on the shipped
 # model (batch 1 and 16, MTP off against K=3, sync and async) and DeepSeek-V2-Lite with random
@@ -22,7 +23,9 @@
 # --batches 1,16,32 --ks 1,3 --rounds 3 --no-async ~6-8 min (one device call allows 10).
 #
 # Needs python3 with a CUDA torch, triton, transformers, safetensors, tokenizers, numpy, pytest and
-# matplotlib already installed (no package is fetched). mindspec itself runs from this checkout.
+# matplotlib already installed (no package is fetched), and gguf, which the device image lacks:
+# carry its wheel (`pip download --no-deps -d .whl gguf`, `.whl` in the call's carry, installed with
+# --target into PYTHONPATH first). mindspec itself runs from this checkout.
 set -u
 OUT=${OUT:-benchmarks/out/gpu}
 WHAT=${1:-all}
@@ -87,7 +90,7 @@ if [[ $WHAT == profile || $WHAT == all ]]; then  # where a step's time goes: MTP
   OUT="$OUT" timeout "${PROFILE_TIMEOUT:-240}" $PY scripts/gpu_step_profile.py 2>&1 | tee "$OUT/profile.log" | grep '^{'
 fi
 if [[ $WHAT == session ]]; then
-  TEST_TIMEOUT=${TEST_TIMEOUT:-270} bash "$0" tests
+  TEST_TIMEOUT=${TEST_TIMEOUT:-330} bash "$0" tests
   BENCH_TIMEOUT=120 bash "$0" trees --batches 1
   mkdir -p "$OUT/profile"
   DTYPE=bfloat16 CONFIGS=off,eagle3,vanilla3 OUT="$OUT/profile" timeout 120 $PY scripts/gpu_step_profile.py 2>&1 \

@@ -88,6 +88,7 @@ class Staging:
 
     def fill(self, layout: PackedLayout, arrays: Sequence[np.ndarray]) -> torch.Tensor:
         """The host tensor [layout.nbytes] holding ``arrays``; copy it once, then call ``sent``."""
+        layout.check(arrays)
         if self._pending:
             self._read.synchronize()
             self._pending = False
@@ -95,7 +96,6 @@ class Staging:
             size = max(layout.nbytes, 2 * self.buffer.numel())
             self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
         host = self.buffer[: layout.nbytes]
-        layout.check(arrays)
         layout.write(arrays, host)
         return host
 
