@@ -83,7 +83,7 @@ class Staging:
         self.device = torch.device(device)
         self.pinned = pinned_staging(self.device)
         self.buffer = torch.empty(0, dtype=torch.uint8)
-        self._read = torch.Event(device=self.device) if self.pinned else None
+        self._read = torch.cuda.Event() if self.pinned else None  # page-locked staging is CUDA's (pinned_staging)
         self._pending = False
 
     def fill(self, layout: PackedLayout, arrays: Sequence[np.ndarray]) -> torch.Tensor:
@@ -100,9 +100,9 @@ class Staging:
         return host
 
     def sent(self) -> None:
-        """The copy out of the last ``fill`` is queued on the current stream."""
+        """The copy out of the last ``fill`` is queued on the device's current stream."""
         if self._read is not None:
-            self._read.record()
+            self._read.record(torch.cuda.current_stream(self.device))
             self._pending = True
 
 
