@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from mindspec.modeling.exported_step import first_line, compile_package, export_recipe
+from mindspec.modeling.exported_step import compile_package, export_recipe, first_line
 from mindspec.modeling.step_recipes import StepRecipe
 
 

@@ -217,8 +217,7 @@ class StaticInputs:
         if self.buffer.device.type == "cpu" and self.layout.fits(arrays):  # host memory already: no staging copy
             self.layout.write(arrays, self.buffer)
         else:
-            self.buffer.copy_(self.staging.fill(self.layout, arrays), non_blocking=True)
-            self.staging.sent()
+            self.staging.send(self.layout, arrays, into=self.buffer)
         # Eager backends read the host lists; a captured graph never looks at them again.
         for static, x in zip(self.inputs, padded):
             static.meta.seq_lens_host = x.seq_lens.tolist()

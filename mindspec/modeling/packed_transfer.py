@@ -86,8 +86,20 @@ class Staging:
         self._read = torch.cuda.Event() if self.pinned else None  # page-locked staging is CUDA's (pinned_staging)
         self._pending = False
 
+    def send(self, layout: PackedLayout, arrays: Sequence[np.ndarray],
+             into: torch.Tensor | None = None) -> torch.Tensor:
+        """``arrays`` on the device in one asynchronous copy: into ``into`` (uint8, ``layout.nbytes``)
+        or a new device buffer, which is returned."""
+        host = self.fill(layout, arrays)
+        moved = host.to(self.device, non_blocking=True) if into is None else into.copy_(host, non_blocking=True)
+        if self._read is not None:  # the copy is queued on the device's current stream
+            self._read.record(torch.cuda.current_stream(self.device))
+            self._pending = True
+        return moved
+
     def fill(self, layout: PackedLayout, arrays: Sequence[np.ndarray]) -> torch.Tensor:
-        """The host tensor [layout.nbytes] holding ``arrays``; copy it once, then call ``sent``."""
+        """The host tensor [layout.nbytes] holding ``arrays``, once the previous copy out of the
+        buffer has been read."""
         layout.check(arrays)
         if self._pending:
             self._read.synchronize()
@@ -98,12 +110,6 @@ class Staging:
         host = self.buffer[: layout.nbytes]
         layout.write(arrays, host)
         return host
-
-    def sent(self) -> None:
-        """The copy out of the last ``fill`` is queued on the device's current stream."""
-        if self._read is not None:
-            self._read.record(torch.cuda.current_stream(self.device))
-            self._pending = True
 
 
 def to_device_packed(arrays: Sequence[np.ndarray], device: torch.device | str,
@@ -117,6 +123,4 @@ def to_device_packed(arrays: Sequence[np.ndarray], device: torch.device | str,
     layout = PackedLayout.of(arrays)
     if staging is None:
         return layout.views(layout.stage(arrays, pinned=pinned_staging(device)).to(device, non_blocking=True))
-    moved = staging.fill(layout, arrays).to(device, non_blocking=True)
-    staging.sent()
-    return layout.views(moved)
+    return layout.views(staging.send(layout, arrays))
