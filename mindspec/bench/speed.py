@@ -138,6 +138,9 @@ def default_configs(ks: list[int], mtp_modules: int, bos: int, eos: int, compile
         out += [Config("mtp off +compile", decode_graphs=True),
                 Config(f"{best} K=3 +compile", mtp(3, best), decode_graphs=True),
                 Config(f"{best} K=3 adaptive +compile", mtp(3, best, adaptive=True), decode_graphs=True)]
+    if compiled and asynchronous:  # the host's work beside the package (no adaptive speculation under async)
+        out += [Config("mtp off +compile +async", decode_graphs=True, async_scheduling=True),
+                Config(f"{best} K=3 +compile +async", mtp(3, best), decode_graphs=True, async_scheduling=True)]
     if compiled and trees:  # the smallest trees compiled, beside the compiled chains of both modes
         out.append(Config("eagle K=3 +compile", mtp(3, "eagle"), decode_graphs=True))
         out += [Config(f"{c.name} +compile", c.plugin_params, decode_graphs=True) for c in tree_configs(mtp_modules)

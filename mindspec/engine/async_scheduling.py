@@ -20,6 +20,7 @@ scheduling token for token (tests/engine/test_async_scheduling.py).
 """
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional
@@ -76,10 +77,13 @@ class AsyncStepper:
             self._apply_clears()
             return outs
         prev, self.prev = self.prev, None
-        host = self.host.submit(self._host_work, prev, cur)
+        launched = threading.Event()
+        host = self.host.submit(self._host_work, prev, cur, launched)
+        self.engine.model_wrapper.launch.arm(launched.set)
         try:
             self._run(cur, prev)
         finally:
+            launched.set()  # a step that never reached the device
             try:
                 more, self.next = host.result()
             except BaseException:
@@ -121,7 +125,11 @@ class AsyncStepper:
             self.engine.plugin_manager.clear(clears)
 
     # ---- host side (helper thread while the device runs) --------------------------------------------
-    def _host_work(self, prev: Optional[_Step], cur: _Step) -> tuple[list["RequestOutput"], Optional[_Step]]:
+    def _host_work(self, prev: Optional[_Step], cur: _Step,
+                   launched: threading.Event) -> tuple[list["RequestOutput"], Optional[_Step]]:
+        # Both threads' host work holds the GIL: this one waits until the calling thread has
+        # launched the device step (which runs without the GIL), not to delay that launch.
+        launched.wait()
         outs = self._finish(prev) if prev is not None else []
         return outs, self._ahead(cur)
 

@@ -21,7 +21,7 @@ import logging
 import os
 import zipfile
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -55,15 +55,25 @@ class ReleasedRunner:
         _check(getattr(self._lib, fn)(self._handle, ctypes.byref(n)), fn)
         return n.value
 
-    def __call__(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    def __call__(self, *tensors: torch.Tensor, before_run: Optional[Callable[[], None]] = None) -> list[torch.Tensor]:
+        """``before_run``: called right before the foreign call (which releases the GIL)."""
         if len(tensors) != self.num_inputs:
             raise ValueError(f"{self.library.name} takes {self.num_inputs} tensors, got {len(tensors)}")
         # Each handle is a new reference to a tensor; the container steals (frees) them.
         capsules = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors(list(tensors))
+        # A tensor's C++ reference count going 2 -> 1 (the container freeing its handle while the
+        # Python object holds the other) releases the Python object, which takes the GIL in the
+        # middle of the run: a second reference per input, dropped after the run, avoids that.
+        held = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors(list(tensors))
         inputs = (ctypes.c_void_p * len(capsules))(*[_api.PyCapsule_GetPointer(c, None) for c in capsules])
         outputs = (ctypes.c_void_p * self.num_outputs)()
-        _check(self._lib.AOTInductorModelContainerRun(
-            self._handle, inputs, len(capsules), outputs, self.num_outputs, None, None), "run the model")
+        if before_run is not None:
+            before_run()
+        try:
+            _check(self._lib.AOTInductorModelContainerRun(
+                self._handle, inputs, len(capsules), outputs, self.num_outputs, None, None), "run the model")
+        finally:
+            torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs(held)  # dropped at once
         return torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs(
             [_api.PyCapsule_New(outputs[i], None, None) for i in range(self.num_outputs)])
 

@@ -37,13 +37,14 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
-from mindspec.modeling.aoti_runner import open_released
+from mindspec.modeling.aoti_runner import ReleasedRunner, open_released
 from mindspec.modeling.background_compiles import DONE, PENDING, BackgroundCompiles
 from mindspec.modeling.gguf_file import is_gguf, split_files
+from mindspec.modeling.launch_signal import LaunchSignal
 from mindspec.modeling.random_checkpoint import MANIFEST
 from mindspec.modeling.step_accounting import outside_accounting
 from mindspec.modeling.step_recipes import DECODE, SPECULATIVE, TREE, StepRecipe, trace_fn
@@ -120,8 +121,10 @@ class ExportedSteps:
     packages, one per shape; the graph runner calls these with bucket-padded inputs only.
     ``workers`` > 0: compile new shapes in that many worker processes."""
 
-    def __init__(self, model, backend, model_dir: Path, dtype: torch.dtype, workers: int = 0):
+    def __init__(self, model, backend, model_dir: Path, dtype: torch.dtype, workers: int = 0,
+                 launch: Optional[LaunchSignal] = None):
         self.model, self.backend = model, backend
+        self.launch = launch or LaunchSignal()  # fired as each step's package (or eager fallback) starts
         self.model_dir, self.dtype = Path(model_dir), dtype  # what a worker loads to export a step itself
         self.stats = ExportStats()
         # shape key -> loaded package, _Compiling, or None (eager)
@@ -220,9 +223,13 @@ class ExportedSteps:
         if isinstance(runner, _Compiling):
             runner = self._runners[key] = self._arrived(runner)
         if runner is None or isinstance(runner, _Compiling):
+            self.launch.fire()  # the caller runs the step eagerly
             return None
         self.stats.calls += 1
         with outside_accounting():
+            if isinstance(runner, ReleasedRunner):
+                return runner(*tensors, before_run=self.launch.fire)
+            self.launch.fire()
             return runner(*tensors)
 
     def _due(self, key: tuple) -> bool:

@@ -493,10 +493,11 @@ class DecodeGraphRunner:
         if isinstance(step, _LazyCapture):
             step = entry.step = step.capture()
         if isinstance(step, EagerStep):
-            step.replay()
+            step.replay()  # (its forward fires the launch signal)
         else:
             with outside_accounting():  # a captured graph: its ops are not launched one by one
                 step.replay()
+            self.wrapper.launch.fire()  # queued on the device: the host is free until it reads the outputs
         self.stats.replays += 1
         return step.outputs
 

@@ -19,6 +19,7 @@ from mindspec.modeling.forward_metadata import DeviceInputs, ModelInputs, build_
 from mindspec.modeling.draft_rows import lm_rows_only_steps, on_lm_rows, verify_source
 from mindspec.modeling.exported_step import ExportedSteps
 from mindspec.modeling.graph_runner import DecodeGraphRunner, maybe_graph_runner
+from mindspec.modeling.launch_signal import LaunchSignal
 from mindspec.modeling.loader import read_hf_config
 from mindspec.modeling.registry import model_class, supported_model_types
 from mindspec.modeling.draft_tree import TreeShape
@@ -75,8 +76,9 @@ class ModelWrapper:
         self.cache_config: Optional[CacheConfig] = None
         self.decode_graphs = decode_graphs
         self.graph_runner = None
-        self.compiled = (ExportedSteps(self.model, self.backend, self.model_dir, self.dtype, compile_workers)
-                         if export else None)
+        self.launch = LaunchSignal()  # fired when each step's work is handed to the device
+        self.compiled = (ExportedSteps(self.model, self.backend, self.model_dir, self.dtype, compile_workers,
+                                       launch=self.launch) if export else None)
         self._tree_drafters: dict[tuple, TreeDrafter] = {}
 
     @property
@@ -115,7 +117,11 @@ class ModelWrapper:
         a decode step the graph runner padded to a bucket, which runs compiled where the backend
         exports steps."""
         self._prepare(inputs)
-        forward = self.compiled.forward if self.compiled and padded else self.model.forward
+        if self.compiled and padded:  # (fires the launch signal itself)
+            forward = self.compiled.forward
+        else:
+            forward = self.model.forward
+            self.launch.fire()
         return forward(inputs.input_ids, inputs.positions, self.caches, inputs.meta, inputs.lm_head_indices)
 
     def forward_host(self, inputs: ModelInputs, tree_mask: Optional[torch.Tensor] = None):
@@ -132,6 +138,7 @@ class ModelWrapper:
 
     def forward_mtp(self, module_idx: int, inputs: DeviceInputs, hidden_states: torch.Tensor):
         self._prepare(inputs)
+        self.launch.fire()
         return self.model.forward_mtp(
             module_idx, inputs.input_ids, hidden_states, inputs.positions, self.caches, inputs.meta, inputs.lm_head_indices
         )
@@ -141,6 +148,7 @@ class ModelWrapper:
         """``next_tokens`` [B, len(mtp_modules)]: the tokens after each sequence's last fed one
         where known (-1: the module's draft stands in)."""
         self._prepare(inputs)
+        self.launch.fire()
         return self.model.forward_prefill_mtp(
             inputs.input_ids, inputs.positions, inputs.meta, inputs.lm_head_indices, mtp_modules, self.caches,
             next_tokens,
@@ -168,6 +176,7 @@ class ModelWrapper:
                 first.input_ids, hidden_states, lm_head_local_dp, steps, self.caches)
         if self.compiled and padded and draft_logits is None:  # padded steps verify K drafts per sequence
             return self.compiled.forward_speculative(*args)
+        self.launch.fire()
         return self.model.forward_speculative(*args, verify_source=verify_source, draft_logits=draft_logits)
 
     def forward_speculative_host(
@@ -207,6 +216,7 @@ class ModelWrapper:
             drafter = self._tree_drafters[key] = TreeDrafter(self.model, shape, eagle)
         if self.compiled and padded:
             return self.compiled.forward_tree(drafter, main, steps, hidden_states, self.caches)
+        self.launch.fire()
         return verify_tree(self.model, drafter, main, steps, hidden_states, self.caches)
 
     def forward_tree_host(self, inputs: ModelInputs, steps: list[TreeStepHost], hidden_states: torch.Tensor,

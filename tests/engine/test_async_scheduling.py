@@ -162,6 +162,37 @@ def test_abort_while_the_next_step_runs(case, expected):
     _settled(llm)
 
 
+@pytest.mark.parametrize("plugin", [None, _mtp("vanilla", 2)], ids=["off", "vanilla-k2"])
+def test_host_work_starts_once_the_device_step_is_launched(case, expected, plugin, monkeypatch):
+    """Both threads' Python holds the GIL: the host thread waits for the launch signal, so it never
+    runs beside the calling thread's input building for the step it overlaps."""
+    from mindspec.engine import async_scheduling
+
+    path, prompts, arrivals, params = case
+    llm = _llm(path, plugin, True)
+    events = []  # appended by both threads, in the order things happened
+    signal = llm.engine.model_wrapper.launch
+    fire = signal.fire
+    monkeypatch.setattr(signal, "fire", lambda: (events.append("launch") if signal._callback else None, fire())[1])
+    for name in ("_finish", "_ahead"):
+        real = getattr(async_scheduling.AsyncStepper, name)
+        monkeypatch.setattr(async_scheduling.AsyncStepper, name,
+                            lambda self, *a, _real=real, _name=name: (events.append(_name), _real(self, *a))[1])
+    real_run = async_scheduling.AsyncStepper._run
+    monkeypatch.setattr(async_scheduling.AsyncStepper, "_run", lambda self, *a: (events.append("run"), real_run(self, *a))[1])
+    outs = _serve(llm, prompts, arrivals, params)
+    assert [o.token_ids for o in outs] == expected
+    overlapped = 0
+    for step in " ".join(events).split("run")[1:]:  # what happened from one device step's start to the next
+        names = step.split()
+        if "launch" in names:
+            host = [n for n in names if n in ("_finish", "_ahead")]
+            assert names.index("launch") < names.index(host[0]) if host else True, names
+            overlapped += bool(host)
+    assert overlapped > len(outs)  # most steps had host work beside them
+    _settled(llm)
+
+
 def test_config_key_and_dp_conflict(tmp_path):
     def cfg(schedule):
         return {"BackendConfig": {"ScheduleConfig": schedule, "ModelDeployConfig": {"ModelConfig": [

@@ -169,6 +169,49 @@ def test_a_compiled_step_launches_few_ops_outside_its_package(checkpoint, cache_
 
 
 @pytest.mark.slow
+def test_a_package_run_takes_no_gil_and_fires_the_launch_signal_first(checkpoint, cache_dir, monkeypatch):
+    """Freeing the container's handle of an input must not drop the tensor's C++ count to one:
+    that 2 -> 1 step releases its Python object, which takes the GIL in the middle of the run
+    (async scheduling's host thread, or the server's, then stalls the package). The launch signal
+    fires right before the foreign call."""
+    from mindspec.modeling.aoti_runner import ReleasedRunner
+
+    calls = []
+    real_run = exported_step.ExportedSteps._run
+    monkeypatch.setattr(exported_step.ExportedSteps, "_run",
+                        lambda self, key, args, caches, tensors, dims: calls.append((self, key, tensors))
+                        or real_run(self, key, args, caches, tensors, dims))
+    llm = _llm(checkpoint, None, decode_graphs=True)
+    _tokens(llm, GREEDY)
+    steps, key, tensors = calls[-1]
+    runner = steps._runners[key]
+    assert isinstance(runner, ReleasedRunner)
+
+    seen = []
+
+    class Library:  # the model library, recording what the container's run finds
+        def __init__(self, lib):
+            self.lib = lib
+
+        def __getattr__(self, name):
+            return getattr(self.lib, name)
+
+        def AOTInductorModelContainerRun(self, *args):  # noqa: N802 (the C symbol's name)
+            seen.append(("run", [t._use_count() for t in tensors]))
+            return self.lib.AOTInductorModelContainerRun(*args)
+
+    before = [t._use_count() for t in tensors]
+    monkeypatch.setattr(runner, "_lib", Library(runner._lib))
+    steps.launch.arm(lambda: seen.append(("launch", None)))
+    outputs = steps._run(key, {}, None, tensors, [])
+    assert len(outputs) == runner.num_outputs
+    assert [name for name, _ in seen] == ["launch", "run"]
+    # Python's reference, the container's handle (freed during the run) and the runner's own
+    assert all(n >= b + 2 for n, b in zip(seen[1][1], before, strict=True)), (seen[1][1], before)
+    assert [t._use_count() for t in tensors] == before  # nothing kept after the run
+
+
+@pytest.mark.slow
 @pytest.mark.serial  # timing: the other worker's load would blur it
 def test_a_package_runs_through_its_library_with_the_gil_released(checkpoint, cache_dir, monkeypatch):
     """The engine runs each package through its model library's C ABI (aoti_runner.py): the
