@@ -93,9 +93,9 @@ if [[ $WHAT == session ]]; then
   TEST_TIMEOUT=${TEST_TIMEOUT:-330} bash "$0" tests
   BENCH_TIMEOUT=120 bash "$0" trees --batches 1
   mkdir -p "$OUT/profile"
-  DTYPE=bfloat16 CONFIGS=off,eagle3,vanilla3 OUT="$OUT/profile" timeout 120 $PY scripts/gpu_step_profile.py 2>&1 \
+  DTYPE=bfloat16 CONFIGS=off,eagle3,off_async,eagle3_async OUT="$OUT/profile" timeout 160 $PY scripts/gpu_step_profile.py 2>&1 \
     | grep '^{' | tee "$OUT/profile.log"
-  rm -f "$OUT"/profile/*_kernels.txt "$OUT"/profile/off_cprofile.txt "$OUT"/profile/vanilla3_cprofile.txt
+  rm -f "$OUT"/profile/*_kernels.txt "$OUT"/profile/off*_cprofile.txt
 fi
 if [[ $WHAT == py ]]; then  # any script against this checkout: gpu_check.sh py SCRIPT ARGS...
   $PY "$@" 2>&1 | tee "$OUT/py.log" | tail -120

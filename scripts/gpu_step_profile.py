@@ -6,8 +6,8 @@ the host, for MTP off, Vanilla K=3 and Eagle K=3 at batch 1.
     OUT=benchmarks/out/gpu bash scripts/gpu_check.sh py scripts/gpu_step_profile.py
 
 Writes OUT/step_profile.json, and per configuration OUT/<config>_cprofile.txt and
-OUT/<config>_kernels.txt. DTYPE (float32), STEPS (120) and CONFIGS (off,vanilla3,eagle3) come from
-the environment. The prompt
+OUT/<config>_kernels.txt. DTYPE (float32), STEPS (120) and CONFIGS (off,vanilla3,eagle3; each
+also as NAME_async: async scheduling) come from the environment. The prompt
 is a fixed token range; each timed window runs on one request that does not end inside it.
 """
 import cProfile
@@ -28,7 +28,9 @@ DTYPE = os.environ.get("DTYPE", "float32")
 STEPS = int(os.environ.get("STEPS", 120))
 MTP = {"plugin_type": "mtp", "num_speculative_tokens": 3, "adaptive_speculation": False}
 MAX_TOKENS_PER_STEP = 4  # K + 1
-CONFIGS = {"off": {}, "vanilla3": {**MTP, "mtp_mode": "vanilla"}, "eagle3": {**MTP, "mtp_mode": "eagle"}}
+SYNC = {"off": {}, "vanilla3": {**MTP, "mtp_mode": "vanilla"}, "eagle3": {**MTP, "mtp_mode": "eagle"}}
+# name -> (plugin_params, async scheduling): each also with the host's work beside the device (NAME_async)
+CONFIGS = {**{n: (p, False) for n, p in SYNC.items()}, **{f"{n}_async": (p, True) for n, p in SYNC.items()}}
 
 
 def timed_steps(engine, n: int) -> tuple[float, float]:
@@ -53,8 +55,9 @@ def timed_steps(engine, n: int) -> tuple[float, float]:
     return (time.perf_counter() - start) / n, (seq.num_output_tokens - before) / n
 
 
-def profile(name: str, plugin_params: dict) -> dict:
-    llm = LLM(model=str(default_model_dir()), backend="cuda", dtype=DTYPE, progress=False, plugin_params=plugin_params)
+def profile(name: str, plugin_params: dict, async_scheduling: bool) -> dict:
+    llm = LLM(model=str(default_model_dir()), backend="cuda", dtype=DTYPE, progress=False, plugin_params=plugin_params,
+              async_scheduling=async_scheduling)
     engine = llm.engine
     accounting = account_decode_steps(engine, list(range(5, 40)), steps=8, by_op=True)  # also warms the graphs up
     timed_steps(engine, 30)
@@ -88,6 +91,6 @@ def profile(name: str, plugin_params: dict) -> dict:
 if __name__ == "__main__":
     os.makedirs(OUT, exist_ok=True)
     names = os.environ.get("CONFIGS", ",".join(CONFIGS)).split(",")
-    results = [profile(name, CONFIGS[name]) for name in names]
+    results = [profile(name, *CONFIGS[name]) for name in names]
     with open(f"{OUT}/step_profile.json", "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)

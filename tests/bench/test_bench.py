@@ -243,6 +243,9 @@ def test_default_configs_leave_graphs_to_the_backend():
     configs = speed.default_configs([1, 3], 3, 0, 1, compiled=True)
     assert {c.decode_graphs for c in configs if "compile" not in c.name} == {None}
     assert all(c.decode_graphs for c in configs if "compile" in c.name)
+    both = {c.name: c for c in configs if c.decode_graphs and c.async_scheduling}
+    assert set(both) == {"mtp off +compile +async", "vanilla K=3 +compile +async"}
+    assert not both["vanilla K=3 +compile +async"].plugin_params["adaptive_speculation"]  # off under async
 
 
 def test_configs_are_chosen_by_name():
