@@ -4,6 +4,10 @@ detokenization, outputs) and schedules and builds step N+2.
     device (calling thread): run N   | fill N+1 from N, run N+1          | fill N+2 from N+1, run N+2
     host (helper thread):    ...     | post-process N, build N+2 (ahead) | post-process N+1, build N+3
 
+The host thread's work for a step starts when that step is launched (the model wrapper's
+LaunchSignal): both threads' Python holds the GIL, and the calling thread's input building must
+not wait for it.
+
 Sequences in step N+1 appear in step N+2's batch with placeholder tokens for what N+1 adds;
 ``PluginManager.fill_in_model_result`` patches them from N+1's accepted tokens right before N+2
 runs. Each step's batch holds views of its sequences (own token lists and block tables), so the
