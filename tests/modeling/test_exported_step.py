@@ -49,6 +49,16 @@ def _tokens(llm, params):
     return [o.token_ids for o in llm.generate(_prompts(), params)]
 
 
+def _record_package_calls(monkeypatch) -> list:
+    """Every ExportedSteps._run call from now on: (ExportedSteps, shape key, input tensors)."""
+    calls = []
+    real_run = exported_step.ExportedSteps._run
+    monkeypatch.setattr(exported_step.ExportedSteps, "_run",
+                        lambda self, key, args, caches, tensors, dims: calls.append((self, key, tensors))
+                        or real_run(self, key, args, caches, tensors, dims))
+    return calls
+
+
 def _uses_cpp_gemm(package) -> bool:
     """Whether a package's generated C++ has Inductor's micro-GEMM kernels (INDUCTOR_CONFIGS)
     rather than only calls into ATen's matmuls."""
@@ -176,13 +186,8 @@ def test_a_package_run_takes_no_gil_and_fires_the_launch_signal_first(checkpoint
     fires right before the foreign call."""
     from mindspec.modeling.aoti_runner import ReleasedRunner
 
-    calls = []
-    real_run = exported_step.ExportedSteps._run
-    monkeypatch.setattr(exported_step.ExportedSteps, "_run",
-                        lambda self, key, args, caches, tensors, dims: calls.append((self, key, tensors))
-                        or real_run(self, key, args, caches, tensors, dims))
-    llm = _llm(checkpoint, None, decode_graphs=True)
-    _tokens(llm, GREEDY)
+    calls = _record_package_calls(monkeypatch)
+    _tokens(_llm(checkpoint, None, decode_graphs=True), GREEDY)
     steps, key, tensors = calls[-1]
     runner = steps._runners[key]
     assert isinstance(runner, ReleasedRunner)
@@ -222,11 +227,7 @@ def test_a_package_runs_through_its_library_with_the_gil_released(checkpoint, ca
 
     from mindspec.modeling.aoti_runner import ReleasedRunner
 
-    calls = []
-    real_run = exported_step.ExportedSteps._run
-    monkeypatch.setattr(exported_step.ExportedSteps, "_run",
-                        lambda self, key, args, caches, tensors, dims: calls.append((self, key, tensors))
-                        or real_run(self, key, args, caches, tensors, dims))
+    calls = _record_package_calls(monkeypatch)
     llm = _llm(checkpoint, None, decode_graphs=True)
     assert _tokens(llm, GREEDY) == _tokens(_llm(checkpoint, None, decode_graphs=False), GREEDY)
     steps, key, tensors = calls[-1]
