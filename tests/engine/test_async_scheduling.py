@@ -172,8 +172,8 @@ def test_host_work_starts_once_the_device_step_is_launched(case, expected, plugi
     llm = _llm(path, plugin, True)
     events = []  # appended by both threads, in the order things happened
     signal = llm.engine.model_wrapper.launch
-    fire = signal.fire
-    monkeypatch.setattr(signal, "fire", lambda: (events.append("launch") if signal._callback else None, fire())[1])
+    arm = signal.arm  # each step's armed callback records when it ran
+    monkeypatch.setattr(signal, "arm", lambda callback: arm(lambda: (events.append("launch"), callback())[1]))
     for name in ("_finish", "_ahead"):
         real = getattr(async_scheduling.AsyncStepper, name)
         monkeypatch.setattr(async_scheduling.AsyncStepper, name,
