@@ -4,6 +4,8 @@ import collections
 import os
 import sys
 
+import pytest
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
@@ -18,3 +20,13 @@ def pytest_collection_modifyitems(config, items):
     for i, item in enumerate(items):
         first_seen.setdefault(item.path, i)
     items.sort(key=lambda item: (-slow[item.path], first_seen[item.path]))
+
+
+@pytest.fixture(autouse=True)
+def _eager_prefills(monkeypatch):
+    """Compiled steps compile decode steps only, unless a test turns compiled prefills back on
+    (tests/modeling/test_exported_step.py does): each prefill bucket is one more package to
+    compile, and most tests that compile steps test something else."""
+    from mindspec.modeling.prefill_padding import PREFILL_ENV
+
+    monkeypatch.setenv(PREFILL_ENV, "0")

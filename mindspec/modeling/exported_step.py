@@ -45,9 +45,10 @@ from mindspec.modeling.aoti_runner import ReleasedRunner, open_released
 from mindspec.modeling.background_compiles import DONE, PENDING, BackgroundCompiles
 from mindspec.modeling.gguf_file import is_gguf, split_files
 from mindspec.modeling.launch_signal import LaunchSignal
+from mindspec.modeling.prefill_padding import compiled_prefill_rows
 from mindspec.modeling.random_checkpoint import MANIFEST
 from mindspec.modeling.step_accounting import outside_accounting
-from mindspec.modeling.step_recipes import DECODE, SPECULATIVE, TREE, StepRecipe, trace_fn
+from mindspec.modeling.step_recipes import DECODE, PREFILL, PREFILL_MTP, SPECULATIVE, TREE, StepRecipe, trace_fn
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ class ExportedSteps:
         # catch-ups, passing batch sizes) cost no compile (minutes of a core, ~140 MB of cache).
         self.export_after = 1
         self._misses: dict[tuple, int] = {}  # shape key -> steps run eagerly without a package
+        self.prefill_max_rows = compiled_prefill_rows()  # prefills padded to more rows run eagerly
         self._identity = {
             "format": FORMAT, "model": model_fingerprint(model_dir), "dtype": str(dtype),
             "backend": backend.name, "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -158,6 +160,42 @@ class ExportedSteps:
         if outputs is None:
             return self.model.forward(input_ids, positions, caches, meta, lm_head_indices)
         return ModelOutput(logits=outputs[0], hidden_states=outputs[1])
+
+    def forward_prefill(self, input_ids, positions, caches, meta, lm_head_indices):
+        """A prefill padded to its bucket (prefill_padding.py): every size static."""
+        from mindspec.models.deepseekv2.flash_causal_deepseekv2 import ModelOutput
+
+        tensors, meta_tensors = self._prefill_tensors(input_ids, positions, lm_head_indices, [], meta, caches)
+        key = (PREFILL, _signature(tensors, _static(tensors)))
+        args = {"meta": meta, "n_meta": meta_tensors, "tree": False}
+        outputs = self._run(key, args, caches, tensors, _static(tensors))
+        if outputs is None:
+            return self.model.forward(input_ids, positions, caches, meta, lm_head_indices)
+        return ModelOutput(logits=outputs[0], hidden_states=outputs[1])
+
+    def forward_prefill_mtp(self, input_ids, positions, meta, lm_head_indices, mtp_modules, caches, next_tokens=None):
+        """The model's ``forward_prefill_mtp`` over a padded prefill: the main model and every MTP
+        module's pass over the prompt in one package."""
+        from mindspec.models.deepseekv2.flash_causal_deepseekv2 import ModelOutput
+
+        extra = [] if next_tokens is None else [next_tokens]
+        tensors, meta_tensors = self._prefill_tensors(input_ids, positions, lm_head_indices, extra, meta, caches)
+        key = (PREFILL_MTP, _signature(tensors, _static(tensors)), tuple(mtp_modules))
+        args = {"meta": meta, "n_meta": meta_tensors, "mtp_modules": list(mtp_modules), "next_tokens": bool(extra)}
+        outputs = self._run(key, args, caches, tensors, _static(tensors))
+        if outputs is None:
+            return self.model.forward_prefill_mtp(input_ids, positions, meta, lm_head_indices, mtp_modules, caches,
+                                                  next_tokens)
+        return ModelOutput(logits=outputs[0], hidden_states=outputs[1])
+
+    def _prefill_tensors(self, input_ids, positions, lm_head_indices, extra: list, meta, caches):
+        """-> (the flat inputs: ids, positions, lm_head rows, ``extra``, metadata, caches; how many
+        are metadata)."""
+        b = self.backend
+        meta_pairs = b.step_tensors(meta, "m")
+        tensors, _ = _flatten([(input_ids, {}), (positions, {}), (lm_head_indices, {}), *[(t, {}) for t in extra],
+                               *meta_pairs, *b.cache_tensors(caches)])
+        return tensors, len(meta_pairs)
 
     def forward_speculative(self, input_ids, positions, meta, lm_head_indices, sub_input_ids, sub_hidden_states,
                             lm_head_local_dp, steps, caches):
@@ -401,6 +439,11 @@ def _signature(tensors: list[torch.Tensor], dims: list[dict]) -> tuple:
     str, the same text) and shapes without dynamic dims are taken whole."""
     return tuple((t.dtype, tuple(-1 if i in d else n for i, n in enumerate(t.shape)) if d else tuple(t.shape))
                  for t, d in zip(tensors, dims))
+
+
+def _static(tensors: list[torch.Tensor]) -> list[dict]:
+    """No dynamic size: a padded prefill's every size is fixed by its bucket."""
+    return [{} for _ in tensors]
 
 
 def _flatten(pairs: list[tuple[torch.Tensor, dict]]) -> tuple[list[torch.Tensor], list[dict]]:

@@ -21,6 +21,7 @@ from mindspec.modeling.exported_step import ExportedSteps
 from mindspec.modeling.graph_runner import DecodeGraphRunner, maybe_graph_runner
 from mindspec.modeling.launch_signal import LaunchSignal
 from mindspec.modeling.loader import read_hf_config
+from mindspec.modeling.prefill_padding import PaddedPrefill, pad_prefill
 from mindspec.modeling.registry import model_class, supported_model_types
 from mindspec.modeling.draft_tree import TreeShape
 from mindspec.modeling.tree_speculation import TreeDrafter, TreeDraftStep, TreeStepHost, verify_tree
@@ -129,7 +130,27 @@ class ModelWrapper:
         replayed, anything else moves to the device and runs eagerly."""
         if self.graph_runner is not None and self.graph_runner.accepts(inputs, tree_mask=tree_mask):
             return self.graph_runner.forward(inputs, tree_mask)
+        padded = self._padded_prefill(inputs) if tree_mask is None else None
+        if padded is not None:
+            return self._run_padded(padded, lambda x: self.compiled.forward_prefill(
+                x.input_ids, x.positions, self.caches, x.meta, x.lm_head_indices))
         return self.forward(to_device(inputs, self.device, tree_mask))
+
+    def _padded_prefill(self, inputs: ModelInputs) -> Optional[PaddedPrefill]:
+        """``inputs`` padded to a compiled prefill's bucket, or None: it runs eagerly."""
+        if self.compiled is None or not inputs.is_prefill:
+            return None
+        cc = self.cache_config
+        return pad_prefill(inputs, cc.dummy_block_id, cc.block_size, self.compiled.prefill_max_rows)
+
+    def _run_padded(self, padded: PaddedPrefill, run):
+        """``run`` over the padded prefill's device inputs -> its output with the hidden states
+        of the real rows only, in the batch's order (the logits are of its lm_head rows already)."""
+        x = to_device(padded.inputs, self.device)
+        self._prepare(x)
+        out = run(x)
+        out.hidden_states = out.hidden_states[torch.from_numpy(padded.row_map).to(self.device)]
+        return out
 
     def lm_head_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[R, vocab] float32 logits of hidden states the model returned (after the final norm):
@@ -153,6 +174,17 @@ class ModelWrapper:
             inputs.input_ids, inputs.positions, inputs.meta, inputs.lm_head_indices, mtp_modules, self.caches,
             next_tokens,
         )
+
+    def forward_prefill_mtp_host(self, inputs: ModelInputs, mtp_modules: list[int],
+                                 next_tokens: Optional[np.ndarray] = None):
+        """``forward_prefill_mtp`` from host inputs: compiled, padded to its bucket, where the
+        backend exports steps; eagerly otherwise."""
+        nxt = None if next_tokens is None else torch.from_numpy(next_tokens).to(self.device)
+        padded = self._padded_prefill(inputs)
+        if padded is None:
+            return self.forward_prefill_mtp(to_device(inputs, self.device), mtp_modules, nxt)
+        return self._run_padded(padded, lambda x: self.compiled.forward_prefill_mtp(
+            x.input_ids, x.positions, x.meta, x.lm_head_indices, mtp_modules, self.caches, nxt))
 
     def forward_speculative(
         self,
@@ -246,7 +278,7 @@ class ModelWrapper:
         cc = self.cache_config
         n = max(1, min(num_tokens, cc.block_size))
         host = build_model_inputs([[0] * n], [0], [[cc.dummy_block_id]], cc.block_size)
-        self.forward_host(host)
+        self.forward(to_device(host, self.device))  # eagerly: no package for a prompt no request has
         if self.graph_runner is not None and max_seqs:
             self.graph_runner.capture_decode_buckets(max_seqs)
         self.backend.synchronize()

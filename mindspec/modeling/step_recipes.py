@@ -20,6 +20,7 @@ import torch
 from mindspec.backend import AttentionMetadata
 
 DECODE, SPECULATIVE, TREE = "decode", "speculative", "tree"
+PREFILL, PREFILL_MTP = "prefill", "prefill_mtp"  # padded prefills (prefill_padding.py)
 
 
 @dataclass
@@ -54,7 +55,7 @@ class StepRecipe:
 
 def trace_fn(kind: str, model, backend, caches: list, args: dict) -> Callable:
     """The function a package of ``kind`` computes, over flat tensors."""
-    builders = {DECODE: _decode, SPECULATIVE: _speculative, TREE: _tree}
+    builders = {DECODE: _decode, PREFILL: _decode, PREFILL_MTP: _prefill_mtp, SPECULATIVE: _speculative, TREE: _tree}
     if kind not in builders:
         raise ValueError(f"unknown step kind {kind!r}")
     return builders[kind](model, backend, caches, **args)
@@ -70,6 +71,21 @@ def _decode(model, b, caches, meta: AttentionMetadata, n_meta: int, tree: bool) 
         if tree:
             m.tree_mask = mask
         out = model.forward(ids, pos, b.bind_cache_tensors(caches, list(rest[n_meta:])), m, lm)
+        return out.logits, out.hidden_states
+
+    return run
+
+
+def _prefill_mtp(model, b, caches, meta: AttentionMetadata, n_meta: int, mtp_modules: list[int],
+                 next_tokens: bool) -> Callable:
+    """A prefill of the main model and the MTP modules (``next_tokens``: the known next tokens
+    come first after the lm_head rows)."""
+
+    def run(ids, pos, lm, *rest):
+        nxt, rest = (rest[0], rest[1:]) if next_tokens else (None, rest)
+        m = b.bind_step_tensors(meta, list(rest[:n_meta]))
+        cs = b.bind_cache_tensors(caches, list(rest[n_meta:]))
+        out = model.forward_prefill_mtp(ids, pos, m, lm, mtp_modules, cs, nxt)
         return out.logits, out.hidden_states
 
     return run

@@ -211,8 +211,7 @@ class Generator:
             out = w.forward_speculative_host(inputs, subs, mtp_modules, hidden_states.to(self.device), lm_head_local_dp,
                                              lm_rows_only, draft_logits)
         elif mtp_modules:
-            nxt = None if next_tokens is None else torch.from_numpy(next_tokens).to(self.device)
-            out = w.forward_prefill_mtp(to_device(inputs, self.device), mtp_modules, nxt)
+            out = w.forward_prefill_mtp_host(inputs, mtp_modules, next_tokens)
         else:
             out = w.forward_host(inputs)
         return GeneratorOutput(logits=out.logits, hidden_states=out.hidden_states, draft_tokens=out.draft_tokens,

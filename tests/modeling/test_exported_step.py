@@ -10,6 +10,7 @@ import torch
 
 from mindspec import LLM, SamplingParams
 from mindspec.modeling import exported_step
+from mindspec.modeling.prefill_padding import PREFILL_ENV
 from tests.support.checkpoints import make_self_predicting_checkpoint, tiny_v3_config
 
 K = 2
@@ -69,13 +70,15 @@ def _uses_cpp_gemm(package) -> bool:
 
 
 @pytest.mark.slow
-def test_compiled_steps_give_the_eager_tokens_and_a_restart_loads_them(checkpoint, cache_dir):
+def test_compiled_steps_give_the_eager_tokens_and_a_restart_loads_them(checkpoint, cache_dir, monkeypatch):
+    monkeypatch.setenv(PREFILL_ENV, "1")
     expected = _tokens(_llm(checkpoint, VANILLA, decode_graphs=False), GREEDY)
     llm = _llm(checkpoint, VANILLA, decode_graphs=True)  # plain steps of buckets 1 and 2 compile at warm-up
     stats = llm.engine.model_wrapper.compiled.stats
     assert _tokens(llm, GREEDY) == expected  # three prompts, two at a time: buckets 1 and 2
     assert stats.failed == 0 and stats.compiled >= 3 and stats.calls > 0
     assert any(name.startswith("speculative-") for name in stats.by_key)
+    assert any(name.startswith("prefill_mtp-") for name in stats.by_key)  # prompts of 5, 11 and 3: 16 rows each
     assert sorted(p.name for p in (cache_dir / "steps").glob("*.pt2")) == sorted(f"{n}.pt2" for n in stats.by_key)
     assert not list((cache_dir / "steps").glob(".*"))  # no temporary file left behind
     assert all(_uses_cpp_gemm(cache_dir / "steps" / f"{n}.pt2") for n in stats.by_key)
@@ -92,6 +95,21 @@ def test_compiled_steps_give_the_eager_tokens_and_a_restart_loads_them(checkpoin
     assert _tokens(third, GREEDY) == expected
     recovered = third.engine.model_wrapper.compiled.stats
     assert recovered.compiled == 1 and recovered.failed == 0 and broken.stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_a_compiled_prefill_gives_the_eager_tokens_without_mtp(checkpoint, cache_dir, monkeypatch):
+    """Prompts of 5, 11 and 3 tokens, one at a time: each prefill a run of the one package of 16
+    rows, leaving the next token and the cache as the eager prefill leaves them."""
+    monkeypatch.setenv(PREFILL_ENV, "1")
+    prompts = _prompts()
+    expected = [o.token_ids for o in _llm(checkpoint, decode_graphs=False, max_batch_size=1).generate(prompts, GREEDY)]
+    llm = _llm(checkpoint, decode_graphs=True, max_batch_size=1)
+    calls = _record_package_calls(monkeypatch)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    assert llm.engine.model_wrapper.compiled.stats.failed == 0
+    prefill_rows = [key[1][0][1][0] for _, key, _ in calls if key[0] == "prefill"]  # input_ids' size
+    assert prefill_rows == [16, 16, 16]
 
 
 @pytest.mark.slow
