@@ -246,6 +246,19 @@ class LLMEngine:
         ids = [1, 2, 3]
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         compiled = self.model_wrapper.compiled
+        # Its prefills run eagerly: a package per batch size of 3-token prompts would serve no request.
+        prefill_max_rows, compiled.prefill_max_rows = compiled.prefill_max_rows, 0
+        try:
+            self._warm_up_shapes(ids, params, batch_sizes)
+        finally:
+            compiled.prefill_max_rows = prefill_max_rows
+        if compiled.background is not None:  # serving: rare shapes stay eager, recurring ones compile
+            compiled.export_after = EXPORT_AFTER_STEPS
+        self.spec_stats = SpecDecodeStats.for_drafts(len(self.spec_stats.accepted_per_position))
+        self._reset_adaptive()
+
+    def _warm_up_shapes(self, ids: list[int], params: SamplingParams, batch_sizes: Seq[int]) -> None:
+        compiled = self.model_wrapper.compiled
         for n in batch_sizes:
             self.generate([ids] * n, params)
         # The counted steps run each time from a reset controller, inside its first exploration of
@@ -254,10 +267,6 @@ class LLMEngine:
         self._account_decode_steps(ids)
         compiled.wait_for_compiles()
         self.step_accounting = self._account_decode_steps(ids)
-        if compiled.background is not None:  # serving: rare shapes stay eager, recurring ones compile
-            compiled.export_after = EXPORT_AFTER_STEPS
-        self.spec_stats = SpecDecodeStats.for_drafts(len(self.spec_stats.accepted_per_position))
-        self._reset_adaptive()
 
     def _account_decode_steps(self, ids: list[int]) -> dict:
         self._reset_adaptive()

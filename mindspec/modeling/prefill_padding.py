@@ -6,9 +6,10 @@ its shape is the sequences' row counts alone. Each sequence's rows are padded at
 bucket (``pad_rows_per_seq``): padding rows repeat the sequence's last position, write no cache
 entry (slot -1) and come after the real rows, so the causal mask keeps every real row from seeing
 them, and their outputs are dropped. Block tables are cut or widened to the bucket's own width
-(a prefill writes through its slots and reads no table). The row buckets are powers of two from
-PREFILL_MIN_ROWS; a batch padded to more than PREFILL_MAX_ROWS rows, or to more than twice its
-rows plus one bucket's minimum (prompts of very different lengths), runs eagerly.
+(a prefill writes through its slots and reads no table). Each row bucket is one package per
+batch size, compiled when first met (when met often, while serving: ``export_after``); a batch
+padded to more than PREFILL_MAX_ROWS rows, or to more than twice its rows plus
+PREFILL_MIN_ROWS (prompts of very different lengths), runs eagerly.
 ``MINDSPEC_COMPILE_PREFILL=0`` runs every prefill eagerly (compiled decode steps stay).
 """
 from __future__ import annotations
@@ -39,8 +40,11 @@ def compiled_prefill_rows() -> int:
 
 
 def prefill_rows_bucket(rows: int) -> int:
-    """The padded rows per sequence of a prefill whose longest sequence has ``rows``."""
-    return max(PREFILL_MIN_ROWS, 1 << (max(rows, 1) - 1).bit_length())
+    """The padded rows per sequence of a prefill whose longest sequence has ``rows``: a multiple
+    of PREFILL_MIN_ROWS up to 128, of 64 above (a step's GEMMs grow with its rows: padding 65
+    rows to 128 would cost as much as the eager prefill saves)."""
+    step = PREFILL_MIN_ROWS if rows <= 128 else 64
+    return max(PREFILL_MIN_ROWS, -(-rows // step) * step)
 
 
 def pad_prefill(inputs: ModelInputs, dummy_block: int, block_size: int,

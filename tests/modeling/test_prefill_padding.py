@@ -38,8 +38,9 @@ def _host(lengths, first_block=0):
     return build_model_inputs(tokens, [0] * len(lengths), tables, BLOCK_SIZE)
 
 
-def test_rows_buckets_are_powers_of_two_from_sixteen():
-    assert [prefill_rows_bucket(n) for n in (1, 15, 16, 17, 64, 65, 300)] == [16, 16, 16, 32, 64, 128, 512]
+def test_rows_buckets_are_multiples_of_sixteen_then_of_sixty_four():
+    assert [prefill_rows_bucket(n) for n in (1, 15, 16, 17, 64, 65, 128, 129, 300)] == [16, 16, 16, 32, 64, 80, 128,
+                                                                                         192, 320]
 
 
 def test_padding_puts_each_sequences_rows_first_and_writes_nothing():
@@ -62,9 +63,9 @@ def test_padding_puts_each_sequences_rows_first_and_writes_nothing():
 
 def test_what_is_not_a_fitting_prefill_runs_eagerly(monkeypatch):
     assert pad_prefill(_host([5]).with_(is_prefill=False), DUMMY, BLOCK_SIZE, PREFILL_MAX_ROWS) is None
-    assert pad_prefill(_host([1, 1, 1, 40]), DUMMY, BLOCK_SIZE, PREFILL_MAX_ROWS) is None  # 4 x 64 rows for 43
-    assert pad_prefill(_host([200, 180, 190]), DUMMY, BLOCK_SIZE, PREFILL_MAX_ROWS) is None  # 3 x 256 > 512
-    assert pad_prefill(_host([200, 180]), DUMMY, BLOCK_SIZE, PREFILL_MAX_ROWS) is not None
+    assert pad_prefill(_host([1, 1, 1, 40]), DUMMY, BLOCK_SIZE, PREFILL_MAX_ROWS) is None  # 4 x 48 rows for 43
+    assert pad_prefill(_host([260, 180]), DUMMY, BLOCK_SIZE, PREFILL_MAX_ROWS) is None  # 2 x 320 rows
+    assert pad_prefill(_host([190, 180]), DUMMY, BLOCK_SIZE, PREFILL_MAX_ROWS) is not None  # 2 x 192
     assert pad_prefill(_host([5]), DUMMY, BLOCK_SIZE, max_rows=0) is None
     monkeypatch.setenv(PREFILL_ENV, "0")
     assert compiled_prefill_rows() == 0
