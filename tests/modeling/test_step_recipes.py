@@ -8,7 +8,10 @@ import torch
 from mindspec import LLM, SamplingParams
 from mindspec.modeling import exported_step
 from mindspec.modeling.exported_step import ExportedSteps, export_recipe
-from mindspec.modeling.step_recipes import DECODE, SPECULATIVE, TREE, StepRecipe, portable, trace_fn
+from mindspec.modeling.prefill_padding import PREFILL_ENV
+from mindspec.modeling.step_recipes import (
+    DECODE, PREFILL, PREFILL_MTP, SPECULATIVE, TREE, StepRecipe, portable, trace_fn,
+)
 from tests.support.checkpoints import make_self_predicting_checkpoint, tiny_v3_config
 
 K = 2
@@ -78,6 +81,16 @@ def test_a_tree_step_rebuilt_from_its_recipe_computes_the_same(checkpoint, tmp_p
     _check_round_trip(*steps[TREE], tmp_path)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("plugin_params, kind", [(None, PREFILL), (VANILLA, PREFILL_MTP)])
+def test_padded_prefills_rebuilt_from_recipes_compute_the_same(checkpoint, tmp_path, monkeypatch, plugin_params, kind):
+    monkeypatch.setenv(PREFILL_ENV, "1")
+    steps = _first_steps(checkpoint, plugin_params, monkeypatch)
+    llm, key, *_ = steps[kind]
+    assert key[1][0][1] == (32,)  # the prompts of 5 and 9 tokens, 16 rows each
+    _check_round_trip(*steps[kind], tmp_path)
+
+
 def test_a_recipe_file_must_hold_a_recipe(tmp_path):
     path = tmp_path / "x.recipe"
     torch.save({"kind": DECODE}, str(path))
@@ -86,8 +99,8 @@ def test_a_recipe_file_must_hold_a_recipe(tmp_path):
 
 
 def test_unknown_step_kinds_are_refused():
-    with pytest.raises(ValueError, match="unknown step kind 'prefill'"):
-        trace_fn("prefill", None, None, [], {})
+    with pytest.raises(ValueError, match="unknown step kind 'warmup'"):
+        trace_fn("warmup", None, None, [], {})
 
 
 def test_rebuilt_inputs_must_match_the_serving_process(checkpoint, tmp_path, monkeypatch):
