@@ -297,6 +297,7 @@ def run(args: argparse.Namespace) -> int:
         "prompt_tokens": args.prompt_tokens, "dtype": args.dtype, "greedy": True,
         "prompts_per_batch": {f"batch {b}": speed.prompt_count(b, args.min_prompts, args.batching) for b in batches},
         "configs": {c.name: {"plugin_params": c.plugin_params, "decode_graphs": c.decode_graphs,
+                               "compiled_prefill": _compiled_prefill(llms[c.name]),
                                "async_scheduling": c.async_scheduling, "split_fuse": c.split_fuse,
                                "lossless_policy": c.lossless, "model": c.model or model_dir,
                                "resident_weight_bytes":
@@ -381,11 +382,21 @@ def _llm(model_dir: str, config: "speed.Config", num_blocks: int, max_batch: int
     # configurations compile a package per batch-size bucket up to it: no more than measured. The
     # threads are --threads (set in run), not the engine's default for the model.
     limit = max_batch if config.decode_graphs else max(256, max_batch)
-    return LLM(model=config.model or model_dir, backend=backend, dtype=dtype, cache_block_size=16, num_blocks=num_blocks,
-               progress=False, cpu_threads=torch.get_num_threads(),
-               plugin_params=config.plugin_params, decode_graphs=config.decode_graphs,
-               async_scheduling=config.async_scheduling, max_batch_size=limit,
-               max_prefill_batch_size=64, split_fuse=config.split_fuse)
+    llm = LLM(model=config.model or model_dir, backend=backend, dtype=dtype, cache_block_size=16, num_blocks=num_blocks,
+              progress=False, cpu_threads=torch.get_num_threads(),
+              plugin_params=config.plugin_params, decode_graphs=config.decode_graphs,
+              async_scheduling=config.async_scheduling, max_batch_size=limit,
+              max_prefill_batch_size=64, split_fuse=config.split_fuse)
+    compiled = llm.engine.model_wrapper.compiled
+    if compiled is not None and not config.compile_prefill:
+        compiled.prefill_max_rows = 0
+    return llm
+
+
+def _compiled_prefill(llm) -> bool:
+    """Whether the engine runs prefills as compiled packages (cpu, ``--compile``)."""
+    compiled = llm.engine.model_wrapper.compiled
+    return compiled is not None and compiled.prefill_max_rows > 0
 
 
 def _gguf(args: argparse.Namespace, model_dir: str) -> Path:

@@ -58,6 +58,7 @@ class Config:
     # GPU, eager on cpu). False would turn a GPU's graphs off.
     decode_graphs: Optional[bool] = None
     async_scheduling: bool = False  # host post-processing overlaps the next step
+    compile_prefill: bool = True  # with decode_graphs on cpu: prefills run compiled too (prefill_padding.py)
     lossless: bool = True  # relaxed acceptance trades exactness for speed
     split_fuse: bool = False  # prompts prefilled in chunks inside decode steps
     model: Optional[str] = None  # another checkpoint than the run's (--also-model)
@@ -137,7 +138,10 @@ def default_configs(ks: list[int], mtp_modules: int, bos: int, eos: int, compile
     if compiled:
         out += [Config("mtp off +compile", decode_graphs=True),
                 Config(f"{best} K=3 +compile", mtp(3, best), decode_graphs=True),
-                Config(f"{best} K=3 adaptive +compile", mtp(3, best, adaptive=True), decode_graphs=True)]
+                Config(f"{best} K=3 adaptive +compile", mtp(3, best, adaptive=True), decode_graphs=True),
+                # what the compiled prefill is worth, side by side
+                Config("mtp off +compile +eager prefill", decode_graphs=True, compile_prefill=False),
+                Config(f"{best} K=3 +compile +eager prefill", mtp(3, best), decode_graphs=True, compile_prefill=False)]
     if compiled and asynchronous:  # the host's work beside the package (no adaptive speculation under async)
         out += [Config("mtp off +compile +async", decode_graphs=True, async_scheduling=True),
                 Config(f"{best} K=3 +compile +async", mtp(3, best), decode_graphs=True, async_scheduling=True)]

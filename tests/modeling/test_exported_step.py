@@ -128,7 +128,9 @@ def test_a_tree_step_compiles_once_per_bucket(checkpoint, cache_dir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("plugin_params", [None, EAGLE], ids=["mtp-off", "eagle"])
-def test_seeded_sampling_is_reproducible_compiled(checkpoint, cache_dir, plugin_params):
+def test_seeded_sampling_is_reproducible_compiled(checkpoint, cache_dir, plugin_params, monkeypatch):
+    if plugin_params is None:  # compiled prefills too (eagle's would be two more packages to compile)
+        monkeypatch.setenv(PREFILL_ENV, "1")
     sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=10, ignore_eos=True)
     expected = _tokens(_llm(checkpoint, plugin_params, decode_graphs=False), sampled)
     llm = _llm(checkpoint, plugin_params, decode_graphs=True)
