@@ -9,7 +9,8 @@ AOTInductor into one C++ function: no Python, no Dynamo guards and no per-op dis
 Shapes. The graph runner (graph_runner.py) pads every decode batch to a batch-size bucket and
 every MTP draft step's sequences to the same rows, so a step's token, sequence and lm_head row
 counts are fixed per bucket; the context length is the one size that changes from step to step,
-and the backend marks it dynamic (``step_tensors``).
+and the backend marks it dynamic (``step_tensors``). A prefill reads no cache, so one padded to
+its row bucket (prefill_padding.py) has no dynamic size at all.
 
 Cache. A package is keyed by the model (config.json and the weight files' names, sizes and
 modification times), dtype, backend, thread count (generated loops are parallelised for it),
@@ -118,8 +119,9 @@ class _Compiling:
 
 
 class ExportedSteps:
-    """The model's decode entry points (``forward``, ``forward_speculative``) as compiled
-    packages, one per shape; the graph runner calls these with bucket-padded inputs only.
+    """The model's decode entry points (``forward``, ``forward_speculative``, ``forward_tree``)
+    and its prefills (``forward_prefill``, ``forward_prefill_mtp``) as compiled packages, one per
+    shape; callers pass bucket-padded inputs only (the graph runner, the model wrapper's prefills).
     ``workers`` > 0: compile new shapes in that many worker processes."""
 
     def __init__(self, model, backend, model_dir: Path, dtype: torch.dtype, workers: int = 0,
