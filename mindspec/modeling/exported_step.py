@@ -168,9 +168,10 @@ class ExportedSteps:
         from mindspec.models.deepseekv2.flash_causal_deepseekv2 import ModelOutput
 
         tensors, meta_tensors = self._prefill_tensors(input_ids, positions, lm_head_indices, [], meta, caches)
-        key = (PREFILL, _signature(tensors, _static(tensors)))
+        dims = _static(tensors)
+        key = (PREFILL, _signature(tensors, dims))
         args = {"meta": meta, "n_meta": meta_tensors, "tree": False}
-        outputs = self._run(key, args, caches, tensors, _static(tensors))
+        outputs = self._run(key, args, caches, tensors, dims)
         if outputs is None:
             return self.model.forward(input_ids, positions, caches, meta, lm_head_indices)
         return ModelOutput(logits=outputs[0], hidden_states=outputs[1])
@@ -182,9 +183,10 @@ class ExportedSteps:
 
         extra = [] if next_tokens is None else [next_tokens]
         tensors, meta_tensors = self._prefill_tensors(input_ids, positions, lm_head_indices, extra, meta, caches)
-        key = (PREFILL_MTP, _signature(tensors, _static(tensors)), tuple(mtp_modules))
+        dims = _static(tensors)
+        key = (PREFILL_MTP, _signature(tensors, dims), tuple(mtp_modules))
         args = {"meta": meta, "n_meta": meta_tensors, "mtp_modules": list(mtp_modules), "next_tokens": bool(extra)}
-        outputs = self._run(key, args, caches, tensors, _static(tensors))
+        outputs = self._run(key, args, caches, tensors, dims)
         if outputs is None:
             return self.model.forward_prefill_mtp(input_ids, positions, meta, lm_head_indices, mtp_modules, caches,
                                                   next_tokens)
