@@ -50,6 +50,15 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def tokens_from(self, start: int) -> list[int]:
+        """``token_ids[start:]`` (start >= 0) without copying the prompt before ``start``: a
+        decode step reads each sequence's last few tokens, and ``token_ids`` is a new list of
+        all of them."""
+        n_prompt = len(self.prompt_token_ids)
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt :]
+        return self.prompt_token_ids[start:] + self.output_token_ids
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

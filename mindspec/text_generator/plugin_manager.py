@@ -141,7 +141,7 @@ class PluginManager:
         decode feeds the last token; a mixed step both, a chunk at a time. Logits are taken at
         each sequence's last fed token."""
         seqs = batch.seqs
-        tokens = [s.token_ids[s.num_cached_tokens :] for s in seqs]
+        tokens = [s.tokens_from(s.num_cached_tokens) for s in seqs]
         if batch.is_mixed:  # a chunk: the next ``chunk`` uncached tokens; a decode row: the last
             tokens = [t[:c] if c else t for t, c in zip(tokens, batch.chunks)]
         model_inputs = build_model_inputs(

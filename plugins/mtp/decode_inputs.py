@@ -99,6 +99,16 @@ def verify_grid(counts: np.ndarray, k: int) -> np.ndarray:
     return first[:, None] + np.minimum(np.arange(k + 1)[None, :], rows[:, None] - 1)
 
 
+def window_tokens(seqs, layout: DecodeLayout) -> list[list[int]]:
+    """Each sequence's tokens from its window's first entry's token on (entry i carries token
+    i + 1): what ``sub_inputs`` and the tree steps read, without copying the whole sequence."""
+    return [s.tokens_from(window_offset(start)) for s, start in zip(seqs, layout.start.tolist())]
+
+
+def window_offset(start: int) -> int:
+    return max(0, start + 1)
+
+
 def sub_inputs(
     token_ids: list[list[int]],
     layout: DecodeLayout,
@@ -109,8 +119,9 @@ def sub_inputs(
     hidden_from: np.ndarray | None = None,
     dummy_block_id: int | None = None,
 ) -> list[ModelInputs]:
-    """One ModelInputs per MTP step; step 0 carries the tokens, later steps' tokens come from the
-    device-side roll.
+    """One ModelInputs per MTP step; step 0 carries the tokens (``token_ids[b]``: sequence b's
+    last tokens, at least the h + a its window feeds, e.g. ``window_tokens``), later steps'
+    tokens come from the device-side roll.
 
     Rows whose hidden state this node does not have (positions before ``hidden_from``: the first
     decode of a sequence prefilled on another node, fed zeros) write to the dummy block, so the MTP

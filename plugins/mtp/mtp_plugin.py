@@ -177,7 +177,7 @@ class MtpPlugin(Plugin):
         for b, (seq, chunk) in enumerate(zip(batch.seqs, batch.chunks)):
             if chunk:
                 end = seq.num_cached_tokens + chunk
-                known = seq.token_ids[end : end + len(modules)]
+                known = seq.tokens_from(end)[: len(modules)]
                 nxt[b, : len(known)] = known
         inputs.extra["mtp_next_tokens"] = nxt
         return inputs
@@ -241,7 +241,8 @@ class MtpPlugin(Plugin):
             np.array([s.last_token_id for s in seqs]), num_tokens, tables, self.block_size, counts, host_drafts
         )
         inputs.sub_model_inputs = di.sub_inputs(
-            [s.token_ids for s in seqs], layout, tables, self.block_size, k, self.mode,
+            di.window_tokens(seqs, layout), layout, tables, self.block_size,
+            k, self.mode,
             hidden_from, self.dummy_block_id,
         )
         inputs.q_lens = inputs.model_inputs.q_lens

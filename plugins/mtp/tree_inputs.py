@@ -24,11 +24,12 @@ from mindspec.modeling.draft_tree import TreeShape
 from mindspec.modeling.forward_metadata import ModelInputs, slots_for, token_positions
 from mindspec.modeling.tree_speculation import TreeStepHost
 
-from .decode_inputs import DecodeLayout
+from .decode_inputs import DecodeLayout, window_offset
 
 
 def draft_steps(token_ids: list[list[int]], layout: DecodeLayout, tables: np.ndarray, block_size: int,
                 shape: TreeShape, eagle: bool, hidden_from: np.ndarray, dummy_block_id: int) -> list[TreeStepHost]:
+    """``token_ids[b]``: sequence b's tokens from its window on (decode_inputs.window_tokens)."""
     n = layout.num_tokens
     start = layout.start
     steps = []
@@ -57,8 +58,8 @@ def draft_steps(token_ids: list[list[int]], layout: DecodeLayout, tables: np.nda
         positions = np.maximum(positions, 0)
         ids = np.zeros(len(seq_idx), dtype=np.int64)
         for b, toks in enumerate(token_ids):  # window entry i pairs token i + 1 + d
-            w = int(window[b])
-            ids[first[b] : first[b] + w] = toks[int(start[b]) + 1 + d : int(start[b]) + 1 + d + w]
+            w, at = int(window[b]), int(start[b]) + 1 + d - window_offset(int(start[b]))
+            ids[first[b] : first[b] + w] = toks[at : at + w]
         slots = slots_for(tables, seq_idx, cache_idx, block_size)
         blind = positions < np.repeat(hidden_from, q_lens)
         slots = np.where(blind, dummy_block_id * block_size + cache_idx % block_size, slots)

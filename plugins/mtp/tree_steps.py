@@ -36,7 +36,7 @@ class TreeSteps(TreeVerifier):
         inputs.model_inputs = verification_inputs(np.array([s.last_token_id for s in seqs]), num_tokens, tables,
                                                   self.block_size, self.shape.num_nodes)
         inputs.q_lens = inputs.model_inputs.q_lens
-        inputs.extra["tree_steps"] = ti.draft_steps([s.token_ids for s in seqs], layout, tables, self.block_size,
+        inputs.extra["tree_steps"] = ti.draft_steps(di.window_tokens(seqs, layout), layout, tables, self.block_size,
                                                     self.shape, self.eagle, hidden_from, self.dummy_block_id)
         self.keep_layout(inputs, num_tokens, tables)
         return inputs, layout

@@ -28,3 +28,14 @@ def test_sequences_compare_by_identity_and_have_their_own_state():
     a = Sequence(seq_id=0, prompt_token_ids=[1], max_tokens=1)
     b = Sequence(seq_id=0, prompt_token_ids=[1], max_tokens=1)
     assert a != b and a.extra is not b.extra and a.block_table is not b.block_table
+
+
+def test_tokens_from_is_the_tail_of_token_ids_at_every_start():
+    seq = Sequence(seq_id=0, prompt_token_ids=[5, 6, 7], max_tokens=8)
+    for out in ([], [8], [8, 9, 10]):
+        seq.output_token_ids = list(out)
+        for start in range(seq.num_tokens + 2):
+            assert seq.tokens_from(start) == seq.token_ids[start:], (out, start)
+    tail = seq.tokens_from(4)
+    tail.append(99)  # a new list: the sequence's own tokens are untouched
+    assert seq.output_token_ids == [8, 9, 10]

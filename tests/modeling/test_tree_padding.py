@@ -49,7 +49,8 @@ def _tree_step(cfg, shape: TreeShape, eagle: bool, tables):
     layout = di.decode_layout(num_tokens, np.array(LAST_ACCEPTED), DEPTH, "eagle" if eagle else "vanilla")
     table_arr = di.block_tables(tables)
     main = verification_inputs(np.array([t[-1] for t in tokens]), num_tokens, table_arr, BLOCK_SIZE, shape.num_nodes)
-    steps = ti.draft_steps(tokens, layout, table_arr, BLOCK_SIZE, shape, eagle, np.zeros(len(tokens), dtype=np.int64),
+    tails = [t[di.window_offset(int(start)):] for t, start in zip(tokens, layout.start)]
+    steps = ti.draft_steps(tails, layout, table_arr, BLOCK_SIZE, shape, eagle, np.zeros(len(tokens), dtype=np.int64),
                            NUM_BLOCKS - 1)
     hidden = torch.randn(steps[0].inputs.num_tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
     return tokens, main, steps, hidden

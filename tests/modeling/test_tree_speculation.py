@@ -134,7 +134,8 @@ def test_drafted_trees_match_a_walk_over_paths(shape, eagle):
     layout = di.decode_layout(num_tokens, last_accepted, shape.depth, "eagle" if eagle else "vanilla",
                               np.zeros(3, dtype=np.int64))
     tables = np.arange(3 * 8, dtype=np.int32).reshape(3, 8)
-    steps = ti.draft_steps(tokens, layout, tables, 4, shape, eagle, np.zeros(3, dtype=np.int64), 99)
+    tails = [t[di.window_offset(int(start)):] for t, start in zip(tokens, layout.start)]
+    steps = ti.draft_steps(tails, layout, tables, 4, shape, eagle, np.zeros(3, dtype=np.int64), 99)
     seq_idx, positions = ti.hidden_positions(layout)
     first_hidden = torch.stack([main_hidden[b][p] for b, p in zip(seq_idx, positions)])
     drafter = TreeDrafter(toy, shape, eagle)
