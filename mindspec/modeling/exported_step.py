@@ -164,7 +164,8 @@ class ExportedSteps:
         return ModelOutput(logits=outputs[0], hidden_states=outputs[1])
 
     def forward_prefill(self, input_ids, positions, caches, meta, lm_head_indices):
-        """A prefill padded to its bucket (prefill_padding.py): every size static."""
+        """A prefill padded to its bucket (prefill_padding.py): every size static. None when no
+        package runs it now: the caller runs the prefill eagerly, without the padding rows."""
         from mindspec.models.deepseekv2.flash_causal_deepseekv2 import ModelOutput
 
         tensors, meta_tensors = self._prefill_tensors(input_ids, positions, lm_head_indices, [], meta, caches)
@@ -172,13 +173,11 @@ class ExportedSteps:
         key = (PREFILL, _signature(tensors, dims))
         args = {"meta": meta, "n_meta": meta_tensors, "tree": False}
         outputs = self._run(key, args, caches, tensors, dims)
-        if outputs is None:
-            return self.model.forward(input_ids, positions, caches, meta, lm_head_indices)
-        return ModelOutput(logits=outputs[0], hidden_states=outputs[1])
+        return None if outputs is None else ModelOutput(logits=outputs[0], hidden_states=outputs[1])
 
     def forward_prefill_mtp(self, input_ids, positions, meta, lm_head_indices, mtp_modules, caches, next_tokens=None):
         """The model's ``forward_prefill_mtp`` over a padded prefill: the main model and every MTP
-        module's pass over the prompt in one package."""
+        module's pass over the prompt in one package; None as for ``forward_prefill``."""
         from mindspec.models.deepseekv2.flash_causal_deepseekv2 import ModelOutput
 
         extra = [] if next_tokens is None else [next_tokens]
@@ -187,10 +186,7 @@ class ExportedSteps:
         key = (PREFILL_MTP, _signature(tensors, dims), tuple(mtp_modules))
         args = {"meta": meta, "n_meta": meta_tensors, "mtp_modules": list(mtp_modules), "next_tokens": bool(extra)}
         outputs = self._run(key, args, caches, tensors, dims)
-        if outputs is None:
-            return self.model.forward_prefill_mtp(input_ids, positions, meta, lm_head_indices, mtp_modules, caches,
-                                                  next_tokens)
-        return ModelOutput(logits=outputs[0], hidden_states=outputs[1])
+        return None if outputs is None else ModelOutput(logits=outputs[0], hidden_states=outputs[1])
 
     def _prefill_tensors(self, input_ids, positions, lm_head_indices, extra: list, meta, caches):
         """-> (the flat inputs: ids, positions, lm_head rows, ``extra``, metadata, caches; how many

@@ -132,8 +132,10 @@ class ModelWrapper:
             return self.graph_runner.forward(inputs, tree_mask)
         padded = self._padded_prefill(inputs) if tree_mask is None else None
         if padded is not None:
-            return self._run_padded(padded, lambda x: self.compiled.forward_prefill(
+            out = self._run_padded(padded, lambda x: self.compiled.forward_prefill(
                 x.input_ids, x.positions, self.caches, x.meta, x.lm_head_indices))
+            if out is not None:
+                return out
         return self.forward(to_device(inputs, self.device, tree_mask))
 
     def _padded_prefill(self, inputs: ModelInputs) -> Optional[PaddedPrefill]:
@@ -145,11 +147,14 @@ class ModelWrapper:
 
     def _run_padded(self, padded: PaddedPrefill, run):
         """``run`` over the padded prefill's device inputs -> its output with the hidden states
-        of the real rows only, in the batch's order (the logits are of its lm_head rows already)."""
+        of the real rows only, in the batch's order (the logits are of its lm_head rows already);
+        None when no package runs it now (the caller runs the unpadded prefill eagerly: padding
+        rows cost as much as real ones there)."""
         x = to_device(padded.inputs, self.device)
         self._prepare(x)
         out = run(x)
-        out.hidden_states = out.hidden_states[torch.from_numpy(padded.row_map).to(self.device)]
+        if out is not None:
+            out.hidden_states = out.hidden_states[torch.from_numpy(padded.row_map).to(self.device)]
         return out
 
     def lm_head_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -181,10 +186,12 @@ class ModelWrapper:
         backend exports steps; eagerly otherwise."""
         nxt = None if next_tokens is None else torch.from_numpy(next_tokens).to(self.device)
         padded = self._padded_prefill(inputs)
-        if padded is None:
-            return self.forward_prefill_mtp(to_device(inputs, self.device), mtp_modules, nxt)
-        return self._run_padded(padded, lambda x: self.compiled.forward_prefill_mtp(
-            x.input_ids, x.positions, x.meta, x.lm_head_indices, mtp_modules, self.caches, nxt))
+        if padded is not None:
+            out = self._run_padded(padded, lambda x: self.compiled.forward_prefill_mtp(
+                x.input_ids, x.positions, x.meta, x.lm_head_indices, mtp_modules, self.caches, nxt))
+            if out is not None:
+                return out
+        return self.forward_prefill_mtp(to_device(inputs, self.device), mtp_modules, nxt)
 
     def forward_speculative(
         self,

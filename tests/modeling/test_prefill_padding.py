@@ -110,3 +110,30 @@ def test_a_padded_prefill_gives_the_unpadded_outputs_and_cache(wrapper, mtp):
         torch.testing.assert_close(now[written], then[written], atol=2e-6, rtol=2e-6)
     layers = len(got_caches) if mtp else wrapper.config.num_hidden_layers  # the MTP modules' when they ran
     assert all(torch.count_nonzero(c[written]) > 0 for c in got_caches[:layers])
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_a_prefill_without_its_package_yet_runs_eagerly_on_its_real_rows(tmp_path, monkeypatch, mtp):
+    """While a bucket's package is not due (a server meets the shape for the first times), the
+    prefill runs eagerly over the batch as it is: padding rows would cost as much as real ones."""
+    monkeypatch.setenv("MINDSPEC_CACHE_DIR", str(tmp_path))  # an empty package cache
+    monkeypatch.setenv(PREFILL_ENV, "1")
+    cfg = tiny_v3_config(initializer_range=0.2, num_nextn_predict_layers=K)
+    path = make_self_predicting_checkpoint(tmp_path / "ckpt", cfg, seed=5, residual_scale=0.01)
+    w = ModelWrapper(path, backend="cpu", dtype="float32", num_mtp_modules=K, progress=False, decode_graphs=True)
+    w.allocate_cache(NUM_BLOCKS, BLOCK_SIZE)
+    w.compiled.export_after = 10**9  # never due: no package is compiled or loaded
+    rows_run = []
+    for name in ("forward", "forward_prefill_mtp"):
+        original = getattr(w.model, name)
+
+        def spy(input_ids, *args, _original=original, **kwargs):
+            rows_run.append(int(input_ids.shape[0]))
+            return _original(input_ids, *args, **kwargs)
+
+        monkeypatch.setattr(w.model, name, spy)
+    host = _host([5, 11])
+    assert pad_prefill(host, DUMMY, BLOCK_SIZE, w.compiled.prefill_max_rows) is not None  # a fitting prefill
+    out = w.forward_prefill_mtp_host(host, [0, 1]) if mtp else w.forward_host(host)
+    assert rows_run[0] == 16 and w.compiled.stats.calls == 0  # 5 + 11 rows, not 2 x 16
+    assert out.hidden_states.shape[0] == 16 and out.logits.shape[0] == 2
