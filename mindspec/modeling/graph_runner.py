@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Optional
 
 import numpy as np
@@ -162,6 +162,38 @@ def pad_rows_per_seq(inputs: ModelInputs, rows: int) -> tuple[ModelInputs, np.nd
         lm_head_indices=row_map[inputs.lm_head_indices],
     )
     return padded, row_map
+
+
+def _pad_draft_steps(steps: list[ModelInputs], rows_per_seq: Optional[int],
+                     spec: PadSpec) -> tuple[list[ModelInputs], Optional[np.ndarray]]:
+    """Each draft step padded to ``spec`` (every sequence to ``rows_per_seq`` rows first, when
+    given) -> (padded steps, new row of each old row or None). A step with the rows of the one
+    before it (MTP Vanilla's share their arrays) takes that one's padding with its own tokens."""
+    padded: list[ModelInputs] = []
+    row_map = real_rows = None
+    for i, step in enumerate(steps):
+        if i and _same_rows(step, steps[i - 1]):
+            ids = np.zeros(padded[-1].num_tokens, dtype=np.int64)
+            ids[real_rows] = step.input_ids
+            padded.append(padded[-1].with_(input_ids=ids))
+            continue
+        if rows_per_seq is None:
+            real_rows = np.arange(step.num_tokens)
+        else:
+            step, row_map = pad_rows_per_seq(step, rows_per_seq)
+            real_rows = row_map
+        padded.append(pad_inputs(step, spec, 1))
+    return padded, row_map
+
+
+def _same_rows(a: ModelInputs, b: ModelInputs) -> bool:
+    """Every field but the tokens the same (arrays: the same objects)."""
+    for f in fields(ModelInputs):
+        if f.name != "input_ids":
+            x, y = getattr(a, f.name), getattr(b, f.name)
+            if x is not y and (isinstance(x, np.ndarray) or isinstance(y, np.ndarray) or x != y):
+                return False
+    return True
 
 
 def draft_rows_bucket(rows: int) -> int:
@@ -398,13 +430,12 @@ class DecodeGraphRunner:
         per_seq = draft_rows_bucket(sub_q) if self.uniform_draft_rows else -(-sub_q // q) * q
         lm_per_seq = len(inputs.lm_head_indices) // num_seqs
         main_spec, sub_spec = self._spec(inputs), self._spec(inputs, per_seq)
-        row_map = None
         if self.uniform_draft_rows:
-            uniform = [pad_rows_per_seq(s, per_seq) for s in sub_steps]
-            sub_steps, row_map = [u for u, _ in uniform], uniform[0][1]
-            lm_head_local_dp = row_map[lm_head_local_dp]
             sub_spec = replace(sub_spec, q=per_seq, slack_seq=False)
-        padded = [pad_inputs(inputs, main_spec, lm_per_seq)] + [pad_inputs(s, sub_spec, 1) for s in sub_steps]
+        sub_padded, row_map = _pad_draft_steps(sub_steps, per_seq if self.uniform_draft_rows else None, sub_spec)
+        if row_map is not None:
+            lm_head_local_dp = row_map[lm_head_local_dp]
+        padded = [pad_inputs(inputs, main_spec, lm_per_seq)] + sub_padded
         # The drafter's lm_head rows of the padding sequences are theirs in the padded draft steps.
         lm_local = np.concatenate([lm_head_local_dp, padded[1].lm_head_indices[num_seqs:]])
         key = ("speculative", main_spec.num_seqs, q, per_seq, tuple(mtp_modules), lm_per_seq)

@@ -145,6 +145,9 @@ def sub_inputs(
     tables = _widen(tables, int(seq_lens.max()) + (k - 1 if mode == "eagle" else 0), block_size)
     steps = []
     for s in range(k):
+        if mode != "eagle" and s > 0:  # vanilla: every step has step 0's rows (shared arrays), its tokens rolled in
+            steps.append(steps[0].with_(input_ids=np.zeros_like(ids)))
+            continue
         shift = s if mode == "eagle" else 0
         step_slots = slots
         if mode == "eagle" and s > 0:

@@ -12,8 +12,8 @@ from mindspec import LLM, SamplingParams
 from mindspec.backends.cpu import CpuBackend
 from mindspec.modeling.forward_metadata import build_model_inputs, input_arrays, to_device
 from mindspec.modeling.graph_runner import (
-    DecodeGraphRunner, EagerStep, PadSpec, StaticInputs, draft_rows_bucket, maybe_graph_runner, pad_inputs,
-    pad_rows_per_seq, pad_verify_rows,
+    DecodeGraphRunner, EagerStep, PadSpec, StaticInputs, _pad_draft_steps, draft_rows_bucket, maybe_graph_runner,
+    pad_inputs, pad_rows_per_seq, pad_verify_rows,
 )
 from mindspec.modeling.model_wrapper import ModelWrapper
 from mindspec.plugins.mtp import decode_inputs as di
@@ -99,6 +99,26 @@ def _speculative_inputs(checkpoint_cfg, mode, tables):
     subs = di.sub_inputs(tokens, layout, table_arr, BLOCK_SIZE, K, mode)
     hidden = torch.randn(int(layout.sub_q_lens.sum()), checkpoint_cfg.hidden_size, generator=torch.Generator().manual_seed(2))
     return tokens, main, subs, hidden
+
+
+@pytest.mark.parametrize("uniform", [False, True], ids=["slack-seq", "uniform-rows"])
+def test_draft_steps_sharing_rows_are_padded_once_as_each_would_be_alone(checkpoint, uniform):
+    _, cfg = checkpoint
+    _, _, subs, _ = _speculative_inputs(cfg, "vanilla", _tables(SEQ_LENS, K + 1))
+    assert subs[1].positions is subs[0].positions and subs[1].slots is subs[0].slots  # MTP Vanilla's shared rows
+    subs[1] = subs[1].with_(input_ids=np.arange(subs[1].num_tokens) + 7)  # tokens of its own, to see where they go
+    per_seq = draft_rows_bucket(int(subs[0].q_lens.max())) if uniform else None
+    spec = PadSpec(4, int(subs[0].q_lens[0]), 4 * (per_seq or 8), 8, NUM_BLOCKS - 1, BLOCK_SIZE, slack_seq=not uniform)
+    if uniform:
+        spec = dataclasses.replace(spec, q=per_seq)
+    got, row_map = _pad_draft_steps(subs, per_seq, spec)
+    alone = [pad_inputs(pad_rows_per_seq(s, per_seq)[0] if uniform else s, spec, 1) for s in subs]
+    assert (row_map is not None) == uniform
+    for g, a in zip(got, alone):
+        for name, value in vars(a).items():
+            if isinstance(value, np.ndarray):
+                assert np.array_equal(getattr(g, name), value), name
+    assert got[1].positions is got[0].positions  # padded once
 
 
 @pytest.mark.parametrize("uniform", [False, True], ids=["slack-seq", "uniform-rows"])
