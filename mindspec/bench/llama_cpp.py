@@ -211,4 +211,5 @@ def run_llama_cpp(runner: LlamaCppRunner, prompts: list[list[int]], lengths: lis
     m.tokens_per_s.append(sum(lengths) / sum(seconds))
     group_lens = [max(lengths[i : i + batch]) for i in range(0, len(lengths), batch)]
     m.latency_per_token_ms.append(1e3 * sum(s / n for s, n in zip(seconds, group_lens)) / len(group_lens))
+    m.group_seconds.append(list(seconds))  # per group, as mindspec's static runs (batch 1: per request)
     m.token_ids = outs

@@ -308,10 +308,12 @@ def run_hf(model, groups: list[list[list[int]]], lengths: list[list[int]], m: Me
     m.latency_per_token_ms.append(1e3 * statistics.mean(latencies))
 
 
-def summarise(results: dict[str, Measurement], baseline: str = BASELINE) -> dict:
+def summarise(results: dict[str, Measurement], baseline: str = BASELINE, peers: tuple[str, ...] = ()) -> dict:
     """Per configuration: medians over rounds, and the speed-up over the baseline two ways: the
     ratio of medians, and per round against the baseline's run of the same round (paired: a slow
-    spell of the machine that hits one round hits both runs of it more than runs rounds apart)."""
+    spell of the machine that hits one round hits both runs of it more than runs rounds apart).
+    ``peers``: other engines (llama.cpp), against which every mindspec row also gets its paired
+    speed-up per round and, where both timed each request, per request (``vs_peer``)."""
     base_rounds = results[baseline].tokens_per_s
     base = statistics.median(base_rounds)
     reference = results[baseline].token_ids
@@ -335,8 +337,24 @@ def summarise(results: dict[str, Measurement], baseline: str = BASELINE) -> dict
         sync = name.removesuffix(" +async")
         if sync != name and sync in results:  # the host-overlap gain, same run, same rounds
             row["speedup_vs_sync"] = round(tps / statistics.median(results[sync].tokens_per_s), 3)
+        if name not in peers:
+            row.update(vs_peer(m, {p: results[p] for p in peers}))
         out[name] = row
     return out
+
+
+def vs_peer(m: Measurement, peers: dict[str, Measurement]) -> dict:
+    """``speedup_vs_<peer>_rounds`` (paired per round), its median, and ``..._per_request`` when
+    both timed each static group (at batch 1: each request)."""
+    row = {}
+    for peer, theirs in peers.items():
+        slug = "speedup_vs_" + peer.replace(".", "_").replace(" ", "_")
+        paired = [v / b for v, b in zip(m.tokens_per_s, theirs.tokens_per_s)]
+        row[f"{slug}_rounds"] = [round(r, 3) for r in paired]
+        row[f"{slug}_paired_median"] = round(statistics.median(paired), 3)
+        if m.group_seconds and theirs.group_seconds:
+            row[f"{slug}_per_request"] = per_group_speedup(m.group_seconds, theirs.group_seconds)
+    return row
 
 
 def per_group_speedup(seconds: list[list[float]], base: list[list[float]]) -> dict:
@@ -397,4 +415,4 @@ def bench_batch(llms: dict[str, LLM], hf, prompts: list[list[int]], batch: int, 
             run_hf(hf, groups, group_lens, results["transformers generate"])
         for name, other in others.items():
             other(prompts, lens, results[name], batch)
-    return summarise(results)
+    return summarise(results, peers=tuple(others))

@@ -40,6 +40,24 @@ def test_summary_reports_the_speedup_per_round_against_the_same_rounds_baseline(
     assert rows["mtp off"]["speedup_vs_mtp_off_rounds"] == [1.0, 1.0, 1.0]
 
 
+def test_summary_compares_every_mindspec_row_with_a_peer_per_round_and_per_request():
+    def measured(rounds, group_seconds):
+        return speed.Measurement(tokens_per_s=rounds, latency_per_token_ms=[1.0] * len(rounds),
+                                 group_seconds=group_seconds)
+
+    rows = speed.summarise({
+        "mtp off": measured([100.0, 80.0, 90.0], [[1.0, 2.0]] * 3),
+        "spec": measured([150.0, 120.0, 100.0], [[0.5, 1.0], [0.5, 1.5], [0.4, 1.0]]),  # medians 0.5, 1.0
+        "llama.cpp": measured([100.0, 100.0, 125.0], [[0.4, 2.0], [0.6, 2.0], [0.5, 2.0]]),  # medians 0.5, 2.0
+    }, peers=("llama.cpp",))
+    assert rows["spec"]["speedup_vs_llama_cpp_rounds"] == [1.5, 1.2, 0.8]
+    assert rows["spec"]["speedup_vs_llama_cpp_paired_median"] == 1.2
+    per_request = rows["spec"]["speedup_vs_llama_cpp_per_request"]
+    assert per_request["values"] == [1.0, 2.0] and per_request["min"] == 1.0 and per_request["median"] == 1.5
+    assert rows["mtp off"]["speedup_vs_llama_cpp_rounds"] == [1.0, 0.8, 0.72]
+    assert not any(k.startswith("speedup_vs_llama") for k in rows["llama.cpp"])
+
+
 @pytest.mark.slow
 def test_bench_writes_json_and_png(tmp_path):
     out = tmp_path / "bench"
