@@ -198,24 +198,29 @@ class ExportedSteps:
         return tensors, len(meta_pairs)
 
     def forward_speculative(self, input_ids, positions, meta, lm_head_indices, sub_input_ids, sub_hidden_states,
-                            lm_head_local_dp, steps, caches):
+                            lm_head_local_dp, steps, caches, verify_source=None):
+        """``verify_source`` [R]: each verification row's token (the model's argument: sequences
+        verifying host drafts beside MTP's); a package of its own."""
         from mindspec.models.deepseekv2.flash_causal_deepseekv2 import ModelOutput
 
         b = self.backend
         main = b.step_tensors(meta, "m")
         per_step = [[(s.positions, {}), *b.step_tensors(s.meta, f"d{i}")] for i, s in enumerate(steps)]
+        source = [] if verify_source is None else [(verify_source, {})]
         tensors, dims = _flatten([
             (input_ids, {}), (positions, {}), (lm_head_indices, {}), (sub_input_ids, {}), (sub_hidden_states, {}),
-            (lm_head_local_dp, {}), *main, *[t for s in per_step for t in s], *b.cache_tensors(caches),
+            (lm_head_local_dp, {}), *source, *main, *[t for s in per_step for t in s], *b.cache_tensors(caches),
         ])
         sizes = [len(main)] + [len(s) for s in per_step]
         key = (SPECULATIVE, _signature(tensors, dims), tuple(sizes),
-               tuple((s.module_idx, s.lm_rows_only) for s in steps))
-        args = {"meta": meta, "steps": [(s.module_idx, s.meta, s.lm_rows_only) for s in steps], "sizes": sizes}
+               tuple((s.module_idx, s.lm_rows_only) for s in steps)) + (("source",) if source else ())
+        args = {"meta": meta, "steps": [(s.module_idx, s.meta, s.lm_rows_only) for s in steps], "sizes": sizes,
+                "verify_source": bool(source)}
         outputs = self._run(key, args, caches, tensors, dims)
         if outputs is None:
             return self.model.forward_speculative(input_ids, positions, meta, lm_head_indices, sub_input_ids,
-                                                  sub_hidden_states, lm_head_local_dp, steps, caches)
+                                                  sub_hidden_states, lm_head_local_dp, steps, caches,
+                                                  verify_source=verify_source)
         return ModelOutput(logits=outputs[0], hidden_states=outputs[1], draft_tokens=outputs[2])
 
     def forward_tree(self, drafter, main, steps, first_hidden, caches):

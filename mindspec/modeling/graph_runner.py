@@ -196,6 +196,28 @@ def _same_rows(a: ModelInputs, b: ModelInputs) -> bool:
     return True
 
 
+def host_verify_rows(rows: int, mtp_rows: int) -> int:
+    """Rows per sequence of a speculative step whose sequences verify host drafts (suffix drafts,
+    any number) beside MTP's: the MTP rows (K + 1) when they fit, else a multiple of 4, so that
+    host draft counts share a few shapes."""
+    return mtp_rows if rows <= mtp_rows else -(-rows // 4) * 4
+
+
+def verify_source_rows(counts: np.ndarray, host: np.ndarray, num_seqs: int, rows: int, k: int) -> np.ndarray:
+    """[num_seqs * rows] for a speculative step padded to ``rows`` rows per sequence: each row's
+    token in ``cat(input_ids, drafts [num_seqs * k])`` (the model's ``verify_source``). Row j of
+    sequence b is MTP draft j of b when 1 <= j <= counts[b] and b drafts with MTP, else its own
+    input row (the fed token, a host draft, a padding row; padding sequences are all their own)."""
+    b, j = np.divmod(np.arange(num_seqs * rows), rows)
+    real = len(counts)
+    mtp = np.zeros(num_seqs, dtype=bool)
+    mtp[:real] = ~np.asarray(host, dtype=bool)
+    n = np.zeros(num_seqs, dtype=np.int64)
+    n[:real] = counts
+    drafted = mtp[b] & (j >= 1) & (j <= n[b])
+    return np.where(drafted, num_seqs * rows + b * k + j - 1, np.arange(num_seqs * rows)).astype(np.int64)
+
+
 def draft_rows_bucket(rows: int) -> int:
     """The padded rows per sequence of draft steps whose sequences need at most ``rows``: even up
     to 8 (a steady speculative step: MTP Vanilla with K=3 needs 6), then a power of two. Rows
@@ -213,11 +235,11 @@ def verifies_every_row(inputs: ModelInputs) -> bool:
     return len(inputs.lm_head_indices) == n and bool((inputs.lm_head_indices == np.arange(n)).all())
 
 
-def pad_verify_rows(inputs: ModelInputs) -> tuple[ModelInputs, np.ndarray]:
-    """A verification forward with unequal q_lens -> every sequence padded to the most rows
-    (``pad_rows_per_seq``), every padded row an lm_head row, and the new row of each old row [T]:
-    the outputs' real rows are ``out[row_map]``, in the original order."""
-    padded, row_map = pad_rows_per_seq(inputs, int(inputs.q_lens.max()))
+def pad_verify_rows(inputs: ModelInputs, rows: Optional[int] = None) -> tuple[ModelInputs, np.ndarray]:
+    """A verification forward with unequal q_lens -> every sequence padded to ``rows`` (default:
+    the most any has; ``pad_rows_per_seq``), every padded row an lm_head row, and the new row of
+    each old row [T]: the outputs' real rows are ``out[row_map]``, in the original order."""
+    padded, row_map = pad_rows_per_seq(inputs, rows or int(inputs.q_lens.max()))
     return padded.with_(lm_head_indices=np.arange(padded.num_tokens, dtype=np.int64)), row_map
 
 
@@ -350,8 +372,8 @@ class DecodeGraphRunner:
             return sub_steps is None and bool((inputs.q_lens == max_q).all()) and verifies_every_row(inputs)
         if max_q > self.max_verify_rows:
             return False
-        if inputs.drafts_in_inputs is not None and inputs.drafts_in_inputs.any():
-            return False  # host drafts: the captured step places MTP drafts only (run eagerly)
+        if sub_steps is None and inputs.drafts_in_inputs is not None and inputs.drafts_in_inputs.any():
+            return False  # host drafts beside MTP drafts come with draft steps (forward_speculative)
         ragged = bool((inputs.q_lens != max_q).any()) or len(inputs.lm_head_indices) % num_seqs != 0
         # A plain step feeds one token; more is a prompt's tail after a shared prefix (run eagerly)
         # unless every row feeds the lm_head: a verification.
@@ -422,7 +444,13 @@ class DecodeGraphRunner:
         hidden_states: torch.Tensor,  # [sub rows, hidden] on the device
         lm_head_local_dp: np.ndarray,  # [B] the drafter's lm_head rows
     ):
-        real, (inputs, main_map) = inputs, self._uniform_rows(inputs)
+        k = len(sub_steps)
+        host = inputs.drafts_in_inputs if inputs.drafts_in_inputs is not None and inputs.drafts_in_inputs.any() else None
+        real = inputs
+        if host is None:
+            inputs, main_map = self._uniform_rows(inputs)
+        else:  # host drafts (any number) beside MTP's: rows bucketed, each row's token chosen inside
+            inputs, main_map = pad_verify_rows(inputs, host_verify_rows(int(inputs.q_lens.max()), k + 1))
         num_seqs, q = inputs.num_seqs, int(inputs.q_lens[0])
         sub_q = max(int(s.q_lens.max()) for s in sub_steps)
         # Rows per sequence in the draft steps: a multiple of q for the slack-sequence layout;
@@ -438,16 +466,21 @@ class DecodeGraphRunner:
         padded = [pad_inputs(inputs, main_spec, lm_per_seq)] + sub_padded
         # The drafter's lm_head rows of the padding sequences are theirs in the padded draft steps.
         lm_local = np.concatenate([lm_head_local_dp, padded[1].lm_head_indices[num_seqs:]])
-        key = ("speculative", main_spec.num_seqs, q, per_seq, tuple(mtp_modules), lm_per_seq)
+        extras = [lm_local]
+        if host is not None:
+            extras.append(verify_source_rows(real.q_lens.astype(np.int64) - 1, host, main_spec.num_seqs, q, k))
+        key = ("speculative", main_spec.num_seqs, q, per_seq, tuple(mtp_modules), lm_per_seq, host is not None)
         modules = list(mtp_modules)
 
         def make_fn(e: _Entry):
             e.hidden = hidden_states.new_zeros((sub_spec.num_tokens, hidden_states.shape[1]))
             statics = e.statics
+            source = statics.extras[1] if len(statics.extras) > 1 else None
             return lambda: self.wrapper.forward_speculative(
-                statics.inputs[0], statics.inputs[1:], modules, e.hidden, statics.extras[0], padded=True)
+                statics.inputs[0], statics.inputs[1:], modules, e.hidden, statics.extras[0], padded=True,
+                verify_source=source)
 
-        entry = self._entry(key, padded, [lm_local], make_fn)
+        entry = self._entry(key, padded, extras, make_fn)
         rows = hidden_states.shape[0]
         if row_map is not None:  # padding rows keep finite values: zeros, then earlier steps' hidden states
             entry.hidden.index_copy_(0, torch.from_numpy(row_map).to(entry.hidden.device), hidden_states)

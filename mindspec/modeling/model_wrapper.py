@@ -213,8 +213,8 @@ class ModelWrapper:
         steps = [DraftStep(m, d.positions, d.meta, n) for m, d, n in zip(mtp_modules, sub_steps, narrow)]
         args = (inputs.input_ids, inputs.positions, inputs.meta, inputs.lm_head_indices,
                 first.input_ids, hidden_states, lm_head_local_dp, steps, self.caches)
-        if self.compiled and padded and draft_logits is None:  # padded steps verify K drafts per sequence
-            return self.compiled.forward_speculative(*args)
+        if self.compiled and padded and draft_logits is None:
+            return self.compiled.forward_speculative(*args, verify_source=verify_source)
         self.launch.fire()
         return self.model.forward_speculative(*args, verify_source=verify_source, draft_logits=draft_logits)
 

@@ -91,18 +91,25 @@ def _prefill_mtp(model, b, caches, meta: AttentionMetadata, n_meta: int, mtp_mod
     return run
 
 
-def _speculative(model, b, caches, meta: AttentionMetadata, steps: list[tuple], sizes: list[int]) -> Callable:
+def _speculative(model, b, caches, meta: AttentionMetadata, steps: list[tuple], sizes: list[int],
+                 verify_source: bool = False) -> Callable:
     """Every MTP draft stage and the verification. ``steps``: (module, metadata, lm_rows_only) of
-    each draft stage; ``sizes``: how many step tensors the verification and each stage take."""
+    each draft stage; ``sizes``: how many step tensors the verification and each stage take;
+    ``verify_source``: each verification row's token source comes after the drafter's lm_head
+    rows (sequences verifying host drafts, flash_causal_deepseekv2.forward_speculative)."""
     from mindspec.models.deepseekv2.flash_causal_deepseekv2 import DraftStep
 
     def run(ids, pos, lm, sub_ids, sub_hidden, lm_local, *rest):
+        source = None
+        if verify_source:
+            source, rest = rest[0], rest[1:]
         parts, at = _split(rest, sizes)
         m = b.bind_step_tensors(meta, parts[0])
         draft_steps = [DraftStep(module, p[0], b.bind_step_tensors(step_meta, p[1:]), narrow)
                        for (module, step_meta, narrow), p in zip(steps, parts[1:])]
         cs = b.bind_cache_tensors(caches, list(rest[at:]))
-        out = model.forward_speculative(ids, pos, m, lm, sub_ids, sub_hidden, lm_local, draft_steps, cs)
+        out = model.forward_speculative(ids, pos, m, lm, sub_ids, sub_hidden, lm_local, draft_steps, cs,
+                                        verify_source=source)
         return out.logits, out.hidden_states, out.draft_tokens
 
     return run

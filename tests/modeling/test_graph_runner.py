@@ -12,8 +12,8 @@ from mindspec import LLM, SamplingParams
 from mindspec.backends.cpu import CpuBackend
 from mindspec.modeling.forward_metadata import build_model_inputs, input_arrays, to_device
 from mindspec.modeling.graph_runner import (
-    DecodeGraphRunner, EagerStep, PadSpec, StaticInputs, _pad_draft_steps, draft_rows_bucket, maybe_graph_runner,
-    pad_inputs, pad_rows_per_seq, pad_verify_rows,
+    DecodeGraphRunner, EagerStep, PadSpec, StaticInputs, _pad_draft_steps, draft_rows_bucket, host_verify_rows,
+    maybe_graph_runner, pad_inputs, pad_rows_per_seq, pad_verify_rows, verify_source_rows,
 )
 from mindspec.modeling.model_wrapper import ModelWrapper
 from mindspec.plugins.mtp import decode_inputs as di
@@ -149,6 +149,49 @@ def test_speculative_step_padded_equals_unpadded(wrapper, checkpoint, mode, buck
         torch.testing.assert_close(got.hidden_states, expected.hidden_states, atol=1e-6, rtol=1e-6)
         _assert_cache_contract(wrapper, before, after_eager, _written_mask([main.slots] + [s.slots for s in subs]))
     assert runner.stats.replays == 2 and len(runner._entries) == 1
+
+
+@pytest.mark.parametrize("uniform", [False, True], ids=["slack-seq", "uniform-rows"])
+@pytest.mark.parametrize("host_count", [1, 5])
+def test_speculative_step_with_host_drafts_padded_equals_unpadded(wrapper, checkpoint, host_count, uniform):
+    """Sequence 1 verifies drafts made on the host (suffix drafts: 1, or 5 > K, whose rows are
+    bucketed to 8), the others MTP drafts (1 and 2 of K = 2): one replayed step, the eager
+    forward's outputs and cache writes."""
+    _, cfg = checkpoint
+    tables = _tables(SEQ_LENS, 6)
+    tokens, _, subs, hidden = _speculative_inputs(cfg, "vanilla", tables)
+    _prefill(wrapper, tokens, tables)
+    host_drafts = {1: list(range(11, 11 + host_count))}
+    main = di.main_inputs(np.array([t[-1] for t in tokens]), np.array(SEQ_LENS), di.block_tables(tables), BLOCK_SIZE,
+                          np.array([1, host_count, 2]), host_drafts)
+    before = _snapshot(wrapper)
+
+    def step():
+        with torch.inference_mode():
+            return wrapper.forward_speculative_host(main, subs, list(range(K)), hidden, subs[0].lm_head_indices)
+
+    expected = step()
+    after_eager = _snapshot(wrapper)
+    _restore(wrapper, before)
+    runner = DecodeGraphRunner(wrapper, buckets=(4,), capture=False, uniform_draft_rows=uniform)
+    wrapper.graph_runner = runner
+    assert runner.accepts(main, subs)
+    for _ in range(2):
+        got = step()
+        assert torch.equal(got.draft_tokens, expected.draft_tokens)
+        torch.testing.assert_close(got.logits, expected.logits, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(got.hidden_states, expected.hidden_states, atol=1e-6, rtol=1e-6)
+        _assert_cache_contract(wrapper, before, after_eager, _written_mask([main.slots] + [s.slots for s in subs]))
+    (key,) = runner.shape_keys
+    assert key[2] == (K + 1 if host_count <= K else 8) and key[-1] is True  # rows per sequence; host drafts
+
+
+def test_verify_source_rows_take_mtp_drafts_only_where_a_sequence_verifies_them():
+    # 2 real sequences of 3 padded to 4, 4 rows each, K = 3: sequence 0 verifies 2 MTP drafts,
+    # sequence 1 host drafts; drafts follow the 16 input rows, sequence b's at 16 + 3 b.
+    got = verify_source_rows(np.array([2, 3]), np.array([False, True]), 4, 4, 3)
+    assert got.tolist() == [0, 16, 17, 3] + [4, 5, 6, 7] + list(range(8, 16))
+    assert host_verify_rows(3, 4) == 4 and host_verify_rows(5, 4) == 8 and host_verify_rows(9, 4) == 12
 
 
 def test_plain_decode_padded_equals_unpadded(wrapper, checkpoint):
