@@ -139,6 +139,43 @@ def test_seeded_sampling_is_reproducible_compiled(checkpoint, cache_dir, plugin_
     assert stats.failed == 0 and stats.calls > 0
 
 
+@pytest.mark.slow
+def test_host_drafts_beside_mtp_drafts_run_in_one_compiled_step(checkpoint, cache_dir):
+    """A speculative step where one sequence verifies drafts made on the host (suffix drafts, in
+    its input rows) and the other MTP drafts: one package, which takes each row's token source,
+    gives the eager step's drafts and logits."""
+    from mindspec.modeling.forward_metadata import build_model_inputs, to_device
+    from mindspec.modeling.model_wrapper import ModelWrapper
+    from mindspec.plugins.mtp import decode_inputs as di
+
+    block_size, lengths = 4, np.array([5, 9])  # batch 2: the GEMM shapes of the vanilla steps compiled above
+    w = ModelWrapper(checkpoint, backend="cpu", dtype="float32", num_mtp_modules=K, progress=False, decode_graphs=True)
+    w.allocate_cache(64, block_size)
+    rng = np.random.default_rng(2)
+    tokens = [rng.integers(2, 60, int(n)).tolist() for n in lengths]
+    tables = [list(range(8 * b, 8 * b + 8)) for b in range(len(lengths))]
+    with torch.inference_mode():
+        w.forward_prefill_mtp(to_device(build_model_inputs(tokens, [0] * 2, tables, block_size), "cpu"), list(range(K)))
+    table_arr = di.block_tables(tables)
+    layout = di.decode_layout(lengths, np.ones(2, dtype=np.int64), K, "vanilla")
+    subs = di.sub_inputs(tokens, layout, table_arr, block_size, K, "vanilla")
+    main = di.main_inputs(np.array([t[-1] for t in tokens]), lengths, table_arr, block_size, np.array([2, 1]),
+                          {1: [17]})  # sequence 1: one suffix draft
+    hidden = torch.randn(subs[0].num_tokens, w.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    saved = [c.rows.clone() for c in w.caches]
+    runner, w.graph_runner = w.graph_runner, None
+    with torch.inference_mode():
+        expected = w.forward_speculative_host(main, subs, list(range(K)), hidden, subs[0].lm_head_indices)
+    for cache, rows in zip(w.caches, saved):
+        cache.rows.copy_(rows)
+    w.graph_runner = runner
+    with torch.inference_mode():
+        got = w.forward_speculative_host(main, subs, list(range(K)), hidden, subs[0].lm_head_indices)
+    assert torch.equal(got.draft_tokens, expected.draft_tokens)
+    torch.testing.assert_close(got.logits, expected.logits, atol=1e-5, rtol=1e-5)
+    assert [k for k in runner.shape_keys if k[-1]] and w.compiled.stats.calls == 1 and w.compiled.stats.failed == 0
+
+
 def test_a_failing_compile_runs_the_step_eagerly(checkpoint, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv(exported_step.CACHE_ENV, str(tmp_path))
 
