@@ -106,6 +106,7 @@ def window_tokens(seqs, layout: DecodeLayout) -> list[list[int]]:
 
 
 def window_offset(start: int) -> int:
+    """The position of the first token ``window_tokens`` gives for a window starting at ``start``."""
     return max(0, start + 1)
 
 

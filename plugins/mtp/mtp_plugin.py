@@ -241,8 +241,7 @@ class MtpPlugin(Plugin):
             np.array([s.last_token_id for s in seqs]), num_tokens, tables, self.block_size, counts, host_drafts
         )
         inputs.sub_model_inputs = di.sub_inputs(
-            di.window_tokens(seqs, layout), layout, tables, self.block_size,
-            k, self.mode,
+            di.window_tokens(seqs, layout), layout, tables, self.block_size, k, self.mode,
             hidden_from, self.dummy_block_id,
         )
         inputs.q_lens = inputs.model_inputs.q_lens
