@@ -6,7 +6,9 @@ every configuration alike, and the median over rounds is reported. Greedy decodi
 prompts. Reported per configuration and batch size: output tokens per second, latency per output
 token of one sequence, the mean number of tokens a step yields per sequence (accepted drafts + 1),
 the acceptance rate per draft position, the share of steps that speculated (adaptive speculation),
-and whether the tokens equal MTP off (lossless).
+whether the tokens equal MTP off (lossless), and per request (from ``RequestOutput.metrics``) the
+time in the queue, to the first token (TTFT: the prefill, with MTP's) and per output token after it
+(TPOT: decode alone), each request's TPOT speed-up over MTP off included.
 
 "batch b" means one of two things (``batching``):
 
@@ -195,6 +197,11 @@ class Measurement:
     token_ids: list = field(default_factory=list)
     spec: dict = field(default_factory=dict)
     group_seconds: list[list[float]] = field(default_factory=list)  # per round: each static group's wall time
+    # per round, per request in prompt order (RequestOutput.metrics): queueing, time to first
+    # token (prefill included) and time per output token after the first (decode speed)
+    queue_s: list[list[float]] = field(default_factory=list)
+    ttft_s: list[list[float]] = field(default_factory=list)
+    tpot_s: list[list[float]] = field(default_factory=list)
 
 
 def prompt_count(batch: int, min_prompts: int, batching: str) -> int:
@@ -264,6 +271,11 @@ def _record(m: Measurement, outs: list, seconds: float, latency_s: float) -> Non
     m.latency_per_token_ms.append(1e3 * latency_s)
     m.token_ids = [o.token_ids for o in outs]
     m.spec = spec_summary([o.spec_decode for o in outs], tokens, len(outs))
+    timed = [o.metrics for o in outs]
+    if all(t is not None for t in timed):
+        m.queue_s.append([t.time_in_queue for t in timed])
+        m.ttft_s.append([t.time_to_first_token for t in timed])
+        m.tpot_s.append([t.time_per_output_token(len(o.token_ids)) for t, o in zip(timed, outs)])
 
 
 def spec_summary(stats, total_tokens: int, num_seqs: int) -> dict:
@@ -334,6 +346,7 @@ def summarise(results: dict[str, Measurement], baseline: str = BASELINE, peers: 
             row["identical_to_mtp_off"] = m.token_ids == reference
         if m.group_seconds and results[baseline].group_seconds:
             row["speedup_per_group"] = per_group_speedup(m.group_seconds, results[baseline].group_seconds)
+        row.update(request_latencies(m, results[baseline]))
         sync = name.removesuffix(" +async")
         if sync != name and sync in results:  # the host-overlap gain, same run, same rounds
             row["speedup_vs_sync"] = round(tps / statistics.median(results[sync].tokens_per_s), 3)
@@ -341,6 +354,21 @@ def summarise(results: dict[str, Measurement], baseline: str = BASELINE, peers: 
             row.update(vs_peer(m, {p: results[p] for p in peers}))
         out[name] = row
     return out
+
+
+def request_latencies(m: Measurement, base: Measurement) -> dict:
+    """Per request (medians over rounds), median and worst: ``queue_ms``, ``ttft_ms`` and
+    ``tpot_ms``; and ``tpot_speedup_vs_mtp_off_per_request``, each request's time per output token
+    under the baseline over its own: the decode speed-up without the prefill (``speedup_per_group``).
+    Nothing for an engine without request metrics or a round with a one-token output."""
+    row = {}
+    for key, rounds in (("queue_ms", m.queue_s), ("ttft_ms", m.ttft_s), ("tpot_ms", m.tpot_s)):
+        if rounds and all(v is not None for r in rounds for v in r):
+            per_request = 1e3 * np.median(np.array(rounds), axis=0)
+            row[key] = {"median": round(float(np.median(per_request)), 3), "worst": round(float(per_request.max()), 3)}
+    if "tpot_ms" in row and base.tpot_s and all(v is not None for r in base.tpot_s for v in r):
+        row["tpot_speedup_vs_mtp_off_per_request"] = per_group_speedup(m.tpot_s, base.tpot_s)
+    return row
 
 
 def vs_peer(m: Measurement, peers: dict[str, Measurement]) -> dict:

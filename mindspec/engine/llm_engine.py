@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import replace
 from typing import Optional, Sequence as Seq, Union
 
@@ -226,6 +227,7 @@ class LLMEngine:
                 self.scheduler.abort(seq_id)
                 self._clear_plugins([seq_id])
                 del self.requests[seq_id]
+                state.metrics.note_tokens(time.monotonic(), 0, finished=True)
                 return state.output([])
         return None
 
@@ -316,6 +318,7 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
             self._clear_plugins([seq_id])
+        state.metrics.note_tokens(time.monotonic(), 1, finished=reason is not None)  # its first token, from the hand-off
         return state
 
     def _read_kv(self, seq: Sequence) -> list[torch.Tensor]:
@@ -364,9 +367,10 @@ class LLMEngine:
         finished = [u.seq.seq_id for u in updates if u.finished]
         if finished:
             self._clear_plugins(finished)
-        results = []
+        results, now = [], time.monotonic()
         for u in updates:
             state = self.requests[u.seq.seq_id]
+            state.metrics.note_tokens(now, len(u.new_token_ids), u.finished)
             if u.finished:
                 state.finish_text()
                 del self.requests[u.seq.seq_id]

@@ -45,6 +45,42 @@ class SpecDecodeStats:
 
 
 @dataclass
+class RequestMetrics:
+    """When a request reached each milestone, in ``time.monotonic()`` seconds of the process that
+    ran it (vLLM's RequestMetrics; differences are what carry over). Tokens count when the engine
+    post-processes them, which is when a caller can see them (under async scheduling, a step after
+    the device made them)."""
+
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+
+    @property
+    def time_in_queue(self) -> Optional[float]:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> Optional[float]:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    def time_per_output_token(self, num_output_tokens: int) -> Optional[float]:
+        """Mean seconds per token after the first (TPOT): the decode speed a request saw."""
+        if self.first_token_time is None or self.last_token_time is None or num_output_tokens < 2:
+            return None
+        return (self.last_token_time - self.first_token_time) / (num_output_tokens - 1)
+
+    def note_tokens(self, now: float, new_tokens: int, finished: bool) -> None:
+        if new_tokens:
+            if self.first_token_time is None:
+                self.first_token_time = now
+            self.last_token_time = now
+        if finished and self.finished_time is None:
+            self.finished_time = now
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: Optional[str]
@@ -69,6 +105,7 @@ class RequestOutput:
     # prompt tokens not computed at the first admission: found in the prefix cache or shared with
     # the request named by share_prefix_with (OpenAI's usage.prompt_tokens_details.cached_tokens)
     num_cached_tokens: int = 0
+    metrics: Optional[RequestMetrics] = None  # a snapshot as of this output
 
 
 @dataclass

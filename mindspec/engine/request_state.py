@@ -1,13 +1,13 @@
 """Per-request output state in the engine: detokenizer, stop strings, logprobs, statistics."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from mindspec.text_generator.detokenizer import IncrementalDetokenizer
 from mindspec.text_generator.stop_strings import StopStringMatcher
 
-from .outputs import RequestOutput, SpecDecodeStats
+from .outputs import RequestMetrics, RequestOutput, SpecDecodeStats
 from .sequence import Sequence
 
 
@@ -30,6 +30,10 @@ class RequestState:
     pending_text: str = field(default="")  # text produced since the last output was built
     export_kv: bool = False  # PD prefill node: capture the prompt KV after prefill
     handoff: Optional[object] = None  # the PrefillHandoff once captured
+    metrics: RequestMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = RequestMetrics(arrival_time=self.seq.arrival_time)
 
     def add_token_text(self, token_id: int) -> bool:
         """Detokenize one token; returns True when a stop string completed."""
@@ -101,6 +105,7 @@ class RequestState:
             prompt_top_logprobs=self.prompt_top_logprobs,
             num_shared_prompt_tokens=seq.shared_prefix_tokens,
             num_cached_tokens=seq.prefix_cached_tokens,
+            metrics=replace(self.metrics, first_scheduled_time=seq.first_scheduled_time),
         )
         self.pending_text = ""
         return out

@@ -250,7 +250,7 @@ class Scheduler:
         bm.allocate(seq)
         seq.prefix_cached_tokens = len(cached) * bm.block_size  # the caller writes the KV after them
         seq.num_cached_tokens = seq.num_prompt_tokens
-        seq.status = SequenceStatus.RUNNING
+        seq.start_running()
         self.running.append(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
@@ -321,7 +321,7 @@ class Scheduler:
             # Room for the first decode's drafts too, so a fresh sequence is not preempted at once.
             bm.allocate(a.seq, self.config.num_lookahead_tokens)
             self.waiting.popleft()
-            a.seq.status = SequenceStatus.RUNNING
+            a.seq.start_running()
             seqs.append(a.seq)
         return seqs
 

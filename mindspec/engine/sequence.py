@@ -30,6 +30,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # tokens whose KV is in the cache
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: Optional[float] = None  # its first admission (time.monotonic)
     finish_reason: Optional[FinishReason] = None
     num_preemptions: int = 0
     extra: dict = field(default_factory=dict)  # plugin state keyed by plugin name
@@ -45,6 +46,12 @@ class Sequence:
     published_blocks: int = 0
     prefix_cached_tokens: int = 0
     prompt_only: bool = False  # max_tokens 0 allowed: the prefill scores the prompt, nothing is generated
+
+    def start_running(self) -> None:
+        """Admitted by the scheduler (again after a preemption: the first admission's time stays)."""
+        self.status = SequenceStatus.RUNNING
+        if self.first_scheduled_time is None:
+            self.first_scheduled_time = time.monotonic()
 
     @property
     def token_ids(self) -> list[int]:

@@ -5,7 +5,7 @@ import json
 from dataclasses import asdict, fields
 from typing import Any
 
-from mindspec.engine.outputs import RequestOutput, SpecDecodeStats
+from mindspec.engine.outputs import RequestMetrics, RequestOutput, SpecDecodeStats
 from mindspec.text_generator.sampling.params import SamplingParams
 
 
@@ -33,6 +33,8 @@ def output_from_line(line: str | bytes) -> RequestOutput:
     data = json.loads(line)
     if data.get("spec_decode") is not None:
         data["spec_decode"] = SpecDecodeStats(**data["spec_decode"])
+    if data.get("metrics") is not None:
+        data["metrics"] = RequestMetrics(**data["metrics"])
     if data.get("top_logprobs") is not None:  # JSON object keys are strings
         data["top_logprobs"] = [{int(k): v for k, v in d.items()} for d in data["top_logprobs"]]
     return RequestOutput(**data)

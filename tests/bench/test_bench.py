@@ -58,6 +58,30 @@ def test_summary_compares_every_mindspec_row_with_a_peer_per_round_and_per_reque
     assert not any(k.startswith("speedup_vs_llama") for k in rows["llama.cpp"])
 
 
+def test_summary_gives_each_request_its_queue_first_token_and_per_token_times():
+    def measured(queue, ttft, tpot):
+        return speed.Measurement(tokens_per_s=[1.0] * len(ttft), latency_per_token_ms=[1.0] * len(ttft),
+                                 queue_s=queue, ttft_s=ttft, tpot_s=tpot)
+
+    rows = speed.summarise({
+        "mtp off": measured([[0.0, 0.001]] * 3, [[0.01, 0.02]] * 3, [[0.004, 0.006]] * 3),
+        # request 0: medians ttft 12 ms, tpot 2 ms; request 1: 30 ms, 4 ms
+        "spec": measured([[0.0, 0.002]] * 3, [[0.012, 0.03], [0.011, 0.03], [0.013, 0.04]],
+                         [[0.002, 0.004], [0.003, 0.004], [0.002, 0.005]]),
+        "peer": speed.Measurement(tokens_per_s=[1.0] * 3, latency_per_token_ms=[1.0] * 3),
+    })
+    spec = rows["spec"]
+    assert spec["queue_ms"] == {"median": 1.0, "worst": 2.0}
+    assert spec["ttft_ms"] == {"median": 21.0, "worst": 30.0}
+    assert spec["tpot_ms"] == {"median": 3.0, "worst": 4.0}
+    per_request = spec["tpot_speedup_vs_mtp_off_per_request"]  # 4 / 2 and 6 / 4
+    assert per_request["values"] == [2.0, 1.5] and per_request["min"] == 1.5
+    assert not any(k in rows["peer"] for k in ("ttft_ms", "tpot_ms", "tpot_speedup_vs_mtp_off_per_request"))
+    one_token = measured([[0.0]], [[0.01]], [[None]])  # a one-token output has no time per output token
+    assert "tpot_ms" not in speed.request_latencies(one_token, one_token) and "ttft_ms" in speed.request_latencies(
+        one_token, one_token)
+
+
 @pytest.mark.slow
 def test_bench_writes_json_and_png(tmp_path):
     out = tmp_path / "bench"
@@ -78,6 +102,8 @@ def test_bench_writes_json_and_png(tmp_path):
     assert set(accounting) == set(report["configs"]) and accounting["mtp off"]["ops_outside_graphs"] > 50  # eager
     assert sum(accounting["mtp off"]["ops"].values()) == pytest.approx(accounting["mtp off"]["ops_outside_graphs"])
     assert rows["vanilla K=1"]["mean_drafts_per_step"] == 1.0
+    assert 0 < rows["vanilla K=1"]["tpot_ms"]["median"] <= rows["vanilla K=1"]["tpot_ms"]["worst"]
+    assert len(rows["vanilla K=1"]["tpot_speedup_vs_mtp_off_per_request"]["values"]) == report["prompts_per_batch"]["batch 2"]
     assert 1.0 <= rows["vanilla K=1"]["mean_accepted_length"] <= 2.0
 
 
@@ -179,7 +205,7 @@ class _CountingLLM:
             self.engine.model_wrapper.graph_runner.num_graphs += self.new_graphs[self.calls]
         self.calls += 1
         self.max_tokens = [q.max_tokens for q in params]
-        return [SimpleNamespace(token_ids=[p[0]] * q.max_tokens, spec_decode=None) for p, q in zip(prompts, params)]
+        return [SimpleNamespace(token_ids=[p[0]] * q.max_tokens, spec_decode=None, metrics=None) for p, q in zip(prompts, params)]
 
 
 def test_warm_up_runs_a_configuration_once_untimed():

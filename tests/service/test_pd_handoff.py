@@ -43,6 +43,9 @@ def test_decode_node_keeps_the_transferred_kv_and_matches_a_standard_engine(chec
     assert [extra["request_id"] for _, extra in handoffs] == ["r0", "r1"]
     firsts = [adopt(decode, h, GREEDY, f"r{i}") for i, (h, _) in enumerate(handoffs)]
     assert [f.new_token_ids for f in firsts] == [[e[0]] for e in expected]  # the prefill node's first token
+    # on this node the first token came with the hand-off: at adoption, right after arrival
+    assert all(f.metrics.arrival_time <= f.metrics.first_token_time == f.metrics.last_token_time for f in firsts)
+    assert all(f.metrics.first_scheduled_time is not None and f.metrics.finished_time is None for f in firsts)
 
     states = list(decode.requests.values())
     mw = decode.model_wrapper
