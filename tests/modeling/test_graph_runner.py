@@ -398,12 +398,12 @@ def test_verification_rows_padded_per_sequence():
     assert (padded.slots[[1, 2, 8]] == -1).all()  # padding rows write nothing
 
 
-@pytest.mark.parametrize("drafts", [[0, 2, 1], [2, 0, 2]])
+@pytest.mark.parametrize("drafts", [[0, 2, 1], [2, 0, 2], [3, 3, 3], [4, 0, 7]])
 def test_verification_with_a_draft_count_per_sequence_equals_unpadded(wrapper, checkpoint, drafts):
     """A verify-only forward (drafts from any drafter) whose sequences verify different numbers
     of drafts runs through the runner with the unpadded call's outputs and cache writes."""
     _, cfg = checkpoint
-    tables = _tables(SEQ_LENS, 4)
+    tables = _tables(SEQ_LENS, 1 + max(drafts))
     rng = np.random.default_rng(6)
     tokens = [rng.integers(2, cfg.vocab_size, s).tolist() for s in SEQ_LENS]
     _prefill(wrapper, tokens, tables)
@@ -414,7 +414,8 @@ def test_verification_with_a_draft_count_per_sequence_equals_unpadded(wrapper, c
     assert runner.accepts(host)
     expected, got = _eager_then_runner(wrapper, host, runner)
     assert got.logits.shape == expected.logits.shape == (host.num_tokens, cfg.vocab_size)
-    assert list(runner._entries) == [("decode", 4, 3, 3)]  # 3 rows per sequence: the most drafts + 1
+    rows_per_seq = 1 + max(drafts)  # the most drafts + 1
+    assert list(runner._entries) == [("decode", 4, rows_per_seq, rows_per_seq)]
     # a prompt's tail (only its last row feeds the lm_head) and more rows than a graph holds run eagerly
     assert not runner.accepts(host.with_(lm_head_indices=np.cumsum(host.q_lens) - 1))
     assert not DecodeGraphRunner(wrapper, buckets=(4,), capture=False, max_verify_rows=2).accepts(host)
