@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -75,10 +76,11 @@ def convert(model_dir: str, out: Path, src: Path, outtype: str = "f32") -> Path:
 
 
 # The worker: loads the GGUF file, then per input line {"prompts", "lengths", "batch"} answers one
-# line {"outs", "seconds"}; it imports nothing of mindspec (whose import sets OpenMP's wait policy).
-# Batch 1 decodes one prompt at a time through Llama.generate; a larger batch decodes groups of
-# that many prompts as parallel sequences of one context (llama.cpp's own "batched" example: one
-# llama_decode per step with a token of every live sequence), seconds timed per group.
+# line {"outs", "seconds", "first", "last"}; it imports nothing of mindspec (whose import sets
+# OpenMP's wait policy). Batch 1 decodes one prompt at a time through Llama.generate; a larger batch
+# decodes groups of that many prompts as parallel sequences of one context (llama.cpp's own
+# "batched" example: one llama_decode per step with a token of every live sequence), seconds timed
+# per group, and per prompt the seconds from its group's start to its first and its last token.
 _WORKER = """
 import json, sys, time
 gguf, threads, n_ctx = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -95,13 +97,14 @@ n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
 contexts = {}
 
 
-def one(prompt, n):
-    out = []
+def one(prompt, n, start):
+    out, first = [], None
     for token in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
         out.append(int(token))
+        first = first or time.perf_counter() - start
         if len(out) == n:
             break
-    return out
+    return out, first, time.perf_counter() - start
 
 
 def context(batch, per_seq, prompt_tokens):
@@ -116,11 +119,12 @@ def context(batch, per_seq, prompt_tokens):
     return contexts[key]
 
 
-def group(prompts, lengths, per_seq, prompt_tokens):
+def group(prompts, lengths, per_seq, prompt_tokens, start):
     ctx, batch = context(len(prompts), per_seq, prompt_tokens)
     lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
     rows = [(t, j, s, j == len(p) - 1) for s, p in enumerate(prompts) for j, t in enumerate(p)]
     outs, pos = [[] for _ in prompts], [len(p) for p in prompts]
+    first, last = [None] * len(prompts), [None] * len(prompts)
     while rows:
         batch.n_tokens = len(rows)
         for i, (t, j, s, want) in enumerate(rows):
@@ -133,24 +137,27 @@ def group(prompts, lengths, per_seq, prompt_tokens):
         for i, s in picks:
             logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), shape=(n_vocab,))
             outs[s].append(int(logits.argmax()))
+            last[s] = time.perf_counter() - start
+            first[s] = first[s] or last[s]
             if len(outs[s]) < lengths[s]:
                 rows.append((outs[s][-1], pos[s], s, True))
                 pos[s] += 1
-    return outs
+    return list(zip(outs, first, last))
 
 
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     job = json.loads(line)
     prompts, lengths, size = job["prompts"], job["lengths"], job.get("batch", 1)
-    outs, seconds = [], []
+    done, seconds = [], []
     per_seq = max(len(p) for p in prompts) + max(lengths) + 8
     for at in range(0, len(prompts), size):
         part, lens = prompts[at : at + size], lengths[at : at + size]
         start = time.perf_counter()
-        outs += [one(p, n) for p, n in zip(part, lens)] if size == 1 else group(part, lens, per_seq, sum(map(len, part)))
+        done += [one(p, n, start) for p, n in zip(part, lens)] if size == 1 else group(part, lens, per_seq, sum(map(len, part)), start)
         seconds.append(time.perf_counter() - start)
-    print(json.dumps({"outs": outs, "seconds": seconds}), flush=True)
+    outs, first, last = (list(c) for c in zip(*done))
+    print(json.dumps({"outs": outs, "seconds": seconds, "first": first, "last": last}), flush=True)
 """
 
 
@@ -174,12 +181,12 @@ class LlamaCppRunner:
             self.close()
             raise LlamaCppError(f"llama.cpp could not load {gguf}: {ready.get('error', ready)}")
 
-    def generate(self, prompts: list[list[int]], lengths: list[int], batch: int = 1) -> tuple[list[list[int]], list[float]]:
-        """(tokens of each prompt, seconds each group of ``batch`` prompts took, timed in the worker)."""
+    def generate(self, prompts: list[list[int]], lengths: list[int], batch: int = 1) -> "LlamaCppRound":
+        """One round, timed in the worker."""
         self._proc.stdin.write(json.dumps({"prompts": prompts, "lengths": lengths, "batch": batch}) + "\n")
         self._proc.stdin.flush()
         reply = self._reply()
-        return reply["outs"], reply["seconds"]
+        return LlamaCppRound(reply["outs"], reply["seconds"], reply["first"], reply["last"])
 
     def _reply(self) -> dict:
         line = self._proc.stdout.readline()
@@ -205,11 +212,24 @@ def _environ_for_worker() -> dict:
     return env
 
 
+@dataclass
+class LlamaCppRound:
+    outs: list[list[int]]  # each prompt's tokens
+    seconds: list[float]  # each group of ``batch`` prompts
+    first: list[float]  # per prompt: seconds from its group's start to its first token
+    last: list[float]  # ... and to its last token
+
+
 def run_llama_cpp(runner: LlamaCppRunner, prompts: list[list[int]], lengths: list[int], m, batch: int = 1) -> None:
-    """One round over ``prompts`` in groups of ``batch`` parallel sequences, into the Measurement ``m``."""
-    outs, seconds = runner.generate(prompts, lengths, batch)
-    m.tokens_per_s.append(sum(lengths) / sum(seconds))
+    """One round over ``prompts`` in groups of ``batch`` parallel sequences, into the Measurement ``m``
+    (per request: no queue, the first token's time, and the time per output token after it)."""
+    r = runner.generate(prompts, lengths, batch)
+    m.tokens_per_s.append(sum(lengths) / sum(r.seconds))
     group_lens = [max(lengths[i : i + batch]) for i in range(0, len(lengths), batch)]
-    m.latency_per_token_ms.append(1e3 * sum(s / n for s, n in zip(seconds, group_lens)) / len(group_lens))
-    m.group_seconds.append(list(seconds))  # per group, as mindspec's static runs (batch 1: per request)
-    m.token_ids = outs
+    m.latency_per_token_ms.append(1e3 * sum(s / n for s, n in zip(r.seconds, group_lens)) / len(group_lens))
+    m.group_seconds.append(list(r.seconds))  # per group, as mindspec's static runs (batch 1: per request)
+    m.queue_s.append([0.0] * len(prompts))
+    m.ttft_s.append(list(r.first))
+    m.tpot_s.append([(end - first) / (len(out) - 1) if len(out) > 1 else None
+                     for first, end, out in zip(r.first, r.last, r.outs)])
+    m.token_ids = r.outs

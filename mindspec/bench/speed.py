@@ -363,17 +363,23 @@ def request_latencies(m: Measurement, base: Measurement) -> dict:
     Nothing for an engine without request metrics or a round with a one-token output."""
     row = {}
     for key, rounds in (("queue_ms", m.queue_s), ("ttft_ms", m.ttft_s), ("tpot_ms", m.tpot_s)):
-        if rounds and all(v is not None for r in rounds for v in r):
+        if _complete(rounds):
             per_request = 1e3 * np.median(np.array(rounds), axis=0)
             row[key] = {"median": round(float(np.median(per_request)), 3), "worst": round(float(per_request.max()), 3)}
-    if "tpot_ms" in row and base.tpot_s and all(v is not None for r in base.tpot_s for v in r):
+    if _complete(m.tpot_s) and _complete(base.tpot_s):
         row["tpot_speedup_vs_mtp_off_per_request"] = per_group_speedup(m.tpot_s, base.tpot_s)
     return row
 
 
+def _complete(rounds: list[list[Optional[float]]]) -> bool:
+    """Every round timed every request."""
+    return bool(rounds) and all(v is not None for r in rounds for v in r)
+
+
 def vs_peer(m: Measurement, peers: dict[str, Measurement]) -> dict:
-    """``speedup_vs_<peer>_rounds`` (paired per round), its median, and ``..._per_request`` when
-    both timed each static group (at batch 1: each request)."""
+    """``speedup_vs_<peer>_rounds`` (paired per round), its median, ``..._per_request`` when
+    both timed each static group (at batch 1: each request), and ``..._ttft_per_request`` /
+    ``..._tpot_per_request`` when both timed each request's first token and the tokens after it."""
     row = {}
     for peer, theirs in peers.items():
         slug = "speedup_vs_" + peer.replace(".", "_").replace(" ", "_")
@@ -382,6 +388,9 @@ def vs_peer(m: Measurement, peers: dict[str, Measurement]) -> dict:
         row[f"{slug}_paired_median"] = round(statistics.median(paired), 3)
         if m.group_seconds and theirs.group_seconds:
             row[f"{slug}_per_request"] = per_group_speedup(m.group_seconds, theirs.group_seconds)
+        for kind, mine, other in (("ttft", m.ttft_s, theirs.ttft_s), ("tpot", m.tpot_s, theirs.tpot_s)):
+            if _complete(mine) and _complete(other):  # prefill and decode apart
+                row[f"{slug}_{kind}_per_request"] = per_group_speedup(mine, other)
     return row
 
 

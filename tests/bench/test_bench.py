@@ -77,6 +77,11 @@ def test_summary_gives_each_request_its_queue_first_token_and_per_token_times():
     per_request = spec["tpot_speedup_vs_mtp_off_per_request"]  # 4 / 2 and 6 / 4
     assert per_request["values"] == [2.0, 1.5] and per_request["min"] == 1.5
     assert not any(k in rows["peer"] for k in ("ttft_ms", "tpot_ms", "tpot_speedup_vs_mtp_off_per_request"))
+    llama = measured([[0.0, 0.0]] * 3, [[0.006, 0.06]] * 3, [[0.004, 0.004]] * 3)
+    rows = speed.summarise({"mtp off": measured([[0.0, 0.0]] * 3, [[0.01, 0.02]] * 3, [[0.004, 0.006]] * 3),
+                            "llama.cpp": llama}, peers=("llama.cpp",))
+    assert rows["mtp off"]["speedup_vs_llama_cpp_ttft_per_request"]["values"] == [0.6, 3.0]  # 6 / 10, 60 / 20 ms
+    assert rows["mtp off"]["speedup_vs_llama_cpp_tpot_per_request"]["values"] == [1.0, 0.667]
     one_token = measured([[0.0]], [[0.01]], [[None]])  # a one-token output has no time per output token
     assert "tpot_ms" not in speed.request_latencies(one_token, one_token) and "ttft_ms" in speed.request_latencies(
         one_token, one_token)

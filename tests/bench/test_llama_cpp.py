@@ -32,6 +32,10 @@ def test_llama_cpp_decodes_the_shipped_models_greedy_tokens(tmp_path):
         runner.close()
     assert one.token_ids == [list(e) for e in expected]
     assert one.tokens_per_s[0] > 0 and len(one.latency_per_token_ms) == 1
+    for m, n in ((one, [24, 24]), (both, [24, 16])):  # per request: the first token early, the last within its group
+        last = [first + (k - 1) * tpot for first, tpot, k in zip(m.ttft_s[0], m.tpot_s[0], n)]
+        assert all(0 < first < 0.5 * end for first, end in zip(m.ttft_s[0], last))
+        assert max(last) <= sum(m.group_seconds[0])
     assert both.token_ids == [list(expected[0]), list(expected[1][:16])]
 
 
