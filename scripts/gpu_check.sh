@@ -10,11 +10,13 @@
 #   bash scripts/gpu_check.sh py SCRIPT [ARGS...]
 #   bash scripts/gpu_check.sh session                          # a 15-minute device budget's first call
 #
-# `session` is what a session lent a GPU runs first, in one call of about 10 minutes (11 with the
-# machine's start), returning at most 8 files: the tests natively (~5 minutes on a fresh H200:
-# Triton compiles every kernel first), draft trees and chains against MTP off at batch 1 (float32),
-# and the engine step profile in bf16 (MTP off, eagle and vanilla K=3: wall, device and host time
-# per step, ops outside graphs by name, the eagle step's host cProfile).
+# `session` is what a session lent a GPU runs first, in one call of about 8 minutes (9-10 with the
+# machine's start), returning 8 files: the tests natively (~3.5 minutes on a fresh H200: Triton
+# compiles every kernel first), draft trees and chains against MTP off at batch 1 (float32), the
+# engine step profile in bf16 (MTP off and eagle K=3, sync and async: wall, device and host time
+# per step, ops outside graphs by name, the eagle step's host cProfile), and DeepSeek-V2-Lite's
+# shape at batch 1 with simulated acceptance (bf16); the bench JSONs hold each request's TTFT and
+# TPOT. (2026-11-28 on an H200: 352 s before the V2-Lite run, which took ~60 s more alone.)
 #
 # `all` runs every GPU measurement: tests, the kernel benchmarks, the comparison on the shipped
 # model (batch 1 and 16, MTP off against K=3, sync and async) and DeepSeek-V2-Lite with random
@@ -95,7 +97,10 @@ if [[ $WHAT == session ]]; then
   mkdir -p "$OUT/profile"
   DTYPE=bfloat16 CONFIGS=off,eagle3,off_async,eagle3_async OUT="$OUT/profile" timeout 160 $PY scripts/gpu_step_profile.py 2>&1 \
     | grep '^{' | tee "$OUT/profile.log"
-  rm -f "$OUT"/profile/*_kernels.txt "$OUT"/profile/off*_cprofile.txt
+  BENCH_TIMEOUT=150 bash "$0" shapes --batches 1  # the realistic-size target: V2-Lite, batch 1
+  # at most 8 files come back: the JSON and logs (TTFT/TPOT per request inside), one host cProfile
+  rm -rf "$OUT"/*-random "$OUT"/*.png "$OUT"/profile/*_kernels.txt "$OUT"/profile/off*_cprofile.txt \
+    "$OUT"/profile/*_async_cprofile.txt "$OUT"/profile/step_profile.json
 fi
 if [[ $WHAT == py ]]; then  # any script against this checkout: gpu_check.sh py SCRIPT ARGS...
   $PY "$@" 2>&1 | tee "$OUT/py.log" | tail -120
