@@ -201,7 +201,7 @@ class Measurement:
     # token (prefill included) and time per output token after the first (decode speed)
     queue_s: list[list[float]] = field(default_factory=list)
     ttft_s: list[list[float]] = field(default_factory=list)
-    tpot_s: list[list[float]] = field(default_factory=list)
+    tpot_s: list[list[Optional[float]]] = field(default_factory=list)  # None: a one-token output
 
 
 def prompt_count(batch: int, min_prompts: int, batching: str) -> int:
