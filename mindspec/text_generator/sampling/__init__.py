@@ -6,11 +6,9 @@ from .sampler import (
     Sampler,
     SamplerOutput,
     filter_logits,
-    make_generator,
     penalised_logits,
     probs_from_penalised,
     processed_probs,
-    row_seed,
 )
 
 __all__ = [
@@ -22,9 +20,7 @@ __all__ = [
     "Sampler",
     "SamplerOutput",
     "filter_logits",
-    "make_generator",
     "penalised_logits",
     "probs_from_penalised",
     "processed_probs",
-    "row_seed",
 ]

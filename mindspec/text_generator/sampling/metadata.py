@@ -33,9 +33,6 @@ class SamplingMetadata:
     frequency_penalty: torch.Tensor  # [N] fp32
     seeds: torch.Tensor  # [N] int64; -1 = unseeded
     output_positions: torch.Tensor  # [N] int64
-    # host copies needed to seed generators without a device sync
-    seeds_host: list[int]
-    output_positions_host: list[int]
     # fast-path flags
     all_greedy: bool
     all_random: bool
@@ -155,8 +152,6 @@ class SamplingMetadata:
             frequency_penalty=freq_t,
             seeds=seeds_t,
             output_positions=pos_t,
-            seeds_host=seeds,
-            output_positions_host=positions,
             all_greedy=all(greedy),
             all_random=not any(greedy),
             any_penalties=any_rep or any_fp,

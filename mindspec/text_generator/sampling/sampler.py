@@ -9,8 +9,9 @@ Pipeline per row (all fp32, vectorised over rows):
      closest to the entropy of what is left, up to typical_p mass. Every filter is threshold based, so tokens tied
      with the last kept token are kept too, whatever the sort order. Softmax gives the target p.
   4. sample argmax(p / E), E ~ Exp(1) (the exponential race, exact for categorical p).
-     Seeded rows draw E from their own generator seeded by (seed, output position), so a seeded
-     request's tokens depend on neither the batch nor the other rows; unseeded rows share one draw.
+     E is counter-based noise (noise.py): a seeded row's is a function of (seed, output position),
+     so a seeded request's tokens depend on neither the batch nor the other rows; unseeded rows
+     take theirs from one host draw per step.
 
 Reported logprobs are vLLM's "raw" logprobs: log_softmax of the penalised logits (step 1), before
 temperature and the filters, so they do not depend on temperature/top-k/top-p/min-p.
@@ -23,22 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from .metadata import SamplingMetadata
+from .noise import exponential_noise, row_keys
 from .penalties import apply_penalties
-
-_SEED_MULT = 1_000_003
-_SEED_MOD = 2**63
-
-
-def row_seed(seed: int, output_position: int) -> int:
-    """Generator seed of a seeded row: a function of (seed, output position) only."""
-    return (int(seed) * _SEED_MULT + int(output_position)) % _SEED_MOD
-
-
-def make_generator(seed: int, output_position: int, device: torch.device | str) -> torch.Generator:
-    gen = torch.Generator(device=torch.device(device))
-    gen.manual_seed(row_seed(seed, output_position))
-    return gen
-
 
 @dataclass
 class SamplerOutput:
@@ -155,9 +142,11 @@ def _one_hot(ids: torch.Tensor, v: int) -> torch.Tensor:
 
 
 class Sampler:
-    """Stateless apart from the generator used for unseeded rows (None = torch's default)."""
+    """Stateless apart from the host generator that keys unseeded rows (None = torch's default)."""
 
     def __init__(self, generator: torch.Generator | None = None):
+        if generator is not None and generator.device.type != "cpu":
+            raise ValueError(f"the sampler's generator draws on the host: a cpu generator, not {generator.device}")
         self.generator = generator
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
@@ -180,15 +169,10 @@ class Sampler:
         return processed_probs(logits, md)
 
     def exponential_noise(self, md: SamplingMetadata) -> torch.Tensor:
-        """Exp(1) noise [N, V]; seeded rows from their (seed, position) generator."""
-        q = torch.empty(md.num_rows, md.vocab_size, dtype=torch.float32, device=md.device)
-        q.exponential_(generator=self.generator)
-        if md.any_seeded:
-            for i, (seed, pos) in enumerate(zip(md.seeds_host, md.output_positions_host)):
-                if seed >= 0:
-                    q[i].exponential_(generator=make_generator(seed, pos, md.device))
-        # exponential_ can return exactly 0; keep the division finite
-        return q.clamp_min_(torch.finfo(torch.float32).tiny)
+        """Exp(1) noise [N, V]: seeded rows' from (seed, output position), the others' from
+        this step's host draw."""
+        step_key = int(torch.randint(0, 2**62, (), generator=self.generator))
+        return exponential_noise(row_keys(md.seeds, md.output_positions, step_key), md.vocab_size)
 
     def sample_from_probs(self, probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """Exponential race: argmax(p / E) is distributed as Categorical(p)."""

@@ -1,4 +1,5 @@
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -10,7 +11,6 @@ from mindspec.text_generator.sampling import (
     SamplingParams,
     filter_logits,
     processed_probs,
-    row_seed,
 )
 
 
@@ -184,10 +184,19 @@ def test_spec_rows_same_seed_consecutive_positions():
     assert spec.tolist() == single
 
 
-def test_row_seed():
-    assert row_seed(0, 0) == 0
-    assert row_seed(3, 5) == 3 * 1_000_003 + 5
-    assert 0 <= row_seed(2**63 - 1, 10**6) < 2**63
+def test_sampler_generator_draws_on_the_host():
+    on_a_device = SimpleNamespace(device=torch.device("cuda"))  # no accelerator here to make one
+    with pytest.raises(ValueError, match="cpu generator"):
+        Sampler(on_a_device)
+
+
+def test_unseeded_rows_follow_the_host_generator():
+    logits = torch.zeros(8, 50)
+    md = build([SamplingParams()] * 8, 50)
+    first = Sampler(torch.Generator().manual_seed(3))(logits, md).token_ids
+    assert torch.equal(first, Sampler(torch.Generator().manual_seed(3))(logits, md).token_ids)
+    assert not torch.equal(first, Sampler(torch.Generator().manual_seed(4))(logits, md).token_ids)
+    assert len(set(first.tolist())) > 1  # rows of one step draw apart
 
 
 def _chi2(counts, probs, draws):
@@ -217,7 +226,7 @@ def test_seeded_frequencies_match_filtered_probs():
     p = SamplingParams(seed=42, temperature=0.9, top_k=6, top_p=0.9)
     target = processed_probs(logits, build([p], v))[0].double()
     assert (target > 0).sum() == 5  # top_p cut the tail further
-    # one row per output position, so every draw uses its own (seed, position) generator
+    # one row per output position, so every draw uses its own (seed, position) noise
     md = build([p] * draws, v, positions=list(range(draws)))
     out = Sampler()(logits.repeat(draws, 1), md)
     counts = torch.bincount(out.token_ids, minlength=v).double()

@@ -1,0 +1,69 @@
+"""Counter-based Exp(1) noise for the sampler's exponential race: pure tensor ops, no generators.
+
+Row i's noise at token v is a function of the row's 64-bit key and v alone: splitmix64 (Steele,
+Lea and Flood; java.util.SplittableRandom) at stream position v + 1 of a stream seeded by the key,
+its top 24 bits turned into a uniform u in (0, 1) and E = -log(u). A seeded row's key depends on
+(seed, output position) only, so a seeded request's tokens depend on neither the batch, nor the
+other rows, nor the device; an unseeded row's key comes from one host draw per step and the row's
+index. Every op is elementwise int64 arithmetic (multiplication wraps modulo 2**64 on every torch
+backend), so the noise runs inside compiled packages and captured graphs as it runs eagerly, and
+seeded sampling needs neither a generator per row nor a host loop.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _signed(x: int) -> int:
+    """A 64-bit constant as the int64 torch holds it."""
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+GOLDEN = _signed(0x9E3779B97F4A7C15)  # splitmix64's stream increment
+_M1 = _signed(0xBF58476D1CE4E5B9)
+_M2 = _signed(0x94D049BB133111EB)
+_UNIFORM_BITS = 24  # a float32 holds them exactly
+
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (z >> s).bitwise_and_((1 << (64 - s)) - 1)
+
+
+def _mixed_top_(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's output function, in place, its top 24 bits only: its last xor-shift (by 31)
+    leaves them as they are, so it is skipped. In-place ops: a large [N, V] pays per pass."""
+    z.bitwise_xor_(_shr(z, 30)).mul_(_M1)
+    z.bitwise_xor_(_shr(z, 27)).mul_(_M2)
+    return _shr(z, 64 - _UNIFORM_BITS)
+
+
+def mix64(z: torch.Tensor) -> torch.Tensor:
+    """The full splitmix64 output function (int64 in, int64 out)."""
+    z = (z ^ _shr(z, 30)) * _M1
+    z = (z ^ _shr(z, 27)) * _M2
+    return z ^ _shr(z, 31)
+
+
+def row_keys(seeds: torch.Tensor, output_positions: torch.Tensor, step_key: int) -> torch.Tensor:
+    """[N] int64 stream keys: seeded rows (seed >= 0) from (seed, output position), the others
+    from ``step_key`` (an int drawn on the host once per step) and the row index."""
+    seeded = mix64(mix64(seeds + GOLDEN) + (output_positions + 1) * GOLDEN)
+    rows = torch.arange(1, seeds.shape[0] + 1, dtype=torch.int64, device=seeds.device)
+    unseeded = mix64(rows * GOLDEN + _signed(step_key))
+    return torch.where(seeds >= 0, seeded, unseeded)
+
+
+def token_bits(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """keys [N] int64 -> [N, V] int64 in [0, 2**24): the top bits of splitmix64's output at
+    stream position v + 1 (the integer part: the same on every backend, compiled or not)."""
+    offsets = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=keys.device).mul_(GOLDEN)  # [V]
+    return _mixed_top_(keys.unsqueeze(1) + offsets)
+
+
+def exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """keys [N] int64 -> Exp(1) noise [N, V] fp32, every value in [3e-8, 17.4] (finite, > 0).
+    The log may differ by an ulp between implementations (vectorised or not)."""
+    u = token_bits(keys, vocab_size).to(torch.float32).add_(0.5).mul_(2.0 ** -_UNIFORM_BITS)
+    return u.log_().neg_()
