@@ -14,6 +14,7 @@ import torch
 
 from mindspec.modeling.packed_transfer import to_device_packed
 
+from .noise import row_keys
 from .params import SamplingParams
 
 
@@ -31,8 +32,8 @@ class SamplingMetadata:
     repetition_penalty: torch.Tensor  # [N] fp32
     presence_penalty: torch.Tensor  # [N] fp32
     frequency_penalty: torch.Tensor  # [N] fp32
-    seeds: torch.Tensor  # [N] int64; -1 = unseeded
-    output_positions: torch.Tensor  # [N] int64
+    seeded: torch.Tensor  # [N] bool: the request set a seed
+    noise_keys: torch.Tensor  # [N] int64 (noise.row_keys): seeded rows' from (seed, output position)
     # fast-path flags
     all_greedy: bool
     all_random: bool
@@ -42,7 +43,8 @@ class SamplingMetadata:
     any_top_p: bool
     any_min_p: bool
     any_typical_p: bool
-    any_seeded: bool
+    any_seeded: bool  # some random row is seeded
+    all_seeded: bool  # every random row is
     max_num_logprobs: int | None  # max requested top-n over rows; None = nobody asked
     # penalty history (None when no row has penalties)
     output_counts: torch.Tensor | None = None  # [N, V] int32, count of each token in the output
@@ -131,12 +133,12 @@ class SamplingMetadata:
         columns = [
             np.array(temperature, np.float32), np.array(greedy, np.bool_), np.array(top_k, np.int64),
             np.array(top_p, np.float32), np.array(min_p, np.float32), np.array(rep, np.float32),
-            np.array(pres, np.float32), np.array(freq, np.float32), np.array(seeds, np.int64),
-            np.array(positions, np.int64), np.array(typical_p, np.float32),
+            np.array(pres, np.float32), np.array(freq, np.float32), np.array([s >= 0 for s in seeds], np.bool_),
+            row_keys(seeds, positions), np.array(typical_p, np.float32),
         ]
         # One host-to-device copy for all eleven on a GPU; on cpu the tensors share the arrays.
         tensors = to_device_packed(columns, device)
-        temp_t, greedy_t, top_k_t, top_p_t, min_p_t, rep_t, pres_t, freq_t, seeds_t, pos_t, typical_t = tensors
+        temp_t, greedy_t, top_k_t, top_p_t, min_p_t, rep_t, pres_t, freq_t, seeded_t, keys_t, typical_t = tensors
         md = cls(
             num_rows=n,
             vocab_size=v,
@@ -150,8 +152,8 @@ class SamplingMetadata:
             repetition_penalty=rep_t,
             presence_penalty=pres_t,
             frequency_penalty=freq_t,
-            seeds=seeds_t,
-            output_positions=pos_t,
+            seeded=seeded_t,
+            noise_keys=keys_t,
             all_greedy=all(greedy),
             all_random=not any(greedy),
             any_penalties=any_rep or any_fp,
@@ -161,6 +163,7 @@ class SamplingMetadata:
             any_min_p=any(r and p > 0.0 for r, p in zip(rand, min_p)),
             any_typical_p=any(r and p < 1.0 for r, p in zip(rand, typical_p)),
             any_seeded=any(r and s >= 0 for r, s in zip(rand, seeds)),
+            all_seeded=all(s >= 0 for r, s in zip(rand, seeds) if r),
             max_num_logprobs=max(logprobs) if logprobs else None,
         )
         if md.any_penalties:

@@ -4,13 +4,16 @@ Row i's noise at token v is a function of the row's 64-bit key and v alone: spli
 Lea and Flood; java.util.SplittableRandom) at stream position v + 1 of a stream seeded by the key,
 its top 24 bits turned into a uniform u in (0, 1) and E = -log(u). A seeded row's key depends on
 (seed, output position) only, so a seeded request's tokens depend on neither the batch, nor the
-other rows, nor the device; an unseeded row's key comes from one host draw per step and the row's
-index. Every op is elementwise int64 arithmetic (multiplication wraps modulo 2**64 on every torch
+other rows, nor the device; an unseeded row's key comes from its index and one host draw per step.
+The keys are computed on the host with the rest of the sampling metadata. Every op is elementwise int64 arithmetic (multiplication wraps modulo 2**64 on every torch
 backend), so the noise runs inside compiled packages and captured graphs as it runs eagerly, and
 seeded sampling needs neither a generator per row nor a host loop.
 """
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
+import numpy as np
 import torch
 
 
@@ -24,6 +27,7 @@ GOLDEN = _signed(0x9E3779B97F4A7C15)  # splitmix64's stream increment
 _M1 = _signed(0xBF58476D1CE4E5B9)
 _M2 = _signed(0x94D049BB133111EB)
 _UNIFORM_BITS = 24  # a float32 holds them exactly
+_MASK = (1 << 64) - 1
 
 
 def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
@@ -39,20 +43,31 @@ def _mixed_top_(z: torch.Tensor) -> torch.Tensor:
     return _shr(z, 64 - _UNIFORM_BITS)
 
 
-def mix64(z: torch.Tensor) -> torch.Tensor:
-    """The full splitmix64 output function (int64 in, int64 out)."""
-    z = (z ^ _shr(z, 30)) * _M1
-    z = (z ^ _shr(z, 27)) * _M2
-    return z ^ _shr(z, 31)
+def _mix64_host(z: np.ndarray) -> np.ndarray:
+    """splitmix64's output function over uint64 arrays (numpy's array arithmetic wraps)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(_M1 & _MASK)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(_M2 & _MASK)
+    return z ^ (z >> np.uint64(31))
 
 
-def row_keys(seeds: torch.Tensor, output_positions: torch.Tensor, step_key: int) -> torch.Tensor:
-    """[N] int64 stream keys: seeded rows (seed >= 0) from (seed, output position), the others
-    from ``step_key`` (an int drawn on the host once per step) and the row index."""
-    seeded = mix64(mix64(seeds + GOLDEN) + (output_positions + 1) * GOLDEN)
-    rows = torch.arange(1, seeds.shape[0] + 1, dtype=torch.int64, device=seeds.device)
-    unseeded = mix64(rows * GOLDEN + _signed(step_key))
-    return torch.where(seeds >= 0, seeded, unseeded)
+def row_keys(seeds: Sequence[int], output_positions: Sequence[int]) -> np.ndarray:
+    """[N] int64 stream keys, on the host: a seeded row's (seed >= 0) from (seed, output
+    position) alone; an unseeded row's from its index, to which the sampler adds its step's draw
+    (``keyed_for_step``)."""
+    seeds_u = np.asarray(seeds, dtype=np.int64).astype(np.uint64)
+    positions_u = np.asarray(output_positions, dtype=np.int64).astype(np.uint64)
+    golden = np.uint64(GOLDEN & _MASK)
+    with np.errstate(over="ignore"):
+        seeded = _mix64_host(_mix64_host(seeds_u + golden) + (positions_u + np.uint64(1)) * golden)
+        unseeded = _mix64_host((np.arange(1, len(seeds_u) + 1, dtype=np.uint64)) * golden)
+    return np.where(np.asarray(seeds) >= 0, seeded, unseeded).view(np.int64)
+
+
+def keyed_for_step(keys: torch.Tensor, seeded: Optional[torch.Tensor], step_key: int) -> torch.Tensor:
+    """keys [N] from ``row_keys`` (on the device), seeded [N] bool (None: no row is) -> the
+    step's keys: unseeded rows' offset by ``step_key``, a host draw per step."""
+    stepped = keys + _signed(step_key)
+    return stepped if seeded is None else torch.where(seeded, keys, stepped)
 
 
 def token_bits(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -19,12 +19,13 @@ temperature and the filters, so they do not depend on temperature/top-k/top-p/mi
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
 
 from .metadata import SamplingMetadata
-from .noise import exponential_noise, row_keys
+from .noise import exponential_noise, keyed_for_step
 from .penalties import apply_penalties
 
 @dataclass
@@ -142,12 +143,11 @@ def _one_hot(ids: torch.Tensor, v: int) -> torch.Tensor:
 
 
 class Sampler:
-    """Stateless apart from the host generator that keys unseeded rows (None = torch's default)."""
+    """Stateless apart from the host draws that key unseeded rows: seeded by ``generator``'s
+    initial seed (reproducible), else by the operating system (like torch's default)."""
 
     def __init__(self, generator: torch.Generator | None = None):
-        if generator is not None and generator.device.type != "cpu":
-            raise ValueError(f"the sampler's generator draws on the host: a cpu generator, not {generator.device}")
-        self.generator = generator
+        self.step_keys = random.Random(None if generator is None else generator.initial_seed())
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape != (md.num_rows, md.vocab_size):
@@ -171,8 +171,10 @@ class Sampler:
     def exponential_noise(self, md: SamplingMetadata) -> torch.Tensor:
         """Exp(1) noise [N, V]: seeded rows' from (seed, output position), the others' from
         this step's host draw."""
-        step_key = int(torch.randint(0, 2**62, (), generator=self.generator))
-        return exponential_noise(row_keys(md.seeds, md.output_positions, step_key), md.vocab_size)
+        keys = md.noise_keys
+        if not md.all_seeded:  # a Python int from the host: no copy, no synchronisation
+            keys = keyed_for_step(keys, md.seeded if md.any_seeded else None, self.step_keys.getrandbits(64))
+        return exponential_noise(keys, md.vocab_size)
 
     def sample_from_probs(self, probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """Exponential race: argmax(p / E) is distributed as Categorical(p)."""

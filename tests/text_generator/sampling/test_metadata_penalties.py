@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from mindspec.text_generator.sampling.noise import row_keys
 from mindspec.text_generator.sampling import (
     Sampler,
     SamplingMetadata,
@@ -35,7 +36,8 @@ def test_flags_fast_path():
     assert md.max_num_logprobs is None and not md.any_seeded
     md = build([SamplingParams(top_k=-1, seed=5, logprobs=3), SamplingParams(logprobs=0)])
     assert not md.any_top_k and md.any_seeded and md.max_num_logprobs == 3
-    assert md.seeds.tolist() == [5, -1]
+    assert md.seeded.tolist() == [True, False] and not md.all_seeded
+    assert md.noise_keys.tolist() == row_keys([5, -1], [0, 0]).tolist()
     assert md.temperature.dtype == torch.float32 and md.top_k.dtype == torch.int64
 
 
@@ -58,7 +60,9 @@ def test_history_counts_vectorised():
         assert md.output_counts[i].tolist() == [c.get(t, 0) for t in range(v)]
         assert md.prompt_mask[i].tolist() == [t in set(prompts[i]) for t in range(v)]
     # positions default to len(output_ids)
-    assert md.output_positions.tolist() == [len(o) for o in outputs]
+    assert md.noise_keys.tolist() == row_keys([-1] * 5, [len(o) for o in outputs]).tolist()
+    seeded = build([SamplingParams(seed=1)] * 5, prompts, outputs, vocab=v)
+    assert seeded.all_seeded and seeded.noise_keys.tolist() == row_keys([1] * 5, [len(o) for o in outputs]).tolist()
 
 
 def test_rows_without_penalties_skip_history():
@@ -78,7 +82,8 @@ def test_spec_rows_have_their_own_history():
     rows_out = [out + drafts[:j] for j in range(3)]
     md = build([p] * 3, [[0]] * 3, rows_out, positions=[2, 3, 4])
     assert md.output_counts[:, 6].tolist() == [0, 1, 2]
-    assert md.output_positions.tolist() == [2, 3, 4]
+    seeded = build([SamplingParams(seed=9)] * 3, [[0]] * 3, rows_out, positions=[2, 3, 4])
+    assert seeded.noise_keys.tolist() == row_keys([9] * 3, [2, 3, 4]).tolist()
 
 
 def test_build_errors():
