@@ -40,6 +40,7 @@ class SamplingMetadata:
     any_penalties: bool
     any_repetition: bool
     any_top_k: bool
+    max_top_k: int  # the largest top_k below V among random rows (0: none)
     any_top_p: bool
     any_min_p: bool
     any_typical_p: bool
@@ -159,6 +160,7 @@ class SamplingMetadata:
             any_penalties=any_rep or any_fp,
             any_repetition=any_rep,
             any_top_k=any(r and k < v for r, k in zip(rand, top_k)),
+            max_top_k=max((k for r, k in zip(rand, top_k) if r and k < v), default=0),
             any_top_p=any(r and p < 1.0 for r, p in zip(rand, top_p)),
             any_min_p=any(r and p > 0.0 for r, p in zip(rand, min_p)),
             any_typical_p=any(r and p < 1.0 for r, p in zip(rand, typical_p)),

@@ -11,6 +11,7 @@ seeded sampling needs neither a generator per row nor a host loop.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import numpy as np
@@ -43,24 +44,30 @@ def _mixed_top_(z: torch.Tensor) -> torch.Tensor:
     return _shr(z, 64 - _UNIFORM_BITS)
 
 
-def _mix64_host(z: np.ndarray) -> np.ndarray:
-    """splitmix64's output function over uint64 arrays (numpy's array arithmetic wraps)."""
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(_M1 & _MASK)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(_M2 & _MASK)
-    return z ^ (z >> np.uint64(31))
+def _mix64_int(z: int) -> int:
+    """splitmix64's output function over Python ints (one row's key: cheaper than an array op)."""
+    z &= _MASK
+    z = ((z ^ (z >> 30)) * (_M1 & _MASK)) & _MASK
+    z = ((z ^ (z >> 27)) * (_M2 & _MASK)) & _MASK
+    return z ^ (z >> 31)
+
+
+@functools.lru_cache(maxsize=64)
+def _unseeded_keys(num_rows: int) -> np.ndarray:
+    keys = np.array([_signed(_mix64_int(row * GOLDEN)) for row in range(1, num_rows + 1)], dtype=np.int64)
+    keys.setflags(write=False)
+    return keys
 
 
 def row_keys(seeds: Sequence[int], output_positions: Sequence[int]) -> np.ndarray:
     """[N] int64 stream keys, on the host: a seeded row's (seed >= 0) from (seed, output
     position) alone; an unseeded row's from its index, to which the sampler adds its step's draw
     (``keyed_for_step``)."""
-    seeds_u = np.asarray(seeds, dtype=np.int64).astype(np.uint64)
-    positions_u = np.asarray(output_positions, dtype=np.int64).astype(np.uint64)
-    golden = np.uint64(GOLDEN & _MASK)
-    with np.errstate(over="ignore"):
-        seeded = _mix64_host(_mix64_host(seeds_u + golden) + (positions_u + np.uint64(1)) * golden)
-        unseeded = _mix64_host((np.arange(1, len(seeds_u) + 1, dtype=np.uint64)) * golden)
-    return np.where(np.asarray(seeds) >= 0, seeded, unseeded).view(np.int64)
+    keys = _unseeded_keys(len(seeds)).copy()
+    for i, (seed, position) in enumerate(zip(seeds, output_positions)):
+        if seed >= 0:
+            keys[i] = _signed(_mix64_int(_mix64_int(seed + GOLDEN) + (position + 1) * GOLDEN))
+    return keys
 
 
 def keyed_for_step(keys: torch.Tensor, seeded: Optional[torch.Tensor], step_key: int) -> torch.Tensor:

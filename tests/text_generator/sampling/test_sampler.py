@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from mindspec.text_generator.sampling import sampler as sampler_module
 from mindspec.text_generator.sampling import (
     Sampler,
     SamplingMetadata,
@@ -43,7 +44,11 @@ def ref_keep(row, temperature, top_k, top_p, min_p):
     return keep
 
 
-def test_filters_match_reference_random_with_ties():
+@pytest.mark.parametrize("candidates", [256, 3], ids=["whole-rows", "3-candidates"])
+def test_filters_match_reference_random_with_ties(candidates, monkeypatch):
+    """With 3 candidates most top-k / top-p rows need more than the ranked head: the rows done
+    again over their whole row give the reference's set too."""
+    monkeypatch.setattr(sampler_module, "RANK_CANDIDATES", candidates)
     rng = np.random.default_rng(0)
     cases = 0
     for _ in range(40):
@@ -72,6 +77,28 @@ def test_filters_match_reference_random_with_ties():
             cases += 1
         torch.testing.assert_close(probs.sum(-1), torch.ones(n))
     assert cases == 320
+
+
+def test_top_p_beyond_the_ranked_candidates_matches_the_reference(monkeypatch):
+    """V = 700 > RANK_CANDIDATES: peaked rows decided by the head, flat ones (top-p mass spread
+    over more than 256 tokens) done again over the whole row, and a top-k above 256."""
+    rng = np.random.default_rng(1)
+    v = 700
+    logits = torch.tensor(rng.normal(size=(6, v)), dtype=torch.float32)
+    logits[:2] *= 8.0  # peaked
+    logits[2:4] *= 0.05  # nearly flat: 0.9 of the mass takes most of the vocabulary
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.5, top_k=20), SamplingParams(top_p=0.9),
+              SamplingParams(top_p=0.95, top_k=400), SamplingParams(top_k=300), SamplingParams(top_p=0.99, top_k=600)]
+    md = build(params, v)
+    ranked = []
+    real = sampler_module._threshold_over_head
+    monkeypatch.setattr(sampler_module, "_threshold_over_head",
+                        lambda scaled, *a: ranked.append((scaled.shape[0], a[2])) or real(scaled, *a))
+    kept = torch.isfinite(filter_logits(logits / md.temperature.unsqueeze(1), md))
+    for i, p in enumerate(params):
+        assert set(torch.nonzero(kept[i]).flatten().tolist()) == ref_keep(logits[i].tolist(), 1.0, p.top_k, p.top_p, 0.0)
+    assert ranked[0] == (6, 600) and ranked[1][1] == v  # the largest top-k widens the head; short rows again
+    assert 1 <= ranked[1][0] < 6
 
 
 def test_filter_ties_explicit():
