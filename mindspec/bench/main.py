@@ -115,6 +115,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="output lengths drawn uniformly from new_tokens x [1 - r, 1 + r] per prompt "
                         "(vLLM's --random-range-ratio); 0: every output new_tokens long")
     p.add_argument("--prompt-tokens", type=int, default=64)
+    g = p.add_argument_group("sampling (default greedy): every request seeded, --seed + its index, so lossless "
+                             "speculation keeps MTP off's tokens and every configuration samples the same text")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="the first request's seed")
     p.add_argument("--workload", choices=workloads.WORKLOADS, default="continue",
                    help="continue: held-out windows continued; edit: a held-out function asked for again under "
                         "another name (the output copies the prompt); mixed: both, alternating")
@@ -254,9 +260,9 @@ def run(args: argparse.Namespace) -> int:
         print("mindspec bench: --backend cuda --compare needs a CUDA GPU and none is visible; nothing was measured",
               file=sys.stderr)
         return 2
-    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     batches = [int(b) for b in args.batches.split(",")]
     try:
+        params = _sampling(args)
         model_dir, shape = _model(args)
         ks = _ks(args, shape)
         hf_config = read_hf_config(model_dir)
@@ -287,14 +293,17 @@ def run(args: argparse.Namespace) -> int:
     llms = {c.name: _llm(model_dir, c, num_blocks, max(batches), args.backend, args.dtype) for c in configs}
     tokenizer = next(iter(llms.values())).tokenizer.hf_tokenizer
     prompts = workloads.prompts_for(args.workload, tokenizer, count, args.prompt_tokens)
-    hf = _hf_model(model_dir, args.backend, args.dtype) if args.hf and not shape else None
+    # transformers' generate is compared token for token, greedy: no sampled reference
+    hf = _hf_model(model_dir, args.backend, args.dtype) if args.hf and not shape and params.greedy else None
     extra = {"llama.cpp": _llama_cpp(gguf, args.threads, prompts, output_lens)} if gguf else {}
     device = torch.cuda.get_device_name() if on_gpu else platform.processor() or platform.machine()
     report = {
         "model": model_dir, "model_shape": shape, "backend": args.backend, "device": device,
         "batching": args.batching, "workload": args.workload, "threads": args.threads, "rounds": args.rounds, "new_tokens": args.new_tokens,
         "output_len_range": args.output_len_range,
-        "prompt_tokens": args.prompt_tokens, "dtype": args.dtype, "greedy": True,
+        "prompt_tokens": args.prompt_tokens, "dtype": args.dtype, "greedy": params.greedy,
+        "sampling": None if params.greedy else {"temperature": params.temperature, "top_p": params.top_p,
+                                                "top_k": params.top_k, "first_seed": params.seed},
         "prompts_per_batch": {f"batch {b}": speed.prompt_count(b, args.min_prompts, args.batching) for b in batches},
         "configs": {c.name: {"plugin_params": c.plugin_params, "decode_graphs": c.decode_graphs,
                                "compiled_prefill": _compiled_prefill(llms[c.name]),
@@ -333,6 +342,17 @@ def run(args: argparse.Namespace) -> int:
     plot_report(report, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     return 0
+
+
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    """Greedy, or seeded sampling (bench_batch gives request i the seed --seed + i)."""
+    if not args.temperature:
+        return SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+    if args.compare == "llama.cpp":
+        raise ValueError("--compare llama.cpp times greedy decoding (its text is compared with mindspec's): "
+                         "drop --temperature")
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                          max_tokens=args.new_tokens, ignore_eos=True)  # checks each value
 
 
 def _model(args: argparse.Namespace) -> tuple[str, Optional[dict]]:

@@ -36,9 +36,13 @@ def plot_report(report: dict, path: Path) -> None:
 
 
 def _where(report: dict) -> str:
-    """'cpu', or the backend and its device ('cuda, NVIDIA H100 80GB HBM3')."""
+    """How the tokens were chosen, then 'cpu' or the backend and its device ('greedy, cuda,
+    NVIDIA H100 80GB HBM3')."""
     backend = report.get("backend", "cpu")
-    return backend if backend == "cpu" else f"{backend}, {report.get('device', '?')}"
+    where = backend if backend == "cpu" else f"{backend}, {report.get('device', '?')}"
+    s = report.get("sampling")
+    how = "greedy" if not s else f"sampled (T={s['temperature']:g}, top-p {s['top_p']:g}, top-k {s['top_k']}, seeded)"
+    return f"{how}, {where}"
 
 
 def _speedups(ax, batch: str, rows: dict, batching: str, where: str) -> None:
@@ -50,7 +54,7 @@ def _speedups(ax, batch: str, rows: dict, batching: str, where: str) -> None:
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks(range(len(names)), names, rotation=65, ha="right", fontsize=7)
     ax.set_ylabel("tokens/s relative to MTP off (median)")
-    ax.set_title(f"{batch} ({batching} batching): greedy, {where}", fontsize=10)
+    ax.set_title(f"{batch} ({batching} batching): {where}", fontsize=10)
 
 
 def _per_request(ax, batch: str, rows: dict, workload: str) -> None:

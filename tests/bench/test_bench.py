@@ -210,6 +210,7 @@ class _CountingLLM:
             self.engine.model_wrapper.graph_runner.num_graphs += self.new_graphs[self.calls]
         self.calls += 1
         self.max_tokens = [q.max_tokens for q in params]
+        self.seeds = [q.seed for q in params]
         return [SimpleNamespace(token_ids=[p[0]] * q.max_tokens, spec_decode=None, metrics=None) for p, q in zip(prompts, params)]
 
 
@@ -256,6 +257,43 @@ def test_each_prompt_gets_its_own_output_length(batching):
     got = llms["mtp off"].max_tokens
     assert got == (lens if batching == "continuous" else lens[12:])  # static: the last group's call
     assert rows["mtp off"]["identical_to_mtp_off"]
+
+
+@pytest.mark.parametrize("batching", ["static", "continuous"])
+def test_each_request_samples_with_its_own_seed(batching):
+    from mindspec.text_generator.sampling.params import SamplingParams
+
+    llms = {"mtp off": _CountingLLM()}
+    prompts = [[i] for i in range(16)]  # continuous: 4 waves of 4, in one generate
+    speed.bench_batch(llms, None, prompts, 4, 8, 1, SamplingParams(temperature=0.7, seed=100, max_tokens=2), batching)
+    assert llms["mtp off"].seeds == (list(range(100, 116)) if batching == "continuous" else [104, 105, 106, 107])
+    speed.bench_batch(llms, None, prompts, 4, 8, 1, SamplingParams(max_tokens=2), batching)
+    assert set(llms["mtp off"].seeds) == {None}
+
+
+@pytest.mark.slow
+def test_sampled_bench_keeps_mtp_offs_tokens_with_every_lossless_configuration(tmp_path):
+    """Seeded sampling: strict verification gives MTP off's tokens, each request its own seed."""
+    out = tmp_path / "sampled"
+    rc = main(["--batches", "1", "--ks", "1", "--rounds", "1", "--new-tokens", "8", "--min-prompts", "3", "--no-compile",
+               "--no-async", "--no-profile", "--configs", "mtp off,vanilla K=1,eagle K=1", "--temperature", "0.8",
+               "--top-p", "0.9", "--seed", "7", "--out", str(out)])
+    assert rc == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["greedy"] is False
+    assert report["sampling"] == {"temperature": 0.8, "top_p": 0.9, "top_k": 0, "first_seed": 7}
+    rows = report["results"]["batch 1"]
+    assert "transformers generate" not in rows  # no sampled reference to compare with
+    assert rows["vanilla K=1"]["identical_to_mtp_off"] and rows["eagle K=1"]["identical_to_mtp_off"]
+    assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_sampling_options_are_checked_before_anything_runs(tmp_path, capsys):
+    out = str(tmp_path / "x")
+    assert main(["--temperature", "0.7", "--compare", "llama.cpp", "--out", out]) == 2
+    assert "times greedy decoding" in capsys.readouterr().err
+    assert main(["--temperature", "0.7", "--top-p", "1.5", "--out", out]) == 2
+    assert "top_p" in capsys.readouterr().err
 
 
 def test_transformers_groups_run_to_their_longest_output_and_count_what_was_asked(monkeypatch):
