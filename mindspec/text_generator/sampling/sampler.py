@@ -26,9 +26,10 @@ import torch
 
 from .metadata import SamplingMetadata
 from .noise import exponential_noise, keyed_for_step
+from .penalties import apply_penalties
 
 RANK_CANDIDATES = 256  # largest logits per row that top-k / top-p look at first (_rank_threshold)
-from .penalties import apply_penalties
+
 
 @dataclass
 class SamplerOutput:
