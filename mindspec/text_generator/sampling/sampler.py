@@ -174,11 +174,11 @@ def _one_hot(ids: torch.Tensor, v: int) -> torch.Tensor:
 
 
 class Sampler:
-    """Stateless apart from the host draws that key unseeded rows: seeded by ``generator``'s
-    initial seed (reproducible), else by the operating system (like torch's default)."""
+    """Stateless apart from the host draws that key unseeded rows, seeded by ``generator``'s
+    initial seed, else torch's (``torch.manual_seed``): dp ranks draw alike, as their steps must."""
 
     def __init__(self, generator: torch.Generator | None = None):
-        self.step_keys = random.Random(None if generator is None else generator.initial_seed())
+        self.step_keys = random.Random((generator.initial_seed() if generator is not None else torch.initial_seed()))
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape != (md.num_rows, md.vocab_size):

@@ -12,6 +12,7 @@ class _Md:
 
     def __init__(self, top_k, top_p):
         self.top_k, self.top_p, self.num_rows = top_k, top_p, top_k.shape[0]
+        self.max_top_k = int(top_k.max())  # an upper bound is enough: the ranked head's width
         self.any_filters = self.any_top_k = self.any_top_p = True
         self.any_min_p = self.any_typical_p = False
 
