@@ -140,6 +140,7 @@ class SamplingMetadata:
         # One host-to-device copy for all eleven on a GPU; on cpu the tensors share the arrays.
         tensors = to_device_packed(columns, device)
         temp_t, greedy_t, top_k_t, top_p_t, min_p_t, rep_t, pres_t, freq_t, seeded_t, keys_t, typical_t = tensors
+        max_top_k = max((k for r, k in zip(rand, top_k) if r and k < v), default=0)
         md = cls(
             num_rows=n,
             vocab_size=v,
@@ -159,8 +160,8 @@ class SamplingMetadata:
             all_random=not any(greedy),
             any_penalties=any_rep or any_fp,
             any_repetition=any_rep,
-            any_top_k=any(r and k < v for r, k in zip(rand, top_k)),
-            max_top_k=max((k for r, k in zip(rand, top_k) if r and k < v), default=0),
+            any_top_k=max_top_k > 0,
+            max_top_k=max_top_k,
             any_top_p=any(r and p < 1.0 for r, p in zip(rand, top_p)),
             any_min_p=any(r and p > 0.0 for r, p in zip(rand, min_p)),
             any_typical_p=any(r and p < 1.0 for r, p in zip(rand, typical_p)),

@@ -178,7 +178,7 @@ class Sampler:
     initial seed, else torch's (``torch.manual_seed``): dp ranks draw alike, as their steps must."""
 
     def __init__(self, generator: torch.Generator | None = None):
-        self.step_keys = random.Random((generator.initial_seed() if generator is not None else torch.initial_seed()))
+        self.step_keys = random.Random(torch.initial_seed() if generator is None else generator.initial_seed())
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape != (md.num_rows, md.vocab_size):
