@@ -120,7 +120,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0, help="the first request's seed")
+    g.add_argument("--seed", type=int, default=0, help="the first request's seed, in [0, 2**63); request i's: (seed + i) mod 2**63")
     p.add_argument("--workload", choices=workloads.WORKLOADS, default="continue",
                    help="continue: held-out windows continued; edit: a held-out function asked for again under "
                         "another name (the output copies the prompt); mixed: both, alternating")

@@ -419,9 +419,9 @@ def bench_batch(llms: dict[str, LLM], hf, prompts: list[list[int]], batch: int, 
         raise ValueError(f"batch {batch} ({batching}) needs {count} prompts and output lengths")
     prompts = prompts[:count]
     lens = output_lens[:count] if output_lens is not None else [params.max_tokens] * count
-    # a seeded request's tokens depend on its seed alone: request i samples with seed + i in every
-    # configuration and round
-    per_prompt = [replace(params, max_tokens=n, seed=None if params.seed is None else params.seed + i)
+    # a seeded request's tokens depend on its seed alone: request i samples with seed + i (wrapped
+    # into the seed range) in every configuration and round
+    per_prompt = [replace(params, max_tokens=n, seed=None if params.seed is None else (params.seed + i) % 2**63)
                   for i, n in enumerate(lens)]
     starts = range(0, count, batch)
     groups = [prompts[i : i + batch] for i in starts]

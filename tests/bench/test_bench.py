@@ -269,6 +269,9 @@ def test_each_request_samples_with_its_own_seed(batching):
     assert llms["mtp off"].seeds == (list(range(100, 116)) if batching == "continuous" else [104, 105, 106, 107])
     speed.bench_batch(llms, None, prompts, 4, 8, 1, SamplingParams(max_tokens=2), batching)
     assert set(llms["mtp off"].seeds) == {None}
+    last = 2**63 - 1  # the largest seed: the next requests' seeds wrap into the range
+    speed.bench_batch(llms, None, prompts, 4, 8, 1, SamplingParams(temperature=0.7, seed=last, max_tokens=2), "continuous")
+    assert llms["mtp off"].seeds == [last] + list(range(15))
 
 
 @pytest.mark.slow
