@@ -45,6 +45,7 @@ import torch
 from mindspec.modeling.aoti_runner import ReleasedRunner, open_released
 from mindspec.modeling.background_compiles import DONE, PENDING, BackgroundCompiles
 from mindspec.modeling.gguf_file import is_gguf, split_files
+from mindspec.modeling.hidden_cache import speculative_step
 from mindspec.modeling.launch_signal import LaunchSignal
 from mindspec.modeling.prefill_padding import compiled_prefill_rows
 from mindspec.modeling.random_checkpoint import MANIFEST
@@ -198,30 +199,38 @@ class ExportedSteps:
         return tensors, len(meta_pairs)
 
     def forward_speculative(self, input_ids, positions, meta, lm_head_indices, sub_input_ids, sub_hidden_states,
-                            lm_head_local_dp, steps, caches, verify_source=None):
+                            lm_head_local_dp, steps, caches, verify_source=None, hidden_cache=None):
         """``verify_source`` [R]: each verification row's token (the model's argument: sequences
-        verifying host drafts beside MTP's); a package of its own."""
+        verifying host drafts beside MTP's); a package of its own. ``hidden_cache``
+        (hidden_cache.DeviceHiddenCache) instead of ``sub_hidden_states``: the package reads the
+        cache (its rows a dynamic size) and, with keep rows, accepts and keeps inside."""
         from mindspec.models.deepseekv2.flash_causal_deepseekv2 import ModelOutput
 
         b = self.backend
         main = b.step_tensors(meta, "m")
         per_step = [[(s.positions, {}), *b.step_tensors(s.meta, f"d{i}")] for i, s in enumerate(steps)]
         source = [] if verify_source is None else [(verify_source, {})]
+        cache = [] if hidden_cache is None else hidden_cache.tensors()
+        first = [(sub_hidden_states, {})] if hidden_cache is None else \
+            [(cache[0], {0: "cache_rows"})] + [(t, {}) for t in cache[1:]]
         tensors, dims = _flatten([
-            (input_ids, {}), (positions, {}), (lm_head_indices, {}), (sub_input_ids, {}), (sub_hidden_states, {}),
+            (input_ids, {}), (positions, {}), (lm_head_indices, {}), (sub_input_ids, {}), *first,
             (lm_head_local_dp, {}), *source, *main, *[t for s in per_step for t in s], *b.cache_tensors(caches),
         ])
         sizes = [len(main)] + [len(s) for s in per_step]
         key = (SPECULATIVE, _signature(tensors, dims), tuple(sizes),
                tuple((s.module_idx, s.lm_rows_only) for s in steps)) + (("source",) if source else ())
         args = {"meta": meta, "steps": [(s.module_idx, s.meta, s.lm_rows_only) for s in steps], "sizes": sizes,
-                "verify_source": bool(source)}
+                "verify_source": bool(source), "hidden_cache": len(cache)}
         outputs = self._run(key, args, caches, tensors, dims)
         if outputs is None:
-            return self.model.forward_speculative(input_ids, positions, meta, lm_head_indices, sub_input_ids,
-                                                  sub_hidden_states, lm_head_local_dp, steps, caches,
-                                                  verify_source=verify_source)
-        return ModelOutput(logits=outputs[0], hidden_states=outputs[1], draft_tokens=outputs[2])
+            def run(hidden):
+                return self.model.forward_speculative(input_ids, positions, meta, lm_head_indices, sub_input_ids,
+                                                      hidden, lm_head_local_dp, steps, caches, verify_source=verify_source)
+
+            return run(sub_hidden_states) if hidden_cache is None else speculative_step(run, hidden_cache)
+        accepted = {} if len(outputs) == 3 else {"greedy_tokens": outputs[3], "accepted_drafts": outputs[4]}
+        return ModelOutput(logits=outputs[0], hidden_states=outputs[1], draft_tokens=outputs[2], **accepted)
 
     def forward_tree(self, drafter, main, steps, first_hidden, caches):
         """A padded tree step (tree_speculation.verify_tree) -> (ModelOutput, DraftTree). The

@@ -41,6 +41,7 @@ import torch
 from mindspec.modeling.forward_metadata import (
     NUM_INPUT_ARRAYS, ModelInputs, build_model_inputs, device_inputs, input_arrays, token_positions,
 )
+from mindspec.modeling.hidden_cache import DeviceHiddenCache, HiddenCacheRows, device_rows
 from mindspec.modeling.packed_transfer import PackedLayout, Staging
 from mindspec.modeling.step_accounting import outside_accounting
 
@@ -299,6 +300,7 @@ class EagerStep:
 class _Entry:
     statics: StaticInputs
     hidden: Optional[torch.Tensor] = None  # [rows, hidden] the draft steps' padded hidden states
+    cache: Optional[torch.Tensor] = None  # or the hidden cache they are read from (hidden_cache.py)
     step: object = None  # EagerStep or the backend's captured graph
 
     def reset_scratch(self) -> None:
@@ -441,8 +443,9 @@ class DecodeGraphRunner:
         inputs: ModelInputs,
         sub_steps: list[ModelInputs],
         mtp_modules: list[int],
-        hidden_states: torch.Tensor,  # [sub rows, hidden] on the device
+        hidden_states: Optional[torch.Tensor],  # [sub rows, hidden] on the device
         lm_head_local_dp: np.ndarray,  # [B] the drafter's lm_head rows
+        hidden_cache: Optional[HiddenCacheRows] = None,  # instead of hidden_states (hidden_cache.py)
     ):
         k = len(sub_steps)
         host = inputs.drafts_in_inputs if inputs.drafts_in_inputs is not None and inputs.drafts_in_inputs.any() else None
@@ -469,25 +472,40 @@ class DecodeGraphRunner:
         extras = [lm_local]
         if host is not None:
             extras.append(verify_source_rows(real.q_lens.astype(np.int64) - 1, host, main_spec.num_seqs, q, k))
-        key = ("speculative", main_spec.num_seqs, q, per_seq, tuple(mtp_modules), lm_per_seq, host is not None)
+        cached = 0 if hidden_cache is None else len(extras)  # where the hidden cache's rows start in extras
+        if hidden_cache is not None:
+            extras += device_rows(_padded_cache(hidden_cache, row_map, sub_spec.num_tokens, main_spec.num_seqs),
+                                  np.arange(main_spec.num_seqs, dtype=np.int64) * q)
+        key = ("speculative", main_spec.num_seqs, q, per_seq, tuple(mtp_modules), lm_per_seq, host is not None,
+               hidden_cache is not None)
         modules = list(mtp_modules)
+        buffer = None if hidden_cache is None else hidden_cache.buffer
+        if buffer is not None and self.capture and key in self._entries and self._entries[key].cache is not buffer:
+            del self._entries[key]  # the cache grew into a new buffer: a graph reads addresses, capture again
 
         def make_fn(e: _Entry):
-            e.hidden = hidden_states.new_zeros((sub_spec.num_tokens, hidden_states.shape[1]))
             statics = e.statics
-            source = statics.extras[1] if len(statics.extras) > 1 else None
+            source = statics.extras[1] if host is not None else None
+            if buffer is not None:
+                return lambda: self.wrapper.forward_speculative(
+                    statics.inputs[0], statics.inputs[1:], modules, None, statics.extras[0], padded=True,
+                    verify_source=source, hidden_cache=DeviceHiddenCache.of(e.cache, statics.extras[cached:]))
+            e.hidden = hidden_states.new_zeros((sub_spec.num_tokens, hidden_states.shape[1]))
             return lambda: self.wrapper.forward_speculative(
                 statics.inputs[0], statics.inputs[1:], modules, e.hidden, statics.extras[0], padded=True,
                 verify_source=source)
 
         entry = self._entry(key, padded, extras, make_fn)
-        rows = hidden_states.shape[0]
-        if row_map is not None:  # padding rows keep finite values: zeros, then earlier steps' hidden states
-            entry.hidden.index_copy_(0, torch.from_numpy(row_map).to(entry.hidden.device), hidden_states)
+        if buffer is not None:
+            entry.cache = buffer
         else:
-            entry.hidden[:rows].copy_(hidden_states)
-            if rows < entry.hidden.shape[0]:
-                entry.hidden[rows:].zero_()
+            rows = hidden_states.shape[0]
+            if row_map is not None:  # padding rows keep finite values: zeros, then earlier steps' hidden states
+                entry.hidden.index_copy_(0, torch.from_numpy(row_map).to(entry.hidden.device), hidden_states)
+            else:
+                entry.hidden[:rows].copy_(hidden_states)
+                if rows < entry.hidden.shape[0]:
+                    entry.hidden[rows:].zero_()
         out = self._replay(entry)
         return _sliced(out, len(real.lm_head_indices), real.num_tokens, num_seqs, main_map)
 
@@ -591,12 +609,14 @@ def _with_greedy(out):
     then read both with one copy to the host (StepOutputs.greedy_host). A tree step's as they are."""
     if not hasattr(out, "greedy_tokens"):
         return out
-    greedy = out.logits.argmax(dim=-1)  # [N]
+    greedy = out.logits.argmax(dim=-1) if out.greedy_tokens is None else out.greedy_tokens  # [N]
     if out.draft_tokens is None:
         return replace(out, greedy_tokens=greedy)
-    packed = torch.cat([greedy, out.draft_tokens.reshape(-1).to(greedy.dtype)])  # [N + B * K]
-    n = greedy.shape[0]
-    return replace(out, greedy_tokens=packed[:n], draft_tokens=packed[n:].view(out.draft_tokens.shape))
+    accepted = [] if out.accepted_drafts is None else [out.accepted_drafts.to(greedy.dtype)]
+    packed = torch.cat([greedy, out.draft_tokens.reshape(-1).to(greedy.dtype), *accepted])  # [N + B * K (+ B)]
+    n, d = greedy.shape[0], out.draft_tokens.numel()
+    return replace(out, greedy_tokens=packed[:n], draft_tokens=packed[n : n + d].view(out.draft_tokens.shape),
+                   accepted_drafts=packed[n + d :] if accepted else None)
 
 
 def _sliced(out, num_logits: int, num_rows: int, num_seqs: Optional[int], row_map: Optional[np.ndarray] = None):
@@ -618,7 +638,24 @@ def _sliced(out, num_logits: int, num_rows: int, num_seqs: Optional[int], row_ma
         hidden_states=rows(out.hidden_states, num_rows),
         draft_tokens=None if num_seqs is None else rows(out.draft_tokens, num_seqs, False),
         greedy_tokens=rows(out.greedy_tokens, num_logits),
+        accepted_drafts=None if num_seqs is None else rows(getattr(out, "accepted_drafts", None), num_seqs, False),
     )
+
+
+def _padded_cache(cache: HiddenCacheRows, row_map: Optional[np.ndarray], rows: int, num_seqs: int) -> HiddenCacheRows:
+    """``cache``'s rows for a step padded to ``rows`` draft rows (``row_map``: each real row's
+    padded row) and ``num_seqs`` sequences: padding rows read the zero row, padding sequences
+    verify nothing and keep nothing."""
+    read = np.zeros(rows, dtype=np.int64)
+    if row_map is None:
+        read[: len(cache.read_rows)] = cache.read_rows
+    else:
+        read[row_map] = cache.read_rows
+    counts = np.zeros(num_seqs, dtype=np.int64)
+    counts[: len(cache.counts)] = cache.counts
+    keep = np.zeros((num_seqs, cache.keep_rows.shape[1]), dtype=np.int64)
+    keep[: len(cache.keep_rows)] = cache.keep_rows
+    return replace(cache, read_rows=read, counts=counts, keep_rows=keep)
 
 
 def maybe_graph_runner(wrapper) -> Optional[DecodeGraphRunner]:

@@ -19,7 +19,9 @@ from mindspec.modeling.forward_metadata import DeviceInputs, ModelInputs, build_
 from mindspec.modeling.draft_rows import lm_rows_only_steps, on_lm_rows, verify_source
 from mindspec.modeling.exported_step import ExportedSteps
 from mindspec.modeling.graph_runner import DecodeGraphRunner, maybe_graph_runner
+from mindspec.modeling.hidden_cache import DeviceHiddenCache, HiddenCacheRows, device_rows, speculative_step
 from mindspec.modeling.launch_signal import LaunchSignal
+from mindspec.modeling.packed_transfer import to_device_packed
 from mindspec.modeling.loader import read_hf_config
 from mindspec.modeling.prefill_padding import PaddedPrefill, pad_prefill
 from mindspec.modeling.registry import model_class, supported_model_types
@@ -204,6 +206,7 @@ class ModelWrapper:
         padded: bool = False,  # as in ``forward``
         verify_source: Optional[torch.Tensor] = None,  # [R]: ragged verification rows (decode_inputs.verify_source)
         draft_logits=None,  # rewrites each draft step's logits (flash_causal_deepseekv2.DraftLogits)
+        hidden_cache: Optional[DeviceHiddenCache] = None,  # instead of hidden_states: read (and kept) inside
     ):
         from mindspec.models.deepseekv2.flash_causal_deepseekv2 import DraftStep
 
@@ -211,12 +214,18 @@ class ModelWrapper:
         first = sub_steps[0]
         narrow = lm_rows_only or [False] * len(sub_steps)
         steps = [DraftStep(m, d.positions, d.meta, n) for m, d, n in zip(mtp_modules, sub_steps, narrow)]
-        args = (inputs.input_ids, inputs.positions, inputs.meta, inputs.lm_head_indices,
-                first.input_ids, hidden_states, lm_head_local_dp, steps, self.caches)
+
+        def run(hidden: torch.Tensor):
+            return self.model.forward_speculative(
+                inputs.input_ids, inputs.positions, inputs.meta, inputs.lm_head_indices, first.input_ids, hidden,
+                lm_head_local_dp, steps, self.caches, verify_source=verify_source, draft_logits=draft_logits)
+
         if self.compiled and padded and draft_logits is None:
-            return self.compiled.forward_speculative(*args, verify_source=verify_source)
+            return self.compiled.forward_speculative(
+                inputs.input_ids, inputs.positions, inputs.meta, inputs.lm_head_indices, first.input_ids, hidden_states,
+                lm_head_local_dp, steps, self.caches, verify_source=verify_source, hidden_cache=hidden_cache)
         self.launch.fire()
-        return self.model.forward_speculative(*args, verify_source=verify_source, draft_logits=draft_logits)
+        return run(hidden_states) if hidden_cache is None else speculative_step(run, hidden_cache)
 
     def forward_speculative_host(
         self,
@@ -227,6 +236,7 @@ class ModelWrapper:
         lm_head_local_dp: np.ndarray,  # [B]
         lm_rows_only: Optional[list[bool]] = None,
         draft_logits=None,
+        hidden_cache: Optional[HiddenCacheRows] = None,  # instead of hidden_states (modeling/hidden_cache.py)
     ):
         """``forward_speculative`` from host inputs (replayed when the graph runner takes them).
         Run eagerly, draft steps whose other rows write nothing run on the lm_head rows alone
@@ -234,15 +244,19 @@ class ModelWrapper:
         None: made from ``sub_steps``). ``draft_logits`` (structured output's masks, computed on
         the host between draft steps) runs the step eagerly."""
         if draft_logits is None and self.graph_runner is not None and self.graph_runner.accepts(inputs, sub_steps):
-            return self.graph_runner.forward_speculative(inputs, sub_steps, mtp_modules, hidden_states, lm_head_local_dp)
-        lm = torch.from_numpy(np.ascontiguousarray(lm_head_local_dp, dtype=np.int64)).to(self.device)
+            return self.graph_runner.forward_speculative(inputs, sub_steps, mtp_modules, hidden_states, lm_head_local_dp,
+                                                         hidden_cache)
         narrow = lm_rows_only_steps(sub_steps) if lm_rows_only is None else lm_rows_only
         steps = [to_device(on_lm_rows(s) if n else s, self.device) for s, n in zip(sub_steps, narrow)]
         source = verify_source(inputs.q_lens, len(sub_steps), inputs.drafts_in_inputs)
+        lm, *rest = to_device_packed(
+            [np.ascontiguousarray(lm_head_local_dp, dtype=np.int64)] + ([] if source is None else [source])
+            + ([] if hidden_cache is None else device_rows(hidden_cache, _first_rows(inputs.q_lens))), self.device)
         if source is not None:
-            source = torch.from_numpy(source).to(self.device)
+            source, rest = rest[0], rest[1:]
+        cache = None if hidden_cache is None else DeviceHiddenCache.of(hidden_cache.buffer, rest)
         return self.forward_speculative(to_device(inputs, self.device), steps, mtp_modules, hidden_states, lm, narrow,
-                                        verify_source=source, draft_logits=draft_logits)
+                                        verify_source=source, draft_logits=draft_logits, hidden_cache=cache)
 
     def forward_tree(self, main: DeviceInputs, steps: list[TreeDraftStep], hidden_states: torch.Tensor,
                      shape: TreeShape, eagle: bool, padded: bool = False):
@@ -289,3 +303,9 @@ class ModelWrapper:
         if self.graph_runner is not None and max_seqs:
             self.graph_runner.capture_decode_buckets(max_seqs)
         self.backend.synchronize()
+
+
+def _first_rows(q_lens: np.ndarray) -> np.ndarray:
+    """[B] each sequence's first row in a flat batch of q_lens [B] rows each."""
+    q = np.asarray(q_lens, dtype=np.int64)
+    return np.cumsum(q) - q

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from mindspec.backend import AttentionMetadata
+from mindspec.modeling.hidden_cache import DeviceHiddenCache, speculative_step
 
 DECODE, SPECULATIVE, TREE = "decode", "speculative", "tree"
 PREFILL, PREFILL_MTP = "prefill", "prefill_mtp"  # padded prefills (prefill_padding.py)
@@ -92,14 +93,19 @@ def _prefill_mtp(model, b, caches, meta: AttentionMetadata, n_meta: int, mtp_mod
 
 
 def _speculative(model, b, caches, meta: AttentionMetadata, steps: list[tuple], sizes: list[int],
-                 verify_source: bool = False) -> Callable:
+                 verify_source: bool = False, hidden_cache: int = 0) -> Callable:
     """Every MTP draft stage and the verification. ``steps``: (module, metadata, lm_rows_only) of
     each draft stage; ``sizes``: how many step tensors the verification and each stage take;
     ``verify_source``: each verification row's token source comes after the drafter's lm_head
-    rows (sequences verifying host drafts, flash_causal_deepseekv2.forward_speculative)."""
+    rows (sequences verifying host drafts, flash_causal_deepseekv2.forward_speculative);
+    ``hidden_cache``: how many tensors stand for the first stage's hidden states (0: the states
+    themselves; 5: the hidden cache and its rows, hidden_cache.DeviceHiddenCache.tensors), and
+    then the greedy targets and accepted drafts come out too (hidden_cache.speculative_step)."""
     from mindspec.models.deepseekv2.flash_causal_deepseekv2 import DraftStep
 
-    def run(ids, pos, lm, sub_ids, sub_hidden, lm_local, *rest):
+    def run(ids, pos, lm, sub_ids, *rest):
+        n = max(1, hidden_cache)
+        first, (lm_local, *rest) = rest[:n], rest[n:]
         source = None
         if verify_source:
             source, rest = rest[0], rest[1:]
@@ -108,9 +114,16 @@ def _speculative(model, b, caches, meta: AttentionMetadata, steps: list[tuple], 
         draft_steps = [DraftStep(module, p[0], b.bind_step_tensors(step_meta, p[1:]), narrow)
                        for (module, step_meta, narrow), p in zip(steps, parts[1:])]
         cs = b.bind_cache_tensors(caches, list(rest[at:]))
-        out = model.forward_speculative(ids, pos, m, lm, sub_ids, sub_hidden, lm_local, draft_steps, cs,
-                                        verify_source=source)
-        return out.logits, out.hidden_states, out.draft_tokens
+
+        def forward(hidden):
+            return model.forward_speculative(ids, pos, m, lm, sub_ids, hidden, lm_local, draft_steps, cs,
+                                             verify_source=source)
+
+        if not hidden_cache:
+            out = forward(first[0])
+            return out.logits, out.hidden_states, out.draft_tokens
+        out = speculative_step(forward, DeviceHiddenCache.of(first[0], list(first[1:])))
+        return out.logits, out.hidden_states, out.draft_tokens, out.greedy_tokens, out.accepted_drafts
 
     return run
 

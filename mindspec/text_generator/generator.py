@@ -22,6 +22,7 @@ from mindspec.distributed.parallel_state import ParallelContext
 from mindspec.modeling.draft_rows import lm_rows_only_steps
 from mindspec.modeling.forward_metadata import ModelInputs, to_device
 from mindspec.modeling.graph_runner import PadSpec, pad_inputs
+from mindspec.modeling.hidden_cache import HiddenCacheRows
 from mindspec.modeling.model_wrapper import ModelWrapper
 from mindspec.modeling.draft_tree import TreeShape
 from mindspec.modeling.tree_padding import TreePad, draft_rows, pad_tree_step, real_outputs
@@ -36,6 +37,7 @@ class GeneratorOutput:
     hidden_states: torch.Tensor  # [T, hidden] (after the final norm)
     draft_tokens: Optional[torch.Tensor] = None  # [bs, K] when a drafter ran in the same forward
     greedy_tokens: Optional[torch.Tensor] = None  # [N] argmax of logits, where a captured graph computed it
+    accepted_drafts: Optional[torch.Tensor] = None  # [B] where the step accepted greedily (modeling/hidden_cache.py)
     tree: Optional[DraftTree] = None  # a tree speculation step's trees
 
 
@@ -74,6 +76,7 @@ class Generator:
         mtp_next_tokens: Optional[np.ndarray] = None,
         tree_mask: Optional[torch.Tensor] = None,
         draft_logits=None,
+        hidden_cache: Optional[HiddenCacheRows] = None,
     ) -> GeneratorOutput:
         """Plain forward; with ``mtp_modules`` a prefill that also fills the MTP caches
         (``mtp_next_tokens`` [B, modules]: prompt tokens after a prefill chunk, -1 unknown); with
@@ -81,7 +84,10 @@ class Generator:
         with ``tree_mask`` [B, q, q] the rows of each sequence attend by it (tree verification).
         ``q_lens`` are the per-sequence row counts (the dp split reads them from the inputs).
         ``draft_logits`` rewrites the draft steps' logits (structured output's ``DraftMasks``;
-        with dp > 1 each rank's share of them, ``local``)."""
+        with dp > 1 each rank's share of them, ``local``). ``hidden_cache`` instead of
+        ``hidden_states``: the step reads the drafter's hidden states from that cache itself (and
+        may accept and keep rows inside: modeling/hidden_cache.py); with dp > 1 they are gathered
+        first and acceptance stays on the host (each rank keeps every sequence's rows)."""
         if tree_mask is not None:  # a verification of trees drafted on the host side (Medusa)
             if self.dp_size > 1:
                 return self._verify_tree_dp(model_inputs, tree_mask.to(self.device))
@@ -90,7 +96,9 @@ class Generator:
         if self.dp_size == 1:
             lm_head_local_dp = None if sub_model_inputs is None else sub_model_inputs[0].lm_head_indices
             return self._run(model_inputs, sub_model_inputs, hidden_states, mtp_modules, lm_head_local_dp,
-                             next_tokens=mtp_next_tokens, draft_logits=draft_logits)
+                             next_tokens=mtp_next_tokens, draft_logits=draft_logits, hidden_cache=hidden_cache)
+        if hidden_cache is not None:
+            hidden_states = hidden_cache.gathered()
         if mtp_next_tokens is not None:
             raise ValueError("prefill chunks (SplitFuse) are not split over dp ranks")
         return self._forward_dp(model_inputs, sub_model_inputs, hidden_states, mtp_modules, draft_logits)
@@ -205,17 +213,19 @@ class Generator:
 
     # ---- one rank's forward ------------------------------------------------------------------
     def _run(self, inputs, subs, hidden_states, mtp_modules, lm_head_local_dp, lm_rows_only=None,
-             next_tokens: Optional[np.ndarray] = None, draft_logits=None) -> GeneratorOutput:
+             next_tokens: Optional[np.ndarray] = None, draft_logits=None,
+             hidden_cache: Optional[HiddenCacheRows] = None) -> GeneratorOutput:
         w = self.model_wrapper
         if subs is not None:
-            out = w.forward_speculative_host(inputs, subs, mtp_modules, hidden_states.to(self.device), lm_head_local_dp,
-                                             lm_rows_only, draft_logits)
+            hidden = None if hidden_states is None else hidden_states.to(self.device)
+            out = w.forward_speculative_host(inputs, subs, mtp_modules, hidden, lm_head_local_dp,
+                                             lm_rows_only, draft_logits, hidden_cache)
         elif mtp_modules:
             out = w.forward_prefill_mtp_host(inputs, mtp_modules, next_tokens)
         else:
             out = w.forward_host(inputs)
         return GeneratorOutput(logits=out.logits, hidden_states=out.hidden_states, draft_tokens=out.draft_tokens,
-                               greedy_tokens=out.greedy_tokens)
+                               greedy_tokens=out.greedy_tokens, accepted_drafts=out.accepted_drafts)
 
     # ---- data parallel -----------------------------------------------------------------------
     def _forward_dp(self, inputs, subs, hidden_states, mtp_modules, draft_logits=None) -> GeneratorOutput:

@@ -164,7 +164,8 @@ class PluginManager:
         else:
             out = self.generator.forward(inputs.model_inputs)
         return StepOutputs(logits=out.logits, hidden_states=out.hidden_states, draft_tokens=out.draft_tokens,
-                           greedy_tokens=out.greedy_tokens, host_drafts=inputs.extra.get("host_drafts"))
+                           greedy_tokens=out.greedy_tokens, accepted_drafts=out.accepted_drafts,
+                           host_drafts=inputs.extra.get("host_drafts"))
 
     def _plain_greedy(self, batch: StepBatch) -> bool:
         return (not any(p.needs_sampling_metadata for p in self.plugins)

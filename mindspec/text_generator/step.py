@@ -68,6 +68,8 @@ class StepOutputs:
     hidden_states: torch.Tensor  # [T, hidden]
     draft_tokens: Optional[torch.Tensor] = None  # [B, K]
     greedy_tokens: Optional[torch.Tensor] = None  # [N] argmax of logits, where a captured graph computed it
+    # [B] drafts the step accepted greedily itself (modeling/hidden_cache.py: read with greedy_host)
+    accepted_drafts: Optional[torch.Tensor] = None
     sampled: Optional[np.ndarray] = None  # [N] int64 sampled target token per row
     logprobs: Optional[np.ndarray] = None  # [N] float32
     top_logprobs: Optional[tuple[np.ndarray, np.ndarray]] = None  # ([N, n] ids, [N, n] values)
@@ -82,18 +84,30 @@ class StepOutputs:
     host_drafts: Optional[dict[int, list[int]]] = None
     _drafts_host: Optional[np.ndarray] = field(default=None, repr=False)
     _read_drafts: Optional[np.ndarray] = field(default=None, repr=False)  # came with greedy_host's copy
+    _read_accepted: Optional[np.ndarray] = field(default=None, repr=False)  # so did these
 
     def greedy_host(self) -> np.ndarray:
         """[N] the argmax of each logits row on the host (``greedy_tokens`` where the step computed
-        them, else computed here). Where a captured step packed its drafts after them in one buffer
-        (graph_runner._with_greedy) the drafts come along in the same copy."""
+        them, else computed here). Where a captured step packed its drafts (and accepted counts)
+        after them in one buffer (graph_runner._with_greedy) they come along in the same copy."""
         greedy = self.greedy_tokens if self.greedy_tokens is not None else self.logits.argmax(dim=-1)
-        span = _packed_span(greedy, self.draft_tokens) if self._drafts_host is None else None
+        tail = [t for t in (self.draft_tokens, self.accepted_drafts) if t is not None]
+        span = _packed_span(greedy, *tail) if self._drafts_host is None and tail else None
         if span is None:
             return greedy.cpu().numpy()
-        host, at = span.cpu().numpy(), self.draft_tokens.storage_offset() - greedy.storage_offset()
-        self._read_drafts = host[at : at + self.draft_tokens.numel()].reshape(self.draft_tokens.shape)
+        host = span.cpu().numpy()
+        read = [host[t.storage_offset() - greedy.storage_offset():][: t.numel()].reshape(t.shape) for t in tail]
+        if self.draft_tokens is not None:
+            self._read_drafts = read.pop(0)
+        if read:
+            self._read_accepted = read[0]
         return host[: greedy.numel()]
+
+    def accepted_host(self) -> np.ndarray:
+        """[B] ``accepted_drafts`` on the host (after ``greedy_host``: usually read with it)."""
+        if self._read_accepted is None:
+            self._read_accepted = self.accepted_drafts.cpu().numpy()
+        return self._read_accepted
 
     def drafts_host(self) -> Optional[np.ndarray]:
         """The drafts each sequence verified on the host [B, W]: draft_tokens read back from the
@@ -112,14 +126,19 @@ class StepOutputs:
         return self._drafts_host
 
 
-def _packed_span(first: torch.Tensor, second: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """One 1-D view over two contiguous tensors of one buffer, ``second`` after ``first``; None
-    where they are not laid out so."""
-    if (second is None or first.dim() != 1 or first.dtype != second.dtype or not first.is_contiguous()
-            or not second.is_contiguous() or first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
-            or second.storage_offset() < first.storage_offset() + first.numel()):
+def _packed_span(first: torch.Tensor, *rest: torch.Tensor) -> Optional[torch.Tensor]:
+    """One 1-D view over contiguous tensors of one buffer, each after the one before; None where
+    they are not laid out so."""
+    if first.dim() != 1 or not first.is_contiguous():
         return None
-    length = second.storage_offset() + second.numel() - first.storage_offset()
+    before = first
+    for t in rest:
+        if (t.dtype != first.dtype or not t.is_contiguous()
+                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or t.storage_offset() < before.storage_offset() + before.numel()):
+            return None
+        before = t
+    length = before.storage_offset() + before.numel() - first.storage_offset()
     return first.as_strided((length,), (1,), first.storage_offset())
 
 

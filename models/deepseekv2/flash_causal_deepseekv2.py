@@ -36,6 +36,7 @@ class ModelOutput:
     hidden_states: torch.Tensor  # [T, hidden] every token (main: after the final norm; MTP: block output)
     draft_tokens: Optional[torch.Tensor] = None  # [B, K] from forward_speculative
     greedy_tokens: Optional[torch.Tensor] = None  # [N] argmax of logits, where a captured graph computed it
+    accepted_drafts: Optional[torch.Tensor] = None  # [B] where the step accepted greedily (modeling/hidden_cache.py)
 
 
 # (draft step logits [B, V], the drafts of the steps before [B] each) -> the logits to take the argmax of

@@ -55,21 +55,21 @@ class HiddenHistory:
         first_rows, first_positions, counts = first_rows + over, first_positions + over, counts - over
         seq_idx, rows = token_positions(first_rows, counts)
         _, positions = token_positions(first_positions, counts)
-        dst, src = to_device_packed([self._rows(slots[seq_idx], positions), rows], self.buf.device, self._write_staging)
+        dst, src = to_device_packed([self.rows(slots[seq_idx], positions), rows], self.buf.device, self._write_staging)
         self.buf.index_copy_(0, dst, hidden.index_select(0, src).to(self.buf.dtype))
 
     def read(self, slots: np.ndarray, positions: np.ndarray, valid: Optional[np.ndarray] = None) -> torch.Tensor:
         """[R, hidden]: position positions[r] of the sequence in slots[r], which must be one of
         its last ``keep`` written positions (an older one has been overwritten); zeros where
         ``valid`` [R] is False."""
-        rows = self._rows(slots, positions)
-        if valid is not None:
-            rows = np.where(valid, rows, 0)
-        (index,) = to_device_packed([rows], self.buf.device, self._read_staging)
+        (index,) = to_device_packed([self.rows(slots, positions, valid)], self.buf.device, self._read_staging)
         return self.buf.index_select(0, index)
 
-    def _rows(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        return 1 + np.asarray(slots, dtype=np.int64) * self.keep + np.mod(positions, self.keep).astype(np.int64)
+    def rows(self, slots: np.ndarray, positions: np.ndarray, valid: Optional[np.ndarray] = None) -> np.ndarray:
+        """The buffer rows of (slots, positions) (any equal shapes), 0 (the zero row) where
+        ``valid`` is False: what ``read`` gathers, for a step that reads (or writes) them itself."""
+        rows = 1 + np.asarray(slots, dtype=np.int64) * self.keep + np.mod(positions, self.keep).astype(np.int64)
+        return rows if valid is None else np.where(valid, rows, 0)
 
     def _reserve(self, slots: int, like: torch.Tensor) -> None:
         if self.buf is not None and self.capacity >= slots:

@@ -53,6 +53,7 @@ import torch
 
 from mindspec.config.plugin_params import PluginParamsError
 from mindspec.modeling.forward_metadata import token_positions
+from mindspec.modeling.hidden_cache import HiddenCacheRows
 from mindspec.modeling.loader import checkpoint_keys
 from mindspec.models.deepseekv2.config import DeepseekV2Config
 from mindspec.models.deepseekv2.weights import mtp_modules_in
@@ -161,7 +162,7 @@ class MtpPlugin(Plugin):
         if k == 0:
             return self._suffix_inputs(batch, inputs, counts, host_drafts)
         inputs = self._speculative_inputs(batch, inputs, self._window(batch.seqs, k), k, counts, host_drafts)
-        inputs.hidden_states = self._gather_hidden(batch.seqs, inputs.extra["mtp_layout"])
+        inputs.extra["hidden_cache"] = self._hidden_cache(batch, inputs)
         return inputs
 
     def _mixed_inputs(self, batch: StepBatch, inputs: StepInputs) -> StepInputs:
@@ -208,9 +209,9 @@ class MtpPlugin(Plugin):
             return
         layout = async_fill.fill(inputs, pending, accepted, self.k, self.mode)
         inputs.extra["mtp_layout"] = layout
-        inputs.hidden_states = self._gather_hidden(batch.seqs, layout)
         if self.suffix:
             self._fill_suffix_drafts(batch, inputs)
+        inputs.extra["hidden_cache"] = self._hidden_cache(batch, inputs)  # the states the running step kept
 
     def _fill_suffix_drafts(self, batch: StepBatch, inputs: StepInputs) -> None:
         """Async scheduling: suffix drafts follow the previous step's tokens, known only now (the
@@ -292,9 +293,9 @@ class MtpPlugin(Plugin):
             inputs.model_inputs,
             sub_model_inputs=inputs.sub_model_inputs,
             q_lens=inputs.q_lens,
-            hidden_states=inputs.hidden_states,
             mtp_modules=inputs.extra["mtp_modules"],
             draft_logits=inputs.extra.get("draft_logits"),  # structured output's masks
+            hidden_cache=inputs.extra["hidden_cache"],
         )
 
     def sample_preprocess(self, batch: StepBatch, inputs: StepInputs) -> StepInputs:
@@ -317,7 +318,10 @@ class MtpPlugin(Plugin):
         grid = di.verify_grid(counts, width)  # [B, width + 1] rows, a sequence's last repeated
         drafts = outputs.drafts_host() if self._speculating(batch, inputs) else inputs.extra["draft_prefix"]
         targets = outputs.sampled[grid]
-        accepted = np.minimum(self._accept(batch, inputs, outputs, drafts, targets, grid), counts)
+        if self._accepted_in_step(inputs):  # the step accepted (strict greedy) and kept the hidden states itself
+            accepted = np.asarray(outputs.accepted_host(), dtype=np.int64)
+        else:
+            accepted = np.minimum(self._accept(batch, inputs, outputs, drafts, targets, grid), counts)
         outputs.accepted = policy.emitted_tokens(drafts, targets, accepted)
         outputs.accepted_rows = [list(range(g[0], g[0] + c + 1)) for g, c in zip(grid.tolist(), accepted.tolist())]
         outputs.num_draft_accepted = accepted.tolist()
@@ -341,10 +345,12 @@ class MtpPlugin(Plugin):
         counts = np.array([len(a) for a in outputs.accepted], dtype=np.int64)
         states = [self.states[seq.seq_id] for seq in batch.seqs]
         rows = inputs.extra["mtp_counts"] + 1 if verified else np.ones(len(states), dtype=np.int64)
-        # Sequence b's accepted rows first_row[b] + 0..count-1 hold positions n-1 .. n-2+count.
-        self.history.write(np.array([st.slot for st in states], dtype=np.int64),
-                           np.array([st.hidden_end for st in states], dtype=np.int64), counts,
-                           hidden, np.cumsum(rows) - rows)
+        # Sequence b's accepted rows first_row[b] + 0..count-1 hold positions n-1 .. n-2+count
+        # (kept by the step itself where it accepted).
+        if not self._accepted_in_step(inputs):
+            self.history.write(np.array([st.slot for st in states], dtype=np.int64),
+                               np.array([st.hidden_end for st in states], dtype=np.int64), counts,
+                               hidden, np.cumsum(rows) - rows)
         for b, (state, count) in enumerate(zip(states, counts.tolist())):
             # The modules this step ran wrote the entries of the tokens before it; the others did not.
             self._lag_behind(state, count, used)
@@ -623,11 +629,30 @@ class MtpPlugin(Plugin):
         """The step verifies drafts: MTP's, or suffix drafts alone (without draft steps)."""
         return not batch.is_prefill and "mtp_counts" in inputs.extra
 
-    def _gather_hidden(self, seqs, layout: di.DecodeLayout) -> torch.Tensor:
-        """[sub rows, hidden]: each window row's main hidden state; padding rows zero."""
+    def _hidden_cache(self, batch: StepBatch, inputs: StepInputs) -> HiddenCacheRows:
+        """The hidden history's rows a speculative step reads itself (each window row's main
+        hidden state; padding rows the zero row) and, where it accepts itself (strict greedy,
+        every sequence plain greedy, no host drafts, one dp rank: a dp step gathers its shards'
+        states on the host), the rows of each sequence's verified positions n-1 .. n-1+k."""
+        layout: di.DecodeLayout = inputs.extra["mtp_layout"]
         seq_idx, positions, valid = di.hidden_rows(layout)
-        slots = np.array([self.states[seq.seq_id].slot for seq in seqs], dtype=np.int64)
-        return self.history.read(slots[seq_idx], positions, valid)
+        slots = np.array([self.states[seq.seq_id].slot for seq in batch.seqs], dtype=np.int64)
+        counts = inputs.extra["mtp_counts"]
+        k = inputs.extra["mtp_k"]
+        accepts = (self.params.decoding_policy == "strict" and self.params.simulated_acceptance is None
+                   and not inputs.extra.get("host_drafts") and self.generator.dp_size == 1
+                   and all(s.sampling_params.plain_greedy for s in batch.seqs))
+        keep = np.zeros((len(slots), k + 1), dtype=np.int64)
+        if accepts:
+            ends = np.array([self.states[seq.seq_id].hidden_end for seq in batch.seqs], dtype=np.int64)
+            keep = self.history.rows(slots[:, None], ends[:, None] + np.arange(k + 1))
+        return HiddenCacheRows(self.history.buf, self.history.rows(slots[seq_idx], positions, valid), counts, keep,
+                               accepts_in_step=accepts)
+
+    @staticmethod
+    def _accepted_in_step(inputs: StepInputs) -> bool:
+        cache = inputs.extra.get("hidden_cache")
+        return cache is not None and cache.accepts_in_step
 
     def _accept(self, batch, inputs, outputs, drafts, targets, grid) -> np.ndarray:
         """Drafts kept per sequence [B] by the decoding policy, from the target rows ``grid``

@@ -1,0 +1,115 @@
+"""The drafter's hidden-state cache read, and greedy acceptance with the accepted rows' hidden
+states kept, as tensor ops inside a speculative step.
+
+A chain speculative step feeds its first draft stage main-model hidden states kept from earlier
+steps (MTP's hidden history, plugins/mtp/hidden_history.py: one buffer [R, hidden] whose row 0
+stays zero), and after verification keeps the hidden states of the positions it accepted. Done
+on the host, that is a gather before the step, and after it the argmax read back, acceptance in
+numpy and a scatter: device ops, index copies and a synchronisation outside the compiled step or
+captured graph. Here the host only says which rows: the gather, the argmax, strict greedy
+acceptance and the scatter run inside the step (the cpu package, the CUDA graph, or eagerly), and
+the host reads the targets, the drafts and the accepted counts back together.
+
+Acceptance inside the step is strict greedy (every sequence plain greedy, strict verification):
+the target at a sequence's row j is the argmax of its logits and draft j + 1 is kept while it
+equals the target (decoding_policy.strict_accept). Sampled or other policies' steps run the same
+step (one package or graph per shape) with no row to keep, and accept and keep on the host after
+the sampler.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+
+@dataclass
+class HiddenCacheRows:
+    """Which rows of the hidden cache a speculative step reads and may write (host arrays)."""
+
+    buffer: torch.Tensor  # [R, hidden] on the device; row 0 is zero
+    read_rows: np.ndarray  # [sub rows] int64: the cache row feeding each first-stage row (0: zeros)
+    counts: np.ndarray  # [B] int64 drafts each sequence verifies
+    # [B, K + 1] int64: where verification row j of sequence b's hidden state goes when the step
+    # accepts it (0: nowhere; all 0 when acceptance and keeping happen on the host)
+    keep_rows: np.ndarray
+    accepts_in_step: bool = False  # the step's greedy acceptance is the step's (keep_rows set)
+
+    def gathered(self) -> torch.Tensor:
+        """[sub rows, hidden] the first stage's hidden states, gathered now (paths that take
+        them as a tensor: dp shards; acceptance then stays on the host)."""
+        index = torch.from_numpy(np.ascontiguousarray(self.read_rows, dtype=np.int64)).to(self.buffer.device)
+        return read_hidden(self.buffer, index)
+
+
+@dataclass
+class DeviceHiddenCache:
+    """``HiddenCacheRows`` on the device, as a step takes it."""
+
+    buffer: torch.Tensor  # [R, hidden]
+    read_rows: torch.Tensor  # [sub rows] int64
+    starts: torch.Tensor  # [B] int64 first verification row of each sequence
+    counts: torch.Tensor  # [B] int64
+    keep_rows: torch.Tensor  # [B, K + 1] int64
+
+    @staticmethod
+    def of(buffer: torch.Tensor, arrays: list[torch.Tensor]) -> "DeviceHiddenCache":
+        """From ``device_rows``' arrays as device tensors (keep rows flat: reshaped here)."""
+        read, starts, counts, keep = arrays
+        return DeviceHiddenCache(buffer, read, starts, counts, keep.view(starts.shape[0], -1))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The buffer, then ``device_rows``' arrays (a package's inputs)."""
+        return [self.buffer, self.read_rows, self.starts, self.counts, self.keep_rows.reshape(-1)]
+
+
+def speculative_step(forward: Callable, cache: DeviceHiddenCache):
+    """``forward(first-stage hidden states)`` -> ModelOutput of a speculative step, its hidden
+    states read from ``cache``, its greedy targets and accepted drafts computed and the accepted
+    rows' hidden states kept (``greedy_tokens``, ``accepted_drafts``; with keep rows all 0
+    nothing is kept and the host accepts)."""
+    out = forward(read_hidden(cache.buffer, cache.read_rows))
+    out.greedy_tokens, out.accepted_drafts = accept_and_keep(
+        cache.buffer, out.logits, out.hidden_states, out.draft_tokens, cache.starts, cache.counts, cache.keep_rows)
+    return out
+
+
+def read_hidden(buffer: torch.Tensor, read_rows: torch.Tensor) -> torch.Tensor:
+    """[rows, hidden]: the cache rows ``read_rows`` [rows] (row 0: zeros)."""
+    return buffer.index_select(0, read_rows)
+
+
+def accept_and_keep(
+    buffer: torch.Tensor,  # [R, hidden] the hidden cache, written in place
+    logits: torch.Tensor,  # [N, vocab] every verification row's
+    hidden: torch.Tensor,  # [N, hidden] the main model's hidden states of the same rows
+    drafts: torch.Tensor,  # [B, K]
+    starts: torch.Tensor,  # [B] int64 each sequence's first verification row
+    counts: torch.Tensor,  # [B] int64 drafts each sequence verifies (<= K; 0 for padding sequences)
+    keep_rows: torch.Tensor,  # [B, K + 1] int64 cache row of each verification row's position (0: none)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Strict greedy acceptance -> (targets [N]: each row's argmax, accepted drafts [B]); the
+    hidden states of each sequence's accepted rows (its first accepted + 1) go to their cache
+    rows. Rows not kept write zeros to row 0, which stays zero."""
+    targets = logits.argmax(dim=-1)  # [N]
+    k = drafts.shape[1]
+    j = torch.arange(k + 1, device=drafts.device)  # [K + 1]
+    rows = starts[:, None] + torch.minimum(j[None, :], counts[:, None])  # [B, K + 1]; past a count: its last row
+    grid = targets[rows]  # [B, K + 1]
+    matched = (drafts == grid[:, :k]).to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
+    accepted = torch.minimum(matched, counts)
+    keep = (j[None, :] <= accepted[:, None]) & (keep_rows > 0)  # [B, K + 1]
+    dst = torch.where(keep, keep_rows, torch.zeros_like(keep_rows)).reshape(-1)
+    src = hidden[rows.reshape(-1)].to(buffer.dtype)  # [B * (K + 1), hidden]
+    src = torch.where(keep.reshape(-1, 1), src, torch.zeros_like(src))
+    buffer.index_copy_(0, dst, src)
+    return targets, accepted
+
+
+def device_rows(cache: HiddenCacheRows, starts: np.ndarray) -> list[np.ndarray]:
+    """The int64 arrays a step takes for ``cache`` besides the buffer, in its order: read rows,
+    starts [B], counts [B], keep rows [B, K + 1] flattened."""
+    return [np.ascontiguousarray(a, dtype=np.int64).reshape(-1)
+            for a in (cache.read_rows, starts, cache.counts, cache.keep_rows)]
