@@ -476,8 +476,8 @@ class DecodeGraphRunner:
         if hidden_cache is not None:
             extras += device_rows(_padded_cache(hidden_cache, row_map, sub_spec.num_tokens, main_spec.num_seqs),
                                   np.arange(main_spec.num_seqs, dtype=np.int64) * q)
-        key = ("speculative", main_spec.num_seqs, q, per_seq, tuple(mtp_modules), lm_per_seq, host is not None,
-               hidden_cache is not None)
+        key = ("speculative", main_spec.num_seqs, q, per_seq, tuple(mtp_modules), lm_per_seq, hidden_cache is not None,
+               host is not None)
         modules = list(mtp_modules)
         buffer = None if hidden_cache is None else hidden_cache.buffer
         if buffer is not None and self.capture and key in self._entries and self._entries[key].cache is not buffer:

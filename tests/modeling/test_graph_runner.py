@@ -2,6 +2,7 @@
 CPU): padded batches give the unpadded call's outputs, and touch no cache entry but the real
 sequences' slots and the reserved dummy block."""
 import dataclasses
+from dataclasses import replace
 import logging
 
 import numpy as np
@@ -17,6 +18,7 @@ from mindspec.modeling.graph_runner import (
 )
 from mindspec.modeling.model_wrapper import ModelWrapper
 from mindspec.plugins.mtp import decode_inputs as di
+from mindspec.plugins.mtp.decoding_policy import strict_accept
 from tests.support.checkpoints import make_self_predicting_checkpoint, tiny_v3_config
 
 K = 2
@@ -149,6 +151,59 @@ def test_speculative_step_padded_equals_unpadded(wrapper, checkpoint, mode, buck
         torch.testing.assert_close(got.hidden_states, expected.hidden_states, atol=1e-6, rtol=1e-6)
         _assert_cache_contract(wrapper, before, after_eager, _written_mask([main.slots] + [s.slots for s in subs]))
     assert runner.stats.replays == 2 and len(runner._entries) == 1
+
+
+@pytest.mark.parametrize("uniform", [False, True], ids=["slack-seq", "uniform-rows"])
+@pytest.mark.parametrize("mode", ["vanilla", "eagle"])
+@pytest.mark.parametrize("counts", [[K, K, K], [2, 0, 1]], ids=["equal", "ragged"])
+def test_speculative_step_with_its_hidden_cache_padded_equals_unpadded(wrapper, checkpoint, mode, uniform, counts):
+    """The step reads its first hidden states from the cache and accepts and keeps inside: the
+    padded step (bucket 4) gives the eager unpadded step's outputs, accepted counts, cache
+    writes and hidden-cache rows, and the same as a step given the gathered states."""
+    from mindspec.modeling.hidden_cache import HiddenCacheRows
+
+    _, cfg = checkpoint
+    tables = _tables(SEQ_LENS, K + 1)
+    tokens, _, subs, hidden = _speculative_inputs(cfg, mode, tables)
+    counts = np.array(counts, dtype=np.int64)
+    main = di.main_inputs(np.array([t[-1] for t in tokens]), np.array(SEQ_LENS), di.block_tables(tables), BLOCK_SIZE,
+                          counts)
+    _prefill(wrapper, tokens, tables)
+    before = _snapshot(wrapper)
+    buffer = torch.cat([torch.zeros(1, hidden.shape[1]), hidden, torch.randn(8, hidden.shape[1])])
+    read = np.arange(1, 1 + len(hidden))
+    read[::5] = 0  # some rows read the zero row
+    keep = 1 + len(hidden) + np.arange(3 * (K + 1)).reshape(3, K + 1)  # rows of the last 8 + 1
+    keep[:, -1] = 0  # a position with nowhere to go
+    cache = HiddenCacheRows(buffer.clone(), read, counts, keep, accepts_in_step=True)
+    modules = list(range(K)) if mode == "vanilla" else [0] * K
+
+    def step(rows: HiddenCacheRows):
+        with torch.inference_mode():
+            return wrapper.forward_speculative_host(main, subs, modules, None, subs[0].lm_head_indices, hidden_cache=rows)
+
+    expected = step(cache)
+    eager_buffer = cache.buffer.clone()
+    with torch.inference_mode():
+        gathered = wrapper.forward_speculative_host(main, subs, modules, HiddenCacheRows(
+            buffer, read, counts, keep).gathered(), subs[0].lm_head_indices)
+    assert torch.equal(gathered.draft_tokens, expected.draft_tokens) and torch.equal(gathered.logits, expected.logits)
+    targets = expected.logits.argmax(-1).numpy()
+    host = np.minimum(strict_accept(expected.draft_tokens.numpy(), targets[di.verify_grid(counts, K)]), counts)
+    np.testing.assert_array_equal(expected.accepted_drafts.numpy(), host)
+    after_eager = _snapshot(wrapper)
+    _restore(wrapper, before)
+    wrapper.graph_runner = DecodeGraphRunner(wrapper, buckets=(4,), capture=False, uniform_draft_rows=uniform)
+    for _ in range(2):  # the second call reuses the bucket's static buffers
+        rows = replace(cache, buffer=buffer.clone())
+        got = step(rows)
+        assert torch.equal(got.draft_tokens, expected.draft_tokens)
+        torch.testing.assert_close(got.logits, expected.logits, atol=1e-6, rtol=1e-6)
+        assert torch.equal(got.greedy_tokens, expected.greedy_tokens)
+        assert torch.equal(got.accepted_drafts, expected.accepted_drafts)
+        torch.testing.assert_close(rows.buffer, eager_buffer, atol=1e-6, rtol=1e-6)
+        assert not rows.buffer[0].any()
+        _assert_cache_contract(wrapper, before, after_eager, _written_mask([main.slots] + [s.slots for s in subs]))
 
 
 @pytest.mark.parametrize("uniform", [False, True], ids=["slack-seq", "uniform-rows"])
