@@ -55,7 +55,7 @@ from mindspec.modeling.step_recipes import DECODE, PREFILL, PREFILL_MTP, SPECULA
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "MINDSPEC_CACHE_DIR"
-FORMAT = 2  # bump when what a package computes changes without the inputs of its key changing
+FORMAT = 3  # bump when what a package computes changes without the inputs of its key changing
 
 # Every GEMM of a step is a choice between ATen's kernel and Inductor's C++ micro-GEMM template,
 # timed at compile time. At a decode step's shapes (1-32 rows against a few hundred columns) the
@@ -162,7 +162,7 @@ class ExportedSteps:
         outputs = self._run(key, args, caches, tensors, dims)
         if outputs is None:
             return self.model.forward(input_ids, positions, caches, meta, lm_head_indices)
-        return ModelOutput(logits=outputs[0], hidden_states=outputs[1])
+        return ModelOutput(logits=outputs[0], hidden_states=outputs[1], greedy_tokens=outputs[2])
 
     def forward_prefill(self, input_ids, positions, caches, meta, lm_head_indices):
         """A prefill padded to its bucket (prefill_padding.py): every size static. None when no

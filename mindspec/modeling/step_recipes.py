@@ -63,7 +63,8 @@ def trace_fn(kind: str, model, backend, caches: list, args: dict) -> Callable:
 
 
 def _decode(model, b, caches, meta: AttentionMetadata, n_meta: int, tree: bool) -> Callable:
-    """A plain decode step (``tree``: a tree verification's mask comes first after the inputs)."""
+    """A plain decode step (``tree``: a tree verification's mask comes first after the inputs);
+    it also gives each logits row's argmax (greedy sampling's token, no op after the step)."""
 
     def run(ids, pos, lm, *rest):
         if tree:
@@ -72,7 +73,7 @@ def _decode(model, b, caches, meta: AttentionMetadata, n_meta: int, tree: bool) 
         if tree:
             m.tree_mask = mask
         out = model.forward(ids, pos, b.bind_cache_tensors(caches, list(rest[n_meta:])), m, lm)
-        return out.logits, out.hidden_states
+        return out.logits, out.hidden_states, out.logits.argmax(dim=-1)
 
     return run
 
