@@ -203,7 +203,8 @@ class ExportedSteps:
         """``verify_source`` [R]: each verification row's token (the model's argument: sequences
         verifying host drafts beside MTP's); a package of its own. ``hidden_cache``
         (hidden_cache.DeviceHiddenCache) instead of ``sub_hidden_states``: the package reads the
-        cache (its rows a dynamic size) and, with keep rows, accepts and keeps inside."""
+        cache (its row count a dynamic size), accepts greedily and keeps the accepted rows' hidden
+        states (none where every keep row is 0: the host accepts then)."""
         from mindspec.models.deepseekv2.flash_causal_deepseekv2 import ModelOutput
 
         b = self.backend
