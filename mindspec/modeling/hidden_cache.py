@@ -35,7 +35,11 @@ class HiddenCacheRows:
     # [B, K + 1] int64: where verification row j of sequence b's hidden state goes when the step
     # accepts it (0: nowhere; all 0 when acceptance and keeping happen on the host)
     keep_rows: np.ndarray
-    accepts_in_step: bool = False  # the step's greedy acceptance is the step's (keep_rows set)
+
+    @property
+    def accepts_in_step(self) -> bool:
+        """The step's greedy acceptance is the step's: it has rows to keep (every real row is >= 1)."""
+        return bool(self.keep_rows.any())
 
     def gathered(self) -> torch.Tensor:
         """[sub rows, hidden] the first stage's hidden states, gathered now (paths that take

@@ -251,7 +251,7 @@ class ModelWrapper:
         source = verify_source(inputs.q_lens, len(sub_steps), inputs.drafts_in_inputs)
         lm, *rest = to_device_packed(
             [np.ascontiguousarray(lm_head_local_dp, dtype=np.int64)] + ([] if source is None else [source])
-            + ([] if hidden_cache is None else device_rows(hidden_cache, _first_rows(inputs.q_lens))), self.device)
+            + ([] if hidden_cache is None else device_rows(hidden_cache, inputs.q_start_loc[:-1])), self.device)
         if source is not None:
             source, rest = rest[0], rest[1:]
         cache = None if hidden_cache is None else DeviceHiddenCache.of(hidden_cache.buffer, rest)
@@ -304,8 +304,3 @@ class ModelWrapper:
             self.graph_runner.capture_decode_buckets(max_seqs)
         self.backend.synchronize()
 
-
-def _first_rows(q_lens: np.ndarray) -> np.ndarray:
-    """[B] each sequence's first row in a flat batch of q_lens [B] rows each."""
-    q = np.asarray(q_lens, dtype=np.int64)
-    return np.cumsum(q) - q

@@ -636,18 +636,18 @@ class MtpPlugin(Plugin):
         states on the host), the rows of each sequence's verified positions n-1 .. n-1+k."""
         layout: di.DecodeLayout = inputs.extra["mtp_layout"]
         seq_idx, positions, valid = di.hidden_rows(layout)
-        slots = np.array([self.states[seq.seq_id].slot for seq in batch.seqs], dtype=np.int64)
-        counts = inputs.extra["mtp_counts"]
+        states = [self.states[seq.seq_id] for seq in batch.seqs]
+        slots = np.array([st.slot for st in states], dtype=np.int64)
         k = inputs.extra["mtp_k"]
         accepts = (self.params.decoding_policy == "strict" and self.params.simulated_acceptance is None
                    and not inputs.extra.get("host_drafts") and self.generator.dp_size == 1
                    and all(s.sampling_params.plain_greedy for s in batch.seqs))
-        keep = np.zeros((len(slots), k + 1), dtype=np.int64)
+        keep = np.zeros((len(slots), k + 1), dtype=np.int64)  # all 0: acceptance on the host
         if accepts:
-            ends = np.array([self.states[seq.seq_id].hidden_end for seq in batch.seqs], dtype=np.int64)
+            ends = np.array([st.hidden_end for st in states], dtype=np.int64)
             keep = self.history.rows(slots[:, None], ends[:, None] + np.arange(k + 1))
-        return HiddenCacheRows(self.history.buf, self.history.rows(slots[seq_idx], positions, valid), counts, keep,
-                               accepts_in_step=accepts)
+        return HiddenCacheRows(self.history.buf, self.history.rows(slots[seq_idx], positions, valid),
+                               inputs.extra["mtp_counts"], keep)
 
     @staticmethod
     def _accepted_in_step(inputs: StepInputs) -> bool:

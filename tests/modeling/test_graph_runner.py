@@ -175,7 +175,8 @@ def test_speculative_step_with_its_hidden_cache_padded_equals_unpadded(wrapper, 
     read[::5] = 0  # some rows read the zero row
     keep = 1 + len(hidden) + np.arange(3 * (K + 1)).reshape(3, K + 1)  # rows of the last 8 + 1
     keep[:, -1] = 0  # a position with nowhere to go
-    cache = HiddenCacheRows(buffer.clone(), read, counts, keep, accepts_in_step=True)
+    cache = HiddenCacheRows(buffer.clone(), read, counts, keep)
+    assert cache.accepts_in_step
     modules = list(range(K)) if mode == "vanilla" else [0] * K
 
     def step(rows: HiddenCacheRows):
