@@ -49,6 +49,8 @@ class _OpenAISampling(_Body):
     repetition_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, Any]] = None  # OpenAI sends token ids as string keys
     ignore_eos: bool = False
+    min_tokens: Optional[int] = None  # vLLM's extras
+    skip_special_tokens: Optional[bool] = None
     n: int = 1
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -98,6 +100,9 @@ class _OpenAISampling(_Body):
         # Only named when used, so the routes work with an engine that lacks them.
         if self.logit_bias:
             values["logit_bias"] = self.logit_bias
+        for name in ("min_tokens", "skip_special_tokens"):
+            if getattr(self, name) is not None:
+                values[name] = getattr(self, name)
         if prompt_logprobs is not None:
             values["prompt_logprobs"] = prompt_logprobs
         fmt = self.structured_format() if fmt is None else fmt
@@ -176,6 +181,12 @@ class ChatCompletionRequest(_OpenAISampling):
             raise ApiError(400, "modalities other than ['text'] are not supported", param="modalities")
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        for i, message in enumerate(self.messages):  # an image or audio part is not dropped unread
+            for j, part in enumerate(message.content if isinstance(message.content, list) else []):
+                if part.get("type") != "text":
+                    param = f"messages[{i}].content[{j}].type"
+                    raise ApiError(400, f"{param} {part.get('type')!r} is not supported: this model reads text only",
+                                   param=param)
 
     def logprobs_k(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -37,6 +37,8 @@ HTTP_CASES = [
     ("/v1/completions", {"prompt": "a", "logprobs": 50}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "a", "presence_penalty": 5}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": "a", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "a", "min_tokens": 5, "max_tokens": 2}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "a", "min_tokens": -1}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": []}, 400, "prompt must not be empty"),
     ("/v1/completions", {"prompt": ["a", ""]}, 400, "prompt must not be empty"),
     ("/v1/completions", {"prompt": "a" * 1_200_000}, 413, "maxRequestLength"),
@@ -44,6 +46,9 @@ HTTP_CASES = [
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
     ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]},
+     400, "messages[0].content[1].type 'image_url' is not supported"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400,
      "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}},

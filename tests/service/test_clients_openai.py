@@ -145,6 +145,20 @@ def test_logit_bias_forces_a_token(client, hf_tok):
     assert chat.choices[0].message.content == "QQQ"
 
 
+def test_vllm_extras_min_tokens_and_skip_special_tokens(client, server, hf_tok):
+    """vLLM's sampling extras, sent as the openai client sends them (extra_body), take effect."""
+    first = greedy_ids(server, "x = ", 1)[0][0]
+    kw = dict(model="tiny", prompt="x = ", max_tokens=6, temperature=0)
+    stopped = client.completions.create(**kw, extra_body={"stop_token_ids": [first]})
+    held = client.completions.create(**kw, extra_body={"stop_token_ids": [first], "min_tokens": 4})
+    assert stopped.usage.completion_tokens == 1 and held.usage.completion_tokens >= 4
+    special = hf_tok.bos_token_id
+    kw = dict(model="tiny", prompt="x = ", max_tokens=2, logit_bias={str(special): 100})
+    hidden = client.completions.create(**kw, extra_body={"ignore_eos": True})
+    shown = client.completions.create(**kw, extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    assert hidden.choices[0].text == "" and shown.choices[0].text == hf_tok.bos_token * 2
+
+
 def test_chat_logprobs_and_n(client):
     messages = [{"role": "user", "content": CHINESE}]
     kw = dict(model="tiny", messages=messages, max_tokens=10, logprobs=True, top_logprobs=2, **GREEDY)
