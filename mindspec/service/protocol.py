@@ -155,10 +155,13 @@ class ChatMessage(_Body):
         return {"role": self.role, "content": _text(self.content), **extra}
 
 
+TEXT_PARTS = ("text", "refusal")  # chat content part types that carry text (under the key of that name)
+
+
 def _text(content) -> str:
     if content is None or isinstance(content, str):
         return content or ""
-    return "".join(part.get("text", "") for part in content if part.get("type") == "text")
+    return "".join(part.get(part.get("type"), "") for part in content if part.get("type") in TEXT_PARTS)
 
 
 class ChatCompletionRequest(_OpenAISampling):
@@ -183,7 +186,7 @@ class ChatCompletionRequest(_OpenAISampling):
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         for i, message in enumerate(self.messages):  # an image or audio part is not dropped unread
             for j, part in enumerate(message.content if isinstance(message.content, list) else []):
-                if part.get("type") != "text":
+                if part.get("type") not in TEXT_PARTS:
                     param = f"messages[{i}].content[{j}].type"
                     raise ApiError(400, f"{param} {part.get('type')!r} is not supported: this model reads text only",
                                    param=param)
