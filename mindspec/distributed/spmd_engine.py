@@ -17,7 +17,6 @@ import random
 import subprocess
 from typing import Optional, Sequence
 
-import torch
 import torch.distributed as dist
 
 from mindspec.engine.args import EngineArgs
@@ -44,7 +43,7 @@ class SpmdEngine(LLMEngine):
         self._replicating = False
         super().__init__(args)
         seed = self._from_leader(random.randrange(1 << 62))
-        self.plugin_manager.sampler.generator = torch.Generator(device=self.model_wrapper.device).manual_seed(seed)
+        self.plugin_manager.sampler.seed(seed)  # unseeded requests: every rank draws the leader's keys
         if ctx.is_leader:
             self._replicating = True
             self.channel.start_heartbeat()

@@ -29,6 +29,7 @@ from mindspec.modeling.tree_padding import TreePad, draft_rows, pad_tree_step, r
 from mindspec.modeling.tree_speculation import DraftTree, TreeStepHost
 
 PLAIN, PREFILL_MTP, SPECULATIVE, TREE, TREE_VERIFY = 0, 1, 2, 3, 4  # forward kinds, compared across ranks every step
+DIGEST_MODULUS = 2**31 - 1  # the step's token digest, compared with its signature
 
 
 @dataclass
@@ -252,9 +253,12 @@ class Generator:
     def _check_step(self, inputs: ModelInputs, subs, owners: np.ndarray, mtp_modules) -> None:
         kind = SPECULATIVE if subs is not None else PREFILL_MTP if mtp_modules else PLAIN
         num_sub = 0 if subs is None else subs[0].num_tokens
+        ids = inputs.input_ids.astype(np.int64)  # a digest of the tokens: ranks that sampled apart stop here
         signature = [kind, inputs.num_seqs, inputs.num_tokens, num_sub, len(mtp_modules or []),
-                     int(np.dot(owners + 1, np.arange(1, len(owners) + 1)))]
-        self.gather.check_same(signature, "kind, sequences, tokens, drafter rows, MTP steps, owners", self.device)
+                     int(np.dot(owners + 1, np.arange(1, len(owners) + 1))),
+                     int(np.dot(ids, np.arange(1, len(ids) + 1)) % DIGEST_MODULUS)]
+        self.gather.check_same(signature, "kind, sequences, tokens, drafter rows, MTP steps, owners, token digest",
+                               self.device)
 
     def _gather(self, out: GeneratorOutput, inputs: ModelInputs, shard: dp_plan.DpShard) -> GeneratorOutput:
         vocab, hidden = out.logits.shape[1], out.hidden_states.shape[1]

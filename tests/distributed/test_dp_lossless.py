@@ -113,6 +113,15 @@ def test_dp2_with_suffix_drafts_equals_no_speculation(checkpoint, prompts, case,
 
 
 @pytest.mark.slow
+def test_dp2_unseeded_sampling_keeps_the_ranks_together(checkpoint, prompts):
+    """Unseeded rows draw from the sampler's host keys: every rank must draw the leader's, or the
+    ranks' sequences part (each step compares a digest of its tokens: RankDivergence)."""
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    with _llm(checkpoint, dp=2, **CASES["vanilla-k2"]) as llm:
+        assert [len(o.token_ids) for o in llm.generate(prompts, params)] == [12] * len(prompts)
+
+
+@pytest.mark.slow
 def test_dp2_seeded_sampling_equals_dp1(checkpoint, prompts):
     opts = CASES["vanilla-k2"]
     params = [SamplingParams(temperature=0.9, top_k=20, seed=100 + i, max_tokens=12, ignore_eos=True)

@@ -175,10 +175,15 @@ def _one_hot(ids: torch.Tensor, v: int) -> torch.Tensor:
 
 class Sampler:
     """Stateless apart from the host draws that key unseeded rows, seeded by ``generator``'s
-    initial seed, else torch's (``torch.manual_seed``): dp ranks draw alike, as their steps must."""
+    initial seed, else torch's (``torch.manual_seed``), or later by ``seed``: dp ranks seed it
+    alike (spmd_engine.py), as their steps must draw alike."""
 
     def __init__(self, generator: torch.Generator | None = None):
-        self.step_keys = random.Random(torch.initial_seed() if generator is None else generator.initial_seed())
+        self.seed(torch.initial_seed() if generator is None else generator.initial_seed())
+
+    def seed(self, value: int) -> None:
+        """Restart the host draws that key unseeded rows from ``value``."""
+        self.step_keys = random.Random(value)
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape != (md.num_rows, md.vocab_size):

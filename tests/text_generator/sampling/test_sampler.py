@@ -219,6 +219,17 @@ def test_unseeded_rows_follow_the_host_generator():
     assert len(set(first.tolist())) > 1  # rows of one step draw apart
 
 
+def test_seed_restarts_the_unseeded_draws():
+    """dp ranks build their samplers under different torch seeds and then seed them alike."""
+    logits = torch.zeros(8, 50)
+    md = build([SamplingParams()] * 8, 50)
+    a, b = Sampler(torch.Generator().manual_seed(3)), Sampler(torch.Generator().manual_seed(4))
+    a.seed(11)
+    b.seed(11)
+    for _ in range(3):  # every later step too
+        assert torch.equal(a(logits, md).token_ids, b(logits, md).token_ids)
+
+
 def _chi2(counts, probs, draws):
     exp = probs * draws
     nz = exp > 0
