@@ -466,16 +466,19 @@ def _flatten(pairs: list[tuple[torch.Tensor, dict]]) -> tuple[list[torch.Tensor]
 
 
 def _code_fingerprint(model, backend) -> str:
-    """The source of what a package computes: the model's and the backend's packages and the
-    backend interface (a source checkout edited in place changes it; FORMAT covers this module)."""
+    """The source of what a package computes: the model's and the backend's packages, the
+    backend interface, this package (the steps' recipes, acceptance and the hidden cache) and
+    the sampler's (targets sampled inside a step); a source checkout edited in place changes it."""
     import inspect
 
     from mindspec import backend as interface
+    from mindspec.text_generator.sampling import step_targets
 
     h = hashlib.sha256()
     files = [Path(inspect.getfile(interface))]
-    for obj in (type(model), type(backend)):
-        files += sorted(Path(inspect.getfile(obj)).parent.glob("*.py"))
+    for module_file in (inspect.getfile(type(model)), inspect.getfile(type(backend)), __file__,
+                        inspect.getfile(step_targets)):
+        files += sorted(Path(module_file).parent.glob("*.py"))
     for f in files:
         h.update(f.name.encode() + f.read_bytes())
     return h.hexdigest()

@@ -265,7 +265,7 @@ class StaticInputs:
 
     @staticmethod
     def _arrays(inputs: list[ModelInputs], extras: list[np.ndarray]) -> list[np.ndarray]:
-        return [a for x in inputs for a in input_arrays(x)] + [e.astype(np.int64, copy=False) for e in extras]
+        return [a for x in inputs for a in input_arrays(x)] + [_extra(e) for e in extras]
 
     def load(self, padded: list[ModelInputs], extras: list[np.ndarray]) -> None:
         arrays = self._arrays(padded, extras)
@@ -474,10 +474,12 @@ class DecodeGraphRunner:
             extras.append(verify_source_rows(real.q_lens.astype(np.int64) - 1, host, main_spec.num_seqs, q, k))
         cached = 0 if hidden_cache is None else len(extras)  # where the hidden cache's rows start in extras
         if hidden_cache is not None:
-            extras += device_rows(_padded_cache(hidden_cache, row_map, sub_spec.num_tokens, main_spec.num_seqs),
+            extras += device_rows(_padded_cache(hidden_cache, row_map, sub_spec.num_tokens, main_spec.num_seqs,
+                                                len(padded[0].lm_head_indices), main_map, self.wrapper.config.vocab_size),
                                   np.arange(main_spec.num_seqs, dtype=np.int64) * q)
+        sampled = hidden_cache is not None and hidden_cache.targets is not None  # targets sampled inside
         key = ("speculative", main_spec.num_seqs, q, per_seq, tuple(mtp_modules), lm_per_seq, hidden_cache is not None,
-               host is not None)
+               host is not None) + (("sampled",) if sampled else ())
         modules = list(mtp_modules)
         buffer = None if hidden_cache is None else hidden_cache.buffer
         if buffer is not None and self.capture and key in self._entries and self._entries[key].cache is not buffer:
@@ -642,10 +644,17 @@ def _sliced(out, num_logits: int, num_rows: int, num_seqs: Optional[int], row_ma
     )
 
 
-def _padded_cache(cache: HiddenCacheRows, row_map: Optional[np.ndarray], rows: int, num_seqs: int) -> HiddenCacheRows:
+def _extra(a: np.ndarray) -> np.ndarray:
+    """An extra input as a step takes it: float32 as it is (sampling inputs), the rest int64."""
+    return a if a.dtype == np.float32 else a.astype(np.int64, copy=False)
+
+
+def _padded_cache(cache: HiddenCacheRows, row_map: Optional[np.ndarray], rows: int, num_seqs: int,
+                  logits_rows: int, logits_map: Optional[np.ndarray], vocab_size: int) -> HiddenCacheRows:
     """``cache``'s rows for a step padded to ``rows`` draft rows (``row_map``: each real row's
-    padded row) and ``num_seqs`` sequences: padding rows read the zero row, padding sequences
-    verify nothing and keep nothing."""
+    padded row), ``num_seqs`` sequences and ``logits_rows`` verification rows (``logits_map``:
+    each real one's padded row): padding rows read the zero row, padding sequences verify
+    nothing and keep nothing, padding verification rows sample greedily."""
     read = np.zeros(rows, dtype=np.int64)
     if row_map is None:
         read[: len(cache.read_rows)] = cache.read_rows
@@ -655,7 +664,8 @@ def _padded_cache(cache: HiddenCacheRows, row_map: Optional[np.ndarray], rows: i
     counts[: len(cache.counts)] = cache.counts
     keep = np.zeros((num_seqs, cache.keep_rows.shape[1]), dtype=np.int64)
     keep[: len(cache.keep_rows)] = cache.keep_rows
-    return replace(cache, read_rows=read, counts=counts, keep_rows=keep)
+    targets = None if cache.targets is None else cache.targets.padded(logits_rows, logits_map, vocab_size)
+    return replace(cache, read_rows=read, counts=counts, keep_rows=keep, targets=targets)
 
 
 def maybe_graph_runner(wrapper) -> Optional[DecodeGraphRunner]:

@@ -1,4 +1,4 @@
-"""The drafter's hidden-state cache read, and greedy acceptance with the accepted rows' hidden
+"""The drafter's hidden-state cache read, and strict acceptance with the accepted rows' hidden
 states kept, as tensor ops inside a speculative step.
 
 A chain speculative step feeds its first draft stage main-model hidden states kept from earlier
@@ -10,11 +10,14 @@ captured graph. Here the host only says which rows: the gather, the argmax, stri
 acceptance and the scatter run inside the step (the cpu package, the CUDA graph, or eagerly), and
 the host reads the targets, the drafts and the accepted counts back together.
 
-Acceptance inside the step is strict greedy (every sequence plain greedy, strict verification):
-the target at a sequence's row j is the argmax of its logits and draft j + 1 is kept while it
-equals the target (decoding_policy.strict_accept). Sampled or other policies' steps run the same
-step (one package or graph per shape) with no row to keep, and accept and keep on the host after
-the sampler.
+Acceptance inside the step is strict (decoding_policy.strict_accept): draft j + 1 is kept while
+it equals the target at the sequence's row j. Where every sequence is plain greedy the target is
+the row's argmax; where some sample with temperature, top-k, top-p and a seed only, the step
+takes each row's sampling inputs and samples the targets itself (``TargetRows``,
+sampling/step_targets.py), and reports a step whose top-p sets it cannot decide (accepted -1: the
+host samples, accepts and keeps instead). Other requests and policies run the same step (one
+package or graph per shape) with no row to keep, and accept and keep on the host after the
+sampler.
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ from typing import Callable, Optional
 
 import numpy as np
 import torch
+
+from mindspec.text_generator.sampling.step_targets import TargetRows, sample_targets
 
 
 @dataclass
@@ -35,10 +40,13 @@ class HiddenCacheRows:
     # [B, K + 1] int64: where verification row j of sequence b's hidden state goes when the step
     # accepts it (0: nowhere; all 0 when acceptance and keeping happen on the host)
     keep_rows: np.ndarray
+    # how each verification row samples its target when some sequence samples (None: argmax);
+    # filled in by the plugin manager, which holds the sampler's draws
+    targets: Optional[TargetRows] = None
 
     @property
     def accepts_in_step(self) -> bool:
-        """The step's greedy acceptance is the step's: it has rows to keep (every real row is >= 1)."""
+        """The step's acceptance is the step's: it has rows to keep (every real row is >= 1)."""
         return bool(self.keep_rows.any())
 
     def gathered(self) -> torch.Tensor:
@@ -57,26 +65,28 @@ class DeviceHiddenCache:
     starts: torch.Tensor  # [B] int64 first verification row of each sequence
     counts: torch.Tensor  # [B] int64
     keep_rows: torch.Tensor  # [B, K + 1] int64
+    targets: Optional[list[torch.Tensor]] = None  # TargetRows.arrays() on the device
 
     @staticmethod
     def of(buffer: torch.Tensor, arrays: list[torch.Tensor]) -> "DeviceHiddenCache":
         """From ``device_rows``' arrays as device tensors (keep rows flat: reshaped here)."""
-        read, starts, counts, keep = arrays
-        return DeviceHiddenCache(buffer, read, starts, counts, keep.view(starts.shape[0], -1))
+        read, starts, counts, keep, *targets = arrays
+        return DeviceHiddenCache(buffer, read, starts, counts, keep.view(starts.shape[0], -1), targets or None)
 
     def tensors(self) -> list[torch.Tensor]:
         """The buffer, then ``device_rows``' arrays (a package's inputs)."""
-        return [self.buffer, self.read_rows, self.starts, self.counts, self.keep_rows.reshape(-1)]
+        return [self.buffer, self.read_rows, self.starts, self.counts, self.keep_rows.reshape(-1), *(self.targets or [])]
 
 
 def speculative_step(forward: Callable, cache: DeviceHiddenCache):
     """``forward(first-stage hidden states)`` -> ModelOutput of a speculative step, its hidden
-    states read from ``cache``, its greedy targets and accepted drafts computed and the accepted
-    rows' hidden states kept (``greedy_tokens``, ``accepted_drafts``; with keep rows all 0
+    states read from ``cache``, its targets and accepted drafts computed and the accepted rows'
+    hidden states kept (``greedy_tokens``: the targets, ``accepted_drafts``; with keep rows all 0
     nothing is kept and the host accepts)."""
     out = forward(read_hidden(cache.buffer, cache.read_rows))
     out.greedy_tokens, out.accepted_drafts = accept_and_keep(
-        cache.buffer, out.logits, out.hidden_states, out.draft_tokens, cache.starts, cache.counts, cache.keep_rows)
+        cache.buffer, out.logits, out.hidden_states, out.draft_tokens, cache.starts, cache.counts, cache.keep_rows,
+        cache.targets)
     return out
 
 
@@ -93,11 +103,17 @@ def accept_and_keep(
     starts: torch.Tensor,  # [B] int64 each sequence's first verification row
     counts: torch.Tensor,  # [B] int64 drafts each sequence verifies (<= K; 0 for padding sequences)
     keep_rows: torch.Tensor,  # [B, K + 1] int64 cache row of each verification row's position (0: none)
+    sampling: Optional[list[torch.Tensor]] = None,  # TargetRows.arrays() on the device; None: greedy
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Strict greedy acceptance -> (targets [N]: each row's argmax, accepted drafts [B]); the
-    hidden states of each sequence's accepted rows (its first accepted + 1) go to their cache
-    rows. Rows not kept write zeros to row 0, which stays zero."""
-    targets = logits.argmax(dim=-1)  # [N]
+    """Strict acceptance -> (targets [N]: each row's argmax, or its sample with ``sampling``;
+    accepted drafts [B]); the hidden states of each sequence's accepted rows (its first accepted
+    + 1) go to their cache rows. Rows not kept write zeros to row 0, which stays zero. A sampled
+    step whose targets are not the sampler's (step_targets.sample_targets' ``exact``) keeps
+    nothing and accepts -1 drafts for every sequence."""
+    if sampling is None:
+        targets, exact = logits.argmax(dim=-1), None  # [N]
+    else:
+        targets, exact = sample_targets(logits, *sampling)
     k = drafts.shape[1]
     j = torch.arange(k + 1, device=drafts.device)  # [K + 1]
     rows = starts[:, None] + torch.minimum(j[None, :], counts[:, None])  # [B, K + 1]; past a count: its last row
@@ -105,6 +121,9 @@ def accept_and_keep(
     matched = (drafts == grid[:, :k]).to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
     accepted = torch.minimum(matched, counts)
     keep = (j[None, :] <= accepted[:, None]) & (keep_rows > 0)  # [B, K + 1]
+    if exact is not None:
+        keep = keep & exact
+        accepted = torch.where(exact, accepted, torch.full_like(accepted, -1))
     dst = torch.where(keep, keep_rows, torch.zeros_like(keep_rows)).reshape(-1)
     src = hidden[rows.reshape(-1)].to(buffer.dtype)  # [B * (K + 1), hidden]
     src = torch.where(keep.reshape(-1, 1), src, torch.zeros_like(src))
@@ -113,7 +132,8 @@ def accept_and_keep(
 
 
 def device_rows(cache: HiddenCacheRows, starts: np.ndarray) -> list[np.ndarray]:
-    """The int64 arrays a step takes for ``cache`` besides the buffer, in its order: read rows,
-    starts [B], counts [B], keep rows [B, K + 1] flattened."""
-    return [np.ascontiguousarray(a, dtype=np.int64).reshape(-1)
+    """The arrays a step takes for ``cache`` besides the buffer, in its order: read rows, starts
+    [B], counts [B], keep rows [B, K + 1] flattened (int64), then the target rows' arrays."""
+    rows = [np.ascontiguousarray(a, dtype=np.int64).reshape(-1)
             for a in (cache.read_rows, starts, cache.counts, cache.keep_rows)]
+    return rows + ([] if cache.targets is None else [np.ascontiguousarray(a) for a in cache.targets.arrays()])

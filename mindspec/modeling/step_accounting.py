@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode, _pop_mode_temporarily
@@ -143,14 +143,17 @@ def _function_mode_popped(mode: TorchFunctionMode) -> Iterator[None]:
         yield
 
 
-def account_decode_steps(llm, prompt: list[int], steps: int = 8, num_seqs: int = 1, by_op: bool = False) -> dict:
+def account_decode_steps(llm, prompt: list[int], steps: int = 8, num_seqs: int = 1, by_op: bool = False,
+                         temperature: float = 0.0, top_p: float = 1.0, seed: Optional[int] = None) -> dict:
     """Counts per decode step of ``num_seqs`` copies of ``prompt`` on an LLM or its engine:
     prefill first (not counted), then ``steps`` engine steps, each a decode step (speculative
-    where the engine speculates). ``by_op``: which ops, too (``StepCounts.per_step``)."""
+    where the engine speculates); greedy unless ``temperature`` (and ``top_p``, ``seed``) say
+    otherwise. ``by_op``: which ops, too (``StepCounts.per_step``)."""
     from mindspec.text_generator.sampling.params import SamplingParams
 
     engine = getattr(llm, "engine", llm)
-    params = SamplingParams(temperature=0, max_tokens=steps * 8 + 16, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens=steps * 8 + 16,
+                            ignore_eos=True)
     states = [engine.add_request(list(prompt), params) for _ in range(num_seqs)]
     engine.step()  # prefill
     engine.step()  # the first decode step sets up per-sequence state: counted from the next one

@@ -17,13 +17,14 @@ from typing import Optional, Sequence as Seq
 
 import numpy as np
 
-from mindspec.modeling.forward_metadata import build_model_inputs
+from mindspec.modeling.forward_metadata import build_model_inputs, token_positions
 from mindspec.plugins.plugin import Plugin, PluginError
 from mindspec.text_generator import prompt_logprobs
 from mindspec.text_generator.generator import Generator, GeneratorOutput
 from mindspec.text_generator.sampling.metadata import SamplingMetadata
 from mindspec.text_generator.sampling.sampler import Sampler
-from mindspec.text_generator.step import PLACEHOLDER_TOKEN, StepBatch, StepInputs, StepOutputs
+from mindspec.text_generator.sampling.step_targets import TargetRows
+from mindspec.text_generator.step import PLACEHOLDER_TOKEN, StepBatch, StepInputs, StepOutputs, accepted_in_step
 
 
 class PluginManager:
@@ -66,6 +67,7 @@ class PluginManager:
         inputs = self.compose_model_inputs(batch)
         for plugin in self.plugins:
             inputs = plugin.model_inputs_update(batch, inputs)
+        self._targets_in_step(batch, inputs)
         return inputs
 
     def execute(self, batch: StepBatch, inputs: StepInputs) -> StepOutputs:
@@ -110,6 +112,7 @@ class PluginManager:
                 seq.num_cached_tokens -= int(n) - len(toks)
         for plugin in self.plugins:
             plugin.fill_in_model_result(batch, inputs, pending, accepted)
+        self._targets_in_step(batch, inputs)
         ids = inputs.model_inputs.input_ids
         rows = np.flatnonzero(ids == PLACEHOLDER_TOKEN)
         if len(rows):  # the fed last token of a sequence: its newest accepted token
@@ -203,11 +206,30 @@ class PluginManager:
                 md.constrain(*limited)
         return md
 
+    def _targets_in_step(self, batch: StepBatch, inputs: StepInputs) -> None:
+        """A step that accepts inside (a drafter's hidden cache with rows to keep) while some
+        sequence samples: how each verification row samples (sequence b's rows sample its
+        output positions len(output) .. len(output) + counts[b]), this step's draw included."""
+        cache = inputs.extra.get("hidden_cache")
+        if cache is None or not cache.accepts_in_step or all(s.sampling_params.plain_greedy for s in batch.seqs):
+            return
+        row_seq, row_offset = token_positions(np.zeros_like(cache.counts), cache.counts + 1)
+        seqs = [batch.seqs[b] for b in row_seq]
+        cache.targets = TargetRows.build([s.sampling_params for s in seqs],
+                                         [s.num_output_tokens + int(k) for s, k in zip(seqs, row_offset)],
+                                         self.vocab_size, self.sampler.step_key)
+
     def sample(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs) -> None:
         if self._plain_greedy(batch):  # the argmax, without the per-row metadata (~0.2 ms of host work a step)
             outputs.sampled = outputs.greedy_host()
             outputs.logprobs = None
             return
+        cache = inputs.extra.get("hidden_cache")
+        if cache is not None and cache.targets is not None:  # the step sampled its targets
+            targets = outputs.greedy_host()  # read with the drafts and the accepted counts
+            if accepted_in_step(inputs, outputs):
+                outputs.sampled, outputs.logprobs = targets, None
+                return
         drafts = outputs.drafts_host()
         if drafts is None:  # drafts that were inputs, not outputs (a drafter without a model)
             drafts = inputs.extra.get("draft_prefix")

@@ -67,8 +67,9 @@ class StepOutputs:
     logits: torch.Tensor  # [N, vocab] float32
     hidden_states: torch.Tensor  # [T, hidden]
     draft_tokens: Optional[torch.Tensor] = None  # [B, K]
-    greedy_tokens: Optional[torch.Tensor] = None  # [N] argmax of logits, where a captured graph computed it
-    # [B] drafts the step accepted greedily itself (modeling/hidden_cache.py: read with greedy_host)
+    # [N] argmax of logits where a captured graph computed it; a step's sampled targets where it sampled them
+    greedy_tokens: Optional[torch.Tensor] = None
+    # [B] drafts the step accepted itself (modeling/hidden_cache.py: read with greedy_host; -1: it could not)
     accepted_drafts: Optional[torch.Tensor] = None
     sampled: Optional[np.ndarray] = None  # [N] int64 sampled target token per row
     logprobs: Optional[np.ndarray] = None  # [N] float32
@@ -124,6 +125,15 @@ class StepOutputs:
                     drafts[b, : len(d)] = d
             self._drafts_host = drafts
         return self._drafts_host
+
+
+def accepted_in_step(inputs: StepInputs, outputs: StepOutputs) -> bool:
+    """The step accepted the drafts and kept the hidden states itself (modeling/hidden_cache.py):
+    it had rows to keep and decided every target (accepted -1: a sampled step whose top-p sets
+    it could not decide; the host samples and accepts it instead)."""
+    cache = inputs.extra.get("hidden_cache")
+    return (cache is not None and cache.accepts_in_step and outputs.accepted_drafts is not None
+            and bool((outputs.accepted_host() >= 0).all()))
 
 
 def _packed_span(first: torch.Tensor, *rest: torch.Tensor) -> Optional[torch.Tensor]:

@@ -60,7 +60,8 @@ from mindspec.models.deepseekv2.weights import mtp_modules_in
 from mindspec.plugins.plugin import Plugin
 from mindspec.plugins.suffix.sequence_drafts import SuffixDrafts, matched_prefix
 from mindspec.text_generator.sampling.sampler import penalised_logits, processed_probs
-from mindspec.text_generator.step import StepBatch, StepInputs, StepOutputs, draft_grid
+from mindspec.text_generator.sampling.step_targets import samples_in_step
+from mindspec.text_generator.step import StepBatch, StepInputs, StepOutputs, accepted_in_step, draft_grid
 
 from . import async_fill
 from . import decode_inputs as di
@@ -318,7 +319,7 @@ class MtpPlugin(Plugin):
         grid = di.verify_grid(counts, width)  # [B, width + 1] rows, a sequence's last repeated
         drafts = outputs.drafts_host() if self._speculating(batch, inputs) else inputs.extra["draft_prefix"]
         targets = outputs.sampled[grid]
-        if self._accepted_in_step(inputs):  # the step accepted (strict greedy) and kept the hidden states itself
+        if accepted_in_step(inputs, outputs):  # the step accepted (strict) and kept the hidden states itself
             accepted = np.asarray(outputs.accepted_host(), dtype=np.int64)
         else:
             accepted = np.minimum(self._accept(batch, inputs, outputs, drafts, targets, grid), counts)
@@ -347,7 +348,7 @@ class MtpPlugin(Plugin):
         rows = inputs.extra["mtp_counts"] + 1 if verified else np.ones(len(states), dtype=np.int64)
         # Sequence b's accepted rows first_row[b] + 0..count-1 hold positions n-1 .. n-2+count
         # (kept by the step itself where it accepted).
-        if not self._accepted_in_step(inputs):
+        if not accepted_in_step(inputs, outputs):
             self.history.write(np.array([st.slot for st in states], dtype=np.int64),
                                np.array([st.hidden_end for st in states], dtype=np.int64), counts,
                                hidden, np.cumsum(rows) - rows)
@@ -631,9 +632,11 @@ class MtpPlugin(Plugin):
 
     def _hidden_cache(self, batch: StepBatch, inputs: StepInputs) -> HiddenCacheRows:
         """The hidden history's rows a speculative step reads itself (each window row's main
-        hidden state; padding rows the zero row) and, where it accepts itself (strict greedy,
-        every sequence plain greedy, no host drafts, one dp rank: a dp step gathers its shards'
-        states on the host), the rows of each sequence's verified positions n-1 .. n-1+k."""
+        hidden state; padding rows the zero row) and, where it accepts itself (strict
+        verification, every sequence plain greedy or sampling with temperature, top-k, top-p and
+        a seed only, no host drafts, one dp rank: a dp step gathers its shards' states on the
+        host), the rows of each sequence's verified positions n-1 .. n-1+k. The plugin manager
+        adds how each row samples (``targets``)."""
         layout: di.DecodeLayout = inputs.extra["mtp_layout"]
         seq_idx, positions, valid = di.hidden_rows(layout)
         states = [self.states[seq.seq_id] for seq in batch.seqs]
@@ -641,18 +644,13 @@ class MtpPlugin(Plugin):
         k = inputs.extra["mtp_k"]
         accepts = (self.params.decoding_policy == "strict" and self.params.simulated_acceptance is None
                    and not inputs.extra.get("host_drafts") and self.generator.dp_size == 1
-                   and all(s.sampling_params.plain_greedy for s in batch.seqs))
+                   and all(samples_in_step(s.sampling_params) for s in batch.seqs))
         keep = np.zeros((len(slots), k + 1), dtype=np.int64)  # all 0: acceptance on the host
         if accepts:
             ends = np.array([st.hidden_end for st in states], dtype=np.int64)
             keep = self.history.rows(slots[:, None], ends[:, None] + np.arange(k + 1))
         return HiddenCacheRows(self.history.buf, self.history.rows(slots[seq_idx], positions, valid),
                                inputs.extra["mtp_counts"], keep)
-
-    @staticmethod
-    def _accepted_in_step(inputs: StepInputs) -> bool:
-        cache = inputs.extra.get("hidden_cache")
-        return cache is not None and cache.accepts_in_step
 
     def _accept(self, batch, inputs, outputs, drafts, targets, grid) -> np.ndarray:
         """Drafts kept per sequence [B] by the decoding policy, from the target rows ``grid``

@@ -13,6 +13,7 @@ from mindspec.engine.args import EngineArgs
 from mindspec.engine.scheduler import SchedulerConfig
 from tests.support.checkpoints import make_self_predicting_checkpoint, tiny_v3_config
 from tests.support.draft_counts import record_draft_counts, record_mtp_steps
+from tests.support.in_step_acceptance import record_acceptance
 
 NUM_PROMPTS = 16
 
@@ -137,6 +138,22 @@ def test_seeded_sampling_with_penalties_equals_sync(case):
         asynced = _serve(_llm(path, plugin, True), prompts, arrivals, params)
         assert [o.token_ids for o in asynced] == [o.token_ids for o in sync]
         assert [o.logprobs for o in asynced] == [o.logprobs for o in sync]
+
+
+def test_seeded_sampling_accepted_inside_the_step_equals_sync(case, monkeypatch):
+    """Steps built ahead take their target rows' output positions and keys when they are
+    filled in, after the running step's tokens are known."""
+    path, prompts, arrivals, _ = case
+    params = [SamplingParams(temperature=0.9, top_p=0.9, top_k=30, seed=i, max_tokens=12, ignore_eos=True)
+              for i in range(NUM_PROMPTS)]
+    seen = record_acceptance(monkeypatch)
+    sync = _serve(_llm(path, _mtp("vanilla", 2), False), prompts, arrivals, params)
+    llm = _llm(path, _mtp("vanilla", 2), True)
+    asynced = _serve(llm, prompts, arrivals, params)
+    assert [o.token_ids for o in asynced] == [o.token_ids for o in sync]
+    assert seen["sampled"] > 0 and seen["host"] == 0
+    assert llm.engine.async_stepper.stats.ahead_steps > 0
+    _settled(llm)
 
 
 def test_abort_while_the_next_step_runs(case, expected):

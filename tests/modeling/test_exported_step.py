@@ -12,6 +12,7 @@ from mindspec import LLM, SamplingParams
 from mindspec.modeling import exported_step
 from mindspec.modeling.prefill_padding import PREFILL_ENV
 from tests.support.checkpoints import make_self_predicting_checkpoint, tiny_v3_config
+from tests.support.in_step_acceptance import record_acceptance
 
 K = 2
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -134,9 +135,12 @@ def test_seeded_sampling_is_reproducible_compiled(checkpoint, cache_dir, plugin_
     sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=10, ignore_eos=True)
     expected = _tokens(_llm(checkpoint, plugin_params, decode_graphs=False), sampled)
     llm = _llm(checkpoint, plugin_params, decode_graphs=True)
+    seen = record_acceptance(monkeypatch)
     assert _tokens(llm, sampled) == expected
     stats = llm.engine.model_wrapper.compiled.stats
     assert stats.failed == 0 and stats.calls > 0
+    if plugin_params is not None:  # the targets were sampled, and the drafts accepted, inside the packages
+        assert seen["sampled"] > 0 and seen["host"] == seen["undecided"] == 0
 
 
 @pytest.mark.slow
@@ -233,6 +237,18 @@ def test_a_compiled_step_launches_few_ops_outside_its_package(checkpoint, cache_
     assert 'mindspec_compiled_step_packages{state="failed"} 0.0' in text
     assert 'mindspec_compiled_step_packages{state="compiling"} 0.0' in text
     assert f"mindspec_compiled_decode_steps {float(llm.engine.model_wrapper.compiled.stats.calls)}" in text
+
+
+@pytest.mark.slow
+def test_a_sampled_compiled_speculative_step_launches_no_op_outside_its_package(checkpoint, cache_dir):
+    """Seeded top-p sampling: the targets are sampled, and the drafts accepted, inside the
+    package (sampling/step_targets.py), so the step launches nothing outside it either."""
+    from mindspec.modeling.step_accounting import account_decode_steps
+
+    llm = _llm(checkpoint, EAGLE, decode_graphs=True)
+    counts = account_decode_steps(llm, _prompts()[1], steps=4, by_op=True, temperature=0.9, top_p=0.95, seed=11)
+    assert counts["ops_outside_graphs"] == 0 and counts["ops"] == {} and counts["host_syncs"] == 0
+    assert llm.engine.model_wrapper.compiled.stats.failed == 0
 
 
 @pytest.mark.slow

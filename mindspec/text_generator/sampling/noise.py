@@ -77,11 +77,26 @@ def keyed_for_step(keys: torch.Tensor, seeded: Optional[torch.Tensor], step_key:
     return stepped if seeded is None else torch.where(seeded, keys, stepped)
 
 
+_OFFSETS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def stream_offsets(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[V] int64 (v + 1) * GOLDEN, made once per vocabulary and device and read from memory:
+    compiled code that computed them from its loop index would overflow a signed integer in its
+    index arithmetic, which C++ leaves undefined (Inductor's C++ then looped for ever)."""
+    key = (vocab_size, str(device))
+    offsets = _OFFSETS.get(key)
+    if offsets is None:
+        with torch.inference_mode(False):  # a plain tensor: compiled steps take it as a constant
+            offsets = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=device).mul_(GOLDEN)
+        _OFFSETS[key] = offsets
+    return offsets
+
+
 def token_bits(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """keys [N] int64 -> [N, V] int64 in [0, 2**24): the top bits of splitmix64's output at
     stream position v + 1 (the integer part: the same on every backend, compiled or not)."""
-    offsets = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=keys.device).mul_(GOLDEN)  # [V]
-    return _mixed_top_(keys.unsqueeze(1) + offsets)
+    return _mixed_top_(keys.unsqueeze(1) + stream_offsets(vocab_size, keys.device))
 
 
 def exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -98,27 +98,28 @@ def _rank_threshold(scaled: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     more of them; those rows are done again over their whole row (a value read)."""
     v = scaled.shape[1]
     width = min(v, max(RANK_CANDIDATES, md.max_top_k))
-    thr, short = _threshold_over_head(scaled, md.top_k, md.top_p, width, md)
+    thr, short = threshold_over_head(scaled, md.top_k, md.top_p, width, md.any_top_k, md.any_top_p)
     if width < v and md.any_top_p and bool(short.any()):
         rows = short.nonzero().squeeze(1)
-        whole, _ = _threshold_over_head(scaled[rows], md.top_k[rows], md.top_p[rows], v, md)
+        whole, _ = threshold_over_head(scaled[rows], md.top_k[rows], md.top_p[rows], v, md.any_top_k, md.any_top_p)
         thr = thr.index_copy(0, rows, whole)
     return thr
 
 
-def _threshold_over_head(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, width: int,
-                         md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+def threshold_over_head(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, width: int,
+                        any_top_k: bool = True, any_top_p: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """From the ``width`` largest logits of each row: (threshold [N, 1], short [N] bool: the
-    row's top-p set may reach past them)."""
+    row's top-p set may reach past them). ``any_top_k`` / ``any_top_p`` False skip a filter no
+    row uses (the same threshold as computing it: top_k = V and top_p = 1 set none)."""
     head = scaled.topk(width, dim=-1).values  # [N, width] descending
     neg_inf = torch.tensor(float("-inf"), device=scaled.device)
     thr = torch.full_like(head[:, :1], float("-inf"))
     short = torch.zeros(head.shape[0], dtype=torch.bool, device=scaled.device)
-    if md.any_top_k:  # rows without top-k hold V: no threshold
+    if any_top_k:  # rows without top-k hold V: no threshold
         kth = head.gather(1, (top_k.clamp(max=width) - 1).unsqueeze(1))
         thr = torch.where((top_k < scaled.shape[1]).unsqueeze(1), kth, thr)
         head = head.masked_fill(head < thr, neg_inf)
-    if md.any_top_p:
+    if any_top_p:
         # probabilities under the top-k-limited distribution: the denominator over the whole row
         lse = scaled.masked_fill(scaled < thr, neg_inf).logsumexp(dim=-1, keepdim=True)
         csum = torch.cumsum((head - lse).exp(), dim=-1)
@@ -204,12 +205,16 @@ class Sampler:
     def processed_probs(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         return processed_probs(logits, md)
 
+    def step_key(self) -> int:
+        """This step's host draw for the unseeded rows' noise keys (noise.keyed_for_step)."""
+        return self.step_keys.getrandbits(64)
+
     def exponential_noise(self, md: SamplingMetadata) -> torch.Tensor:
         """Exp(1) noise [N, V]: seeded rows' from (seed, output position), the others' from
         this step's host draw."""
         keys = md.noise_keys
         if not md.all_seeded:  # a Python int from the host: no copy, no synchronisation
-            keys = keyed_for_step(keys, md.seeded if md.any_seeded else None, self.step_keys.getrandbits(64))
+            keys = keyed_for_step(keys, md.seeded if md.any_seeded else None, self.step_key())
         return exponential_noise(keys, md.vocab_size)
 
     def sample_from_probs(self, probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

@@ -91,8 +91,8 @@ def test_top_p_beyond_the_ranked_candidates_matches_the_reference(monkeypatch):
               SamplingParams(top_p=0.95, top_k=400), SamplingParams(top_k=300), SamplingParams(top_p=0.99, top_k=600)]
     md = build(params, v)
     ranked = []
-    real = sampler_module._threshold_over_head
-    monkeypatch.setattr(sampler_module, "_threshold_over_head",
+    real = sampler_module.threshold_over_head
+    monkeypatch.setattr(sampler_module, "threshold_over_head",
                         lambda scaled, *a: ranked.append((scaled.shape[0], a[2])) or real(scaled, *a))
     kept = torch.isfinite(filter_logits(logits / md.temperature.unsqueeze(1), md))
     for i, p in enumerate(params):
