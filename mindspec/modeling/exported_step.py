@@ -46,6 +46,7 @@ from mindspec.modeling.aoti_runner import ReleasedRunner, open_released
 from mindspec.modeling.background_compiles import DONE, PENDING, BackgroundCompiles
 from mindspec.modeling.gguf_file import is_gguf, split_files
 from mindspec.modeling.hidden_cache import speculative_step
+from mindspec.text_generator.sampling.step_targets import decided_targets
 from mindspec.modeling.launch_signal import LaunchSignal
 from mindspec.modeling.prefill_padding import compiled_prefill_rows
 from mindspec.modeling.random_checkpoint import MANIFEST
@@ -148,20 +149,27 @@ class ExportedSteps:
         }
 
     # ---- entry points --------------------------------------------------------------------------
-    def forward(self, input_ids, positions, caches, meta, lm_head_indices):
+    def forward(self, input_ids, positions, caches, meta, lm_head_indices, targets=None):
+        """A padded decode step; ``targets`` (``TargetRows.arrays()``): its rows' tokens sampled
+        inside (``greedy_tokens``, -1 where undecided; else the argmax), a package of its own."""
         from mindspec.models.deepseekv2.flash_causal_deepseekv2 import ModelOutput
 
         b = self.backend
         tree = [] if meta.tree_mask is None else [(meta.tree_mask, {})]  # a tree verification's mask
+        sampling = [(t, {}) for t in targets or []]
         tensors, dims = _flatten([
-            (input_ids, {}), (positions, {}), (lm_head_indices, {}), *tree,
+            (input_ids, {}), (positions, {}), (lm_head_indices, {}), *tree, *sampling,
             *b.step_tensors(meta, "m"), *b.cache_tensors(caches),
         ])
         key = (DECODE, _signature(tensors, dims))
-        args = {"meta": meta, "n_meta": len(tensors) - 3 - len(tree) - len(caches), "tree": bool(tree)}
+        args = {"meta": meta, "n_meta": len(tensors) - 3 - len(tree) - len(sampling) - len(caches), "tree": bool(tree),
+                "targets": bool(sampling)}
         outputs = self._run(key, args, caches, tensors, dims)
         if outputs is None:
-            return self.model.forward(input_ids, positions, caches, meta, lm_head_indices)
+            out = self.model.forward(input_ids, positions, caches, meta, lm_head_indices)
+            if targets:
+                out.greedy_tokens = decided_targets(out.logits, targets)
+            return out
         return ModelOutput(logits=outputs[0], hidden_states=outputs[1], greedy_tokens=outputs[2])
 
     def forward_prefill(self, input_ids, positions, caches, meta, lm_head_indices):

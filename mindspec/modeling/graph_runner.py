@@ -42,6 +42,7 @@ from mindspec.modeling.forward_metadata import (
     NUM_INPUT_ARRAYS, ModelInputs, build_model_inputs, device_inputs, input_arrays, token_positions,
 )
 from mindspec.modeling.hidden_cache import DeviceHiddenCache, HiddenCacheRows, device_rows
+from mindspec.text_generator.sampling.step_targets import TargetRows
 from mindspec.modeling.packed_transfer import PackedLayout, Staging
 from mindspec.modeling.step_accounting import outside_accounting
 
@@ -406,23 +407,30 @@ class DecodeGraphRunner:
             return inputs, None
         return pad_verify_rows(inputs)
 
-    def forward(self, inputs: ModelInputs, tree_mask: Optional[torch.Tensor] = None):
+    def forward(self, inputs: ModelInputs, tree_mask: Optional[torch.Tensor] = None,
+                targets: Optional[TargetRows] = None):
         """``tree_mask`` [B, q, q] on the device: a tree verification (the mask is a static buffer
-        too; padding sequences attend causally)."""
+        too; padding sequences attend causally). ``targets``: each logits row's token sampled
+        inside the step too (padding rows greedy)."""
         real, (inputs, row_map) = inputs, self._uniform_rows(inputs)
         num_seqs = inputs.num_seqs
         lm_per_seq = len(inputs.lm_head_indices) // num_seqs
         spec = self._spec(inputs)
-        key = ("decode", spec.num_seqs, spec.q, lm_per_seq) + (("tree",) if tree_mask is not None else ())
+        key = ("decode", spec.num_seqs, spec.q, lm_per_seq) + (("tree",) if tree_mask is not None else ()) \
+            + (("sampled",) if targets is not None else ())
+        padded = pad_inputs(inputs, spec, lm_per_seq)
+        extras = [] if targets is None else \
+            targets.padded(len(padded.lm_head_indices), row_map, self.wrapper.config.vocab_size).arrays()
 
         def make_fn(e: _Entry):
             static = e.statics.inputs[0]
             if tree_mask is not None:
                 causal = torch.ones(spec.q, spec.q, dtype=torch.bool, device=tree_mask.device).tril()
                 static.meta.tree_mask = causal.expand(spec.num_seqs, -1, -1).clone()
-            return lambda: self.wrapper.forward(static, padded=True)
+            sampling = e.statics.extras if targets is not None else None
+            return lambda: self.wrapper.forward(static, padded=True, targets=sampling)
 
-        entry = self._entry(key, [pad_inputs(inputs, spec, lm_per_seq)], [], make_fn)
+        entry = self._entry(key, [padded], extras, make_fn)
         if tree_mask is not None:
             entry.statics.inputs[0].meta.tree_mask[:num_seqs].copy_(tree_mask)
         out = self._replay(entry)

@@ -27,6 +27,7 @@ from mindspec.modeling.prefill_padding import PaddedPrefill, pad_prefill
 from mindspec.modeling.registry import model_class, supported_model_types
 from mindspec.modeling.draft_tree import TreeShape
 from mindspec.modeling.tree_speculation import TreeDrafter, TreeDraftStep, TreeStepHost, verify_tree
+from mindspec.text_generator.sampling.step_targets import TargetRows, decided_targets
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -115,30 +116,35 @@ class ModelWrapper:
         for x in inputs:
             self.backend.prepare(x.meta)
 
-    def forward(self, inputs: DeviceInputs, padded: bool = False):
+    def forward(self, inputs: DeviceInputs, padded: bool = False, targets: Optional[list[torch.Tensor]] = None):
         """One forward, eagerly; replayed graphs take host inputs: ``forward_host``. ``padded``:
         a decode step the graph runner padded to a bucket, which runs compiled where the backend
-        exports steps."""
+        exports steps. ``targets`` (``TargetRows.arrays()`` on the device, one row per logits
+        row): the step also samples each row's token (``greedy_tokens``: the targets, or -1)."""
         self._prepare(inputs)
+        args = (inputs.input_ids, inputs.positions, self.caches, inputs.meta, inputs.lm_head_indices)
         if self.compiled and padded:  # (fires the launch signal itself)
-            forward = self.compiled.forward
-        else:
-            forward = self.model.forward
-            self.launch.fire()
-        return forward(inputs.input_ids, inputs.positions, self.caches, inputs.meta, inputs.lm_head_indices)
+            return self.compiled.forward(*args, targets=targets)
+        self.launch.fire()
+        out = self.model.forward(*args)
+        if targets is not None:
+            out.greedy_tokens = decided_targets(out.logits, targets)
+        return out
 
-    def forward_host(self, inputs: ModelInputs, tree_mask: Optional[torch.Tensor] = None):
+    def forward_host(self, inputs: ModelInputs, tree_mask: Optional[torch.Tensor] = None,
+                     targets: Optional[TargetRows] = None):
         """``forward`` from host inputs: a decode batch the graph runner takes is padded and
         replayed, anything else moves to the device and runs eagerly."""
         if self.graph_runner is not None and self.graph_runner.accepts(inputs, tree_mask=tree_mask):
-            return self.graph_runner.forward(inputs, tree_mask)
-        padded = self._padded_prefill(inputs) if tree_mask is None else None
+            return self.graph_runner.forward(inputs, tree_mask, targets)
+        padded = self._padded_prefill(inputs) if tree_mask is None and targets is None else None
         if padded is not None:
             out = self._run_padded(padded, lambda x: self.compiled.forward_prefill(
                 x.input_ids, x.positions, self.caches, x.meta, x.lm_head_indices))
             if out is not None:
                 return out
-        return self.forward(to_device(inputs, self.device, tree_mask))
+        device_targets = None if targets is None else to_device_packed(targets.arrays(), self.device)
+        return self.forward(to_device(inputs, self.device, tree_mask), targets=device_targets)
 
     def _padded_prefill(self, inputs: ModelInputs) -> Optional[PaddedPrefill]:
         """``inputs`` padded to a compiled prefill's bucket, or None: it runs eagerly."""

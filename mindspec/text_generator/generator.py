@@ -27,6 +27,7 @@ from mindspec.modeling.model_wrapper import ModelWrapper
 from mindspec.modeling.draft_tree import TreeShape
 from mindspec.modeling.tree_padding import TreePad, draft_rows, pad_tree_step, real_outputs
 from mindspec.modeling.tree_speculation import DraftTree, TreeStepHost
+from mindspec.text_generator.sampling.step_targets import TargetRows
 
 PLAIN, PREFILL_MTP, SPECULATIVE, TREE, TREE_VERIFY = 0, 1, 2, 3, 4  # forward kinds, compared across ranks every step
 DIGEST_MODULUS = 2**31 - 1  # the step's token digest, compared with its signature
@@ -37,7 +38,7 @@ class GeneratorOutput:
     logits: torch.Tensor  # [N, vocab] float32, rows at lm_head_indices
     hidden_states: torch.Tensor  # [T, hidden] (after the final norm)
     draft_tokens: Optional[torch.Tensor] = None  # [bs, K] when a drafter ran in the same forward
-    greedy_tokens: Optional[torch.Tensor] = None  # [N] argmax of logits, where a captured graph computed it
+    greedy_tokens: Optional[torch.Tensor] = None  # [N] argmax of logits, or sampled targets, where the step computed them
     accepted_drafts: Optional[torch.Tensor] = None  # [B] where the step accepted greedily (modeling/hidden_cache.py)
     tree: Optional[DraftTree] = None  # a tree speculation step's trees
 
@@ -78,6 +79,7 @@ class Generator:
         tree_mask: Optional[torch.Tensor] = None,
         draft_logits=None,
         hidden_cache: Optional[HiddenCacheRows] = None,
+        targets: Optional[TargetRows] = None,
     ) -> GeneratorOutput:
         """Plain forward; with ``mtp_modules`` a prefill that also fills the MTP caches
         (``mtp_next_tokens`` [B, modules]: prompt tokens after a prefill chunk, -1 unknown); with
@@ -88,7 +90,9 @@ class Generator:
         with dp > 1 each rank's share of them, ``local``). ``hidden_cache`` instead of
         ``hidden_states``: the step reads the drafter's hidden states from that cache itself (and
         may accept and keep rows inside: modeling/hidden_cache.py); with dp > 1 they are gathered
-        first and acceptance stays on the host (each rank keeps every sequence's rows)."""
+        first and acceptance stays on the host (each rank keeps every sequence's rows).
+        ``targets``: a plain step (one rank) samples each logits row's token inside too
+        (``greedy_tokens``; all -1 where it could not decide them: sampling/step_targets.py)."""
         if tree_mask is not None:  # a verification of trees drafted on the host side (Medusa)
             if self.dp_size > 1:
                 return self._verify_tree_dp(model_inputs, tree_mask.to(self.device))
@@ -97,7 +101,8 @@ class Generator:
         if self.dp_size == 1:
             lm_head_local_dp = None if sub_model_inputs is None else sub_model_inputs[0].lm_head_indices
             return self._run(model_inputs, sub_model_inputs, hidden_states, mtp_modules, lm_head_local_dp,
-                             next_tokens=mtp_next_tokens, draft_logits=draft_logits, hidden_cache=hidden_cache)
+                             next_tokens=mtp_next_tokens, draft_logits=draft_logits, hidden_cache=hidden_cache,
+                             targets=targets)
         if hidden_cache is not None:
             hidden_states = hidden_cache.gathered()
         if mtp_next_tokens is not None:
@@ -215,7 +220,7 @@ class Generator:
     # ---- one rank's forward ------------------------------------------------------------------
     def _run(self, inputs, subs, hidden_states, mtp_modules, lm_head_local_dp, lm_rows_only=None,
              next_tokens: Optional[np.ndarray] = None, draft_logits=None,
-             hidden_cache: Optional[HiddenCacheRows] = None) -> GeneratorOutput:
+             hidden_cache: Optional[HiddenCacheRows] = None, targets: Optional[TargetRows] = None) -> GeneratorOutput:
         w = self.model_wrapper
         if subs is not None:
             hidden = None if hidden_states is None else hidden_states.to(self.device)
@@ -224,7 +229,7 @@ class Generator:
         elif mtp_modules:
             out = w.forward_prefill_mtp_host(inputs, mtp_modules, next_tokens)
         else:
-            out = w.forward_host(inputs)
+            out = w.forward_host(inputs, targets=targets)
         return GeneratorOutput(logits=out.logits, hidden_states=out.hidden_states, draft_tokens=out.draft_tokens,
                                greedy_tokens=out.greedy_tokens, accepted_drafts=out.accepted_drafts)
 

@@ -23,7 +23,7 @@ from mindspec.text_generator import prompt_logprobs
 from mindspec.text_generator.generator import Generator, GeneratorOutput
 from mindspec.text_generator.sampling.metadata import SamplingMetadata
 from mindspec.text_generator.sampling.sampler import Sampler
-from mindspec.text_generator.sampling.step_targets import TargetRows
+from mindspec.text_generator.sampling.step_targets import TargetRows, samples_in_step
 from mindspec.text_generator.step import PLACEHOLDER_TOKEN, StepBatch, StepInputs, StepOutputs, accepted_in_step
 
 
@@ -165,7 +165,7 @@ class PluginManager:
                 out: GeneratorOutput = drive(batch, inputs, self.generator)
                 break
         else:
-            out = self.generator.forward(inputs.model_inputs)
+            out = self.generator.forward(inputs.model_inputs, targets=inputs.extra.get("targets"))
         return StepOutputs(logits=out.logits, hidden_states=out.hidden_states, draft_tokens=out.draft_tokens,
                            greedy_tokens=out.greedy_tokens, accepted_drafts=out.accepted_drafts,
                            host_drafts=inputs.extra.get("host_drafts"))
@@ -207,17 +207,36 @@ class PluginManager:
         return md
 
     def _targets_in_step(self, batch: StepBatch, inputs: StepInputs) -> None:
-        """A step that accepts inside (a drafter's hidden cache with rows to keep) while some
-        sequence samples: how each verification row samples (sequence b's rows sample its
-        output positions len(output) .. len(output) + counts[b]), this step's draw included."""
-        cache = inputs.extra.get("hidden_cache")
-        if cache is None or not cache.accepts_in_step or all(s.sampling_params.plain_greedy for s in batch.seqs):
+        """Where some sequence samples and the step can sample for it: how each logits row
+        samples, this step's draw included. A step that accepts inside (a drafter's hidden cache
+        with rows to keep): sequence b's verification rows sample its output positions
+        len(output) .. len(output) + counts[b]. A plain decode step (one row per sequence, every
+        sequence sampling with temperature, top-k, top-p and a seed only, one dp rank): each
+        sequence's next position (``inputs.extra["targets"]``)."""
+        if all(s.sampling_params.plain_greedy for s in batch.seqs):
             return
-        row_seq, row_offset = token_positions(np.zeros_like(cache.counts), cache.counts + 1)
+        cache = inputs.extra.get("hidden_cache")
+        if cache is not None:
+            if cache.accepts_in_step:
+                row_seq, row_offset = token_positions(np.zeros_like(cache.counts), cache.counts + 1)
+                cache.targets = self._target_rows(batch, row_seq, row_offset)
+            return
+        if self._plain_step(batch, inputs) and all(samples_in_step(s.sampling_params) for s in batch.seqs):
+            rows = np.arange(len(batch), dtype=np.int64)
+            inputs.extra["targets"] = self._target_rows(batch, rows, np.zeros_like(rows))
+
+    def _plain_step(self, batch: StepBatch, inputs: StepInputs) -> bool:
+        """A decode step of one row per sequence, each its next token, on one dp rank."""
+        return (not batch.is_prefill and not batch.is_mixed and inputs.sub_model_inputs is None
+                and self.generator.dp_size == 1 and not any(p.needs_sampling_metadata for p in self.plugins)
+                and bool((inputs.model_inputs.q_lens == 1).all())
+                and len(inputs.model_inputs.lm_head_indices) == len(batch))
+
+    def _target_rows(self, batch: StepBatch, row_seq: np.ndarray, row_offset: np.ndarray) -> TargetRows:
         seqs = [batch.seqs[b] for b in row_seq]
-        cache.targets = TargetRows.build([s.sampling_params for s in seqs],
-                                         [s.num_output_tokens + int(k) for s, k in zip(seqs, row_offset)],
-                                         self.vocab_size, self.sampler.step_key)
+        return TargetRows.build([s.sampling_params for s in seqs],
+                                [s.num_output_tokens + int(k) for s, k in zip(seqs, row_offset)],
+                                self.vocab_size, self.sampler.step_key)
 
     def sample(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs) -> None:
         if self._plain_greedy(batch):  # the argmax, without the per-row metadata (~0.2 ms of host work a step)
@@ -228,6 +247,11 @@ class PluginManager:
         if cache is not None and cache.targets is not None:  # the step sampled its targets
             targets = outputs.greedy_host()  # read with the drafts and the accepted counts
             if accepted_in_step(inputs, outputs):
+                outputs.sampled, outputs.logprobs = targets, None
+                return
+        if "targets" in inputs.extra and outputs.greedy_tokens is not None:  # a plain step sampled its tokens
+            targets = outputs.greedy_host()
+            if (targets >= 0).all():
                 outputs.sampled, outputs.logprobs = targets, None
                 return
         drafts = outputs.drafts_host()

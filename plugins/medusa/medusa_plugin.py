@@ -134,7 +134,8 @@ class MedusaPlugin(Plugin):
             self.model_inputs_update(batch, inputs)
 
     def forward(self, batch: StepBatch, inputs: StepInputs, generator):
-        return generator.forward(inputs.model_inputs, tree_mask=inputs.extra.get("tree_mask"))
+        return generator.forward(inputs.model_inputs, tree_mask=inputs.extra.get("tree_mask"),
+                                 targets=inputs.extra.get("targets"))
 
     def sample_preprocess(self, batch: StepBatch, inputs: StepInputs) -> StepInputs:
         if "tree" not in inputs.extra:

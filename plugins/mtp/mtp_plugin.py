@@ -289,7 +289,8 @@ class MtpPlugin(Plugin):
             return self.trees.forward(inputs, generator, inputs.hidden_states)
         if not self._speculating(batch, inputs):
             return generator.forward(inputs.model_inputs, mtp_modules=inputs.extra.get("mtp_modules"),
-                                     mtp_next_tokens=inputs.extra.get("mtp_next_tokens"))
+                                     mtp_next_tokens=inputs.extra.get("mtp_next_tokens"),
+                                     targets=inputs.extra.get("targets"))
         return generator.forward(
             inputs.model_inputs,
             sub_model_inputs=inputs.sub_model_inputs,

@@ -7,11 +7,13 @@ ops with static shapes: the step takes each row's temperature, top-k, top-p and 
 inputs (``TargetRows``, built on the host before the step) and computes the targets itself
 (``sample_targets``), the same ops as the host sampler, so eagerly its tokens are the sampler's.
 
-One part is not static: the sampler's top-p threshold is decided from the row's 256 largest
+A plain decode step samples its rows' tokens the same way (``decided_targets``). One part is
+not static: the sampler's top-p threshold is decided from the row's 256 largest
 logits unless the row's top-p mass reaches past them, when it reads a value and does the row
 again over the whole vocabulary. A step cannot read a value, so it reports such a row instead
-(``exact`` False, as for a top-k above those 256) and keeps nothing; the host then samples and
-accepts that step as it does for every other request.
+(``exact`` False, as for a top-k above those 256): a speculative step then keeps nothing, a plain
+one returns -1 targets, and the host samples (and accepts) that step as it does for every other
+request.
 """
 from __future__ import annotations
 
@@ -105,3 +107,10 @@ def sample_targets(
     wide = (top_k > width) & (top_k < v)  # a top-k the head cannot hold
     exact = ~((short | wide) & ~greedy).any()
     return targets, exact
+
+
+def decided_targets(logits: torch.Tensor, sampling: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[N] int64 each row's target (``sample_targets`` over ``TargetRows.arrays()`` on the
+    device), or -1 in every row when the step cannot decide them all (the host samples then)."""
+    targets, exact = sample_targets(logits, *sampling)
+    return torch.where(exact, targets, torch.full_like(targets, -1))

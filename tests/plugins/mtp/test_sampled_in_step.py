@@ -1,4 +1,4 @@
-"""Sampled requests accept inside the speculative step (the targets sampled there: sampling/
+"""Sampled requests are sampled inside plain decode steps and accept inside the speculative step (the targets sampled there: sampling/
 step_targets.py): the tokens MTP off samples, seeded or not, beside greedy requests; a step the
 step cannot decide, and requests that ask for more than temperature, top-k and top-p, are
 sampled and accepted on the host, with the same tokens."""
@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from mindspec import LLM, SamplingParams
+from mindspec.text_generator import plugin_manager
 from mindspec.text_generator.sampling import step_targets
 from tests.support.checkpoints import make_self_predicting_checkpoint, tiny_v3_config
-from tests.support.in_step_acceptance import record_acceptance
+from tests.support.in_step_acceptance import record_acceptance, record_plain_sampling
 
 MTP = {"plugin_type": "mtp", "num_speculative_tokens": 2, "adaptive_speculation": False}
 
@@ -85,3 +86,24 @@ def test_a_request_with_penalties_puts_its_steps_on_the_host(checkpoint, prompts
     seen = record_acceptance(monkeypatch)
     assert _tokens(_llm(checkpoint, MTP), prompts, params) == expected
     assert seen["host"] > 0
+
+
+@pytest.mark.parametrize("plugin_params", [None, {**MTP, "adaptive_speculation": True}], ids=["mtp-off", "adaptive"])
+def test_plain_steps_sample_inside_with_the_host_sampler_s_tokens(checkpoint, prompts, plugin_params, monkeypatch):
+    """MTP off, and the plain steps adaptive speculation chooses: the tokens the host sampler
+    gives when the steps are given no target rows."""
+    monkeypatch.setattr(plugin_manager, "samples_in_step", lambda params: False)
+    host = _tokens(_llm(checkpoint, plugin_params), prompts, _params())
+    monkeypatch.undo()
+    seen = record_plain_sampling(monkeypatch)
+    llm = _llm(checkpoint, plugin_params)
+    assert _tokens(llm, prompts, _params()) == host
+    assert seen["in_step"] > 0 and seen["host"] == seen["undecided"] == 0
+
+
+def test_plain_steps_the_step_cannot_decide_are_sampled_on_the_host(checkpoint, prompts, monkeypatch):
+    expected = _tokens(_llm(checkpoint), prompts, _params())
+    monkeypatch.setattr(step_targets, "RANK_CANDIDATES", 2)
+    seen = record_plain_sampling(monkeypatch)
+    assert _tokens(_llm(checkpoint), prompts, _params()) == expected
+    assert seen["undecided"] > 0
