@@ -13,7 +13,7 @@ from mindspec.engine.args import EngineArgs
 from mindspec.engine.scheduler import SchedulerConfig
 from tests.support.checkpoints import make_self_predicting_checkpoint, tiny_v3_config
 from tests.support.draft_counts import record_draft_counts, record_mtp_steps
-from tests.support.in_step_acceptance import record_acceptance
+from tests.support.in_step_acceptance import record_acceptance, record_plain_sampling
 
 NUM_PROMPTS = 16
 
@@ -154,6 +154,18 @@ def test_seeded_sampling_accepted_inside_the_step_equals_sync(case, monkeypatch)
     assert seen["sampled"] > 0 and seen["host"] == 0
     assert llm.engine.async_stepper.stats.ahead_steps > 0
     _settled(llm)
+
+
+def test_seeded_sampling_inside_plain_steps_equals_sync(case, monkeypatch):
+    """MTP off: a step built ahead takes its rows' positions and keys when it is filled in."""
+    path, prompts, arrivals, _ = case
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=10, ignore_eos=True)
+              for i in range(NUM_PROMPTS)]
+    seen = record_plain_sampling(monkeypatch)
+    sync = _serve(_llm(path, None, False), prompts, arrivals, params)
+    asynced = _serve(_llm(path, None, True), prompts, arrivals, params)
+    assert [o.token_ids for o in asynced] == [o.token_ids for o in sync]
+    assert seen["in_step"] > 0 and seen["host"] == 0
 
 
 def test_abort_while_the_next_step_runs(case, expected):
