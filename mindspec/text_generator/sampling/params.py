@@ -221,11 +221,16 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     @property
-    def plain_greedy(self) -> bool:
-        """The token is the logits' argmax and nothing else is asked: no penalty, bias, min_tokens
-        ban or log-probabilities (the sampler's fast path)."""
-        return (self.greedy and not self.has_penalties and not self.logit_bias and self.min_tokens == 0
+    def tokens_only(self) -> bool:
+        """Nothing changes the logits and nothing is asked besides the token: no penalty, bias,
+        min_tokens ban, format or log-probabilities."""
+        return (not self.has_penalties and not self.logit_bias and self.min_tokens == 0
                 and self.logprobs is None and not self.has_structured)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """The token is the logits' argmax and nothing else is asked (the sampler's fast path)."""
+        return self.greedy and self.tokens_only
 
     @property
     def top_k_enabled(self) -> bool:

@@ -31,9 +31,7 @@ from .sampler import RANK_CANDIDATES, threshold_over_head
 def samples_in_step(params: SamplingParams) -> bool:
     """The row's target can be sampled inside a step: temperature, top-k, top-p and the seed are
     all it asks (no penalty, bias, min_tokens ban, min-p, typical-p, format or logprobs)."""
-    return (not params.has_penalties and not params.logit_bias and params.min_tokens == 0
-            and params.logprobs is None and not params.has_structured and params.min_p == 0.0
-            and params.typical_p >= 1.0)
+    return params.tokens_only and params.min_p == 0.0 and params.typical_p >= 1.0
 
 
 @dataclass
