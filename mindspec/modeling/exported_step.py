@@ -46,7 +46,6 @@ from mindspec.modeling.aoti_runner import ReleasedRunner, open_released
 from mindspec.modeling.background_compiles import DONE, PENDING, BackgroundCompiles
 from mindspec.modeling.gguf_file import is_gguf, split_files
 from mindspec.modeling.hidden_cache import speculative_step
-from mindspec.text_generator.sampling.step_targets import decided_targets
 from mindspec.modeling.launch_signal import LaunchSignal
 from mindspec.modeling.prefill_padding import compiled_prefill_rows
 from mindspec.modeling.random_checkpoint import MANIFEST
@@ -165,11 +164,8 @@ class ExportedSteps:
         args = {"meta": meta, "n_meta": len(tensors) - 3 - len(tree) - len(sampling) - len(caches), "tree": bool(tree),
                 "targets": bool(sampling)}
         outputs = self._run(key, args, caches, tensors, dims)
-        if outputs is None:
-            out = self.model.forward(input_ids, positions, caches, meta, lm_head_indices)
-            if targets:
-                out.greedy_tokens = decided_targets(out.logits, targets)
-            return out
+        if outputs is None:  # eagerly: the caller samples the targets (no greedy_tokens)
+            return self.model.forward(input_ids, positions, caches, meta, lm_head_indices)
         return ModelOutput(logits=outputs[0], hidden_states=outputs[1], greedy_tokens=outputs[2])
 
     def forward_prefill(self, input_ids, positions, caches, meta, lm_head_indices):

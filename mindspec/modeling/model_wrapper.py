@@ -124,10 +124,11 @@ class ModelWrapper:
         self._prepare(inputs)
         args = (inputs.input_ids, inputs.positions, self.caches, inputs.meta, inputs.lm_head_indices)
         if self.compiled and padded:  # (fires the launch signal itself)
-            return self.compiled.forward(*args, targets=targets)
-        self.launch.fire()
-        out = self.model.forward(*args)
-        if targets is not None:
+            out = self.compiled.forward(*args, targets=targets)
+        else:
+            self.launch.fire()
+            out = self.model.forward(*args)
+        if targets is not None and out.greedy_tokens is None:  # run eagerly: sample here
             out.greedy_tokens = decided_targets(out.logits, targets)
         return out
 
