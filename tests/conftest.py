@@ -30,3 +30,13 @@ def _eager_prefills(monkeypatch):
     from mindspec.modeling.prefill_padding import PREFILL_ENV
 
     monkeypatch.setenv(PREFILL_ENV, "0")
+
+
+@pytest.fixture(autouse=True)
+def _aten_gemms(monkeypatch):
+    """Packages compile without timing Inductor's GEMM templates against ATen's kernels (about a
+    third of the compile time), unless a test turns the timing back on
+    (tests/modeling/test_exported_step.py checks the default options)."""
+    from mindspec.modeling.exported_step import AUTOTUNE_ENV
+
+    monkeypatch.setenv(AUTOTUNE_ENV, "0")

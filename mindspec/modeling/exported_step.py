@@ -61,9 +61,16 @@ FORMAT = 3  # bump when what a package computes changes without the inputs of it
 # timed at compile time. At a decode step's shapes (1-32 rows against a few hundred columns) the
 # template's kernels, inlined into the package, run 2-8x faster than a library call (the shipped
 # model's plain step: 1.2-1.3 ms against 2.0-2.5 ms), for ~3 s of compile time per GEMM shape.
-# The timings stay out of the server's log.
+# The timings stay out of the server's log. MINDSPEC_AUTOTUNE_GEMMS=0 leaves every GEMM to ATen:
+# packages compile in about half the time and run slower.
 INDUCTOR_CONFIGS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                     "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
+AUTOTUNE_ENV = "MINDSPEC_AUTOTUNE_GEMMS"
+
+
+def inductor_configs() -> dict:
+    """The Inductor options packages compile with (part of their cache key)."""
+    return {} if os.environ.get(AUTOTUNE_ENV) == "0" else dict(INDUCTOR_CONFIGS)
 
 
 def step_cache_dir() -> Path:
@@ -144,7 +151,7 @@ class ExportedSteps:
             "format": FORMAT, "model": model_fingerprint(model_dir), "dtype": str(dtype),
             "backend": backend.name, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "code": _code_fingerprint(model, backend), "mtp_modules": model.num_mtp_modules,
-            "inductor": dict(INDUCTOR_CONFIGS),
+            "inductor": inductor_configs(),
         }
 
     # ---- entry points --------------------------------------------------------------------------
@@ -437,7 +444,7 @@ def compile_package(program: torch.export.ExportedProgram, path: Path) -> None:
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")
     with torch.inference_mode(False), torch.no_grad():
         torch._inductor.aoti_compile_and_package(program, package_path=str(tmp),
-                                                  inductor_configs=dict(INDUCTOR_CONFIGS))  # torch adds to it
+                                                  inductor_configs=inductor_configs())  # torch adds to it
     os.replace(tmp, path)
     log.info("compiled the %s step %s in %.1f s -> %s", _kind(path), path.name,
              time.perf_counter() - start, path)

@@ -82,7 +82,7 @@ def test_compiled_steps_give_the_eager_tokens_and_a_restart_loads_them(checkpoin
     assert any(name.startswith("prefill_mtp-") for name in stats.by_key)  # prompts of 5, 11 and 3: 16 rows each
     assert sorted(p.name for p in (cache_dir / "steps").glob("*.pt2")) == sorted(f"{n}.pt2" for n in stats.by_key)
     assert not list((cache_dir / "steps").glob(".*"))  # no temporary file left behind
-    assert all(_uses_cpp_gemm(cache_dir / "steps" / f"{n}.pt2") for n in stats.by_key)
+    assert not any(_uses_cpp_gemm(cache_dir / "steps" / f"{n}.pt2") for n in stats.by_key)  # AUTOTUNE_ENV=0
 
     again = _llm(checkpoint, VANILLA, decode_graphs=True)
     assert _tokens(again, GREEDY) == expected
@@ -96,6 +96,20 @@ def test_compiled_steps_give_the_eager_tokens_and_a_restart_loads_them(checkpoin
     assert _tokens(third, GREEDY) == expected
     recovered = third.engine.model_wrapper.compiled.stats
     assert recovered.compiled == 1 and recovered.failed == 0 and broken.stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_packages_inline_the_gemm_templates_inductor_timed_faster(checkpoint, cache_dir, monkeypatch):
+    """The default options: every GEMM of a package timed against ATen's kernel at compile time,
+    and at these skinny shapes Inductor's C++ template wins and is inlined; the tokens stay the
+    eager ones."""
+    monkeypatch.delenv(exported_step.AUTOTUNE_ENV)
+    expected = _tokens(_llm(checkpoint, decode_graphs=False, max_batch_size=1), GREEDY)
+    llm = _llm(checkpoint, decode_graphs=True, max_batch_size=1)
+    assert _tokens(llm, GREEDY) == expected
+    stats = llm.engine.model_wrapper.compiled.stats
+    assert stats.failed == 0 and stats.calls > 0 and all(n.startswith("decode-") for n in stats.by_key)
+    assert all(_uses_cpp_gemm(cache_dir / "steps" / f"{n}.pt2") for n in stats.by_key)
 
 
 @pytest.mark.slow
@@ -206,6 +220,9 @@ def test_the_cache_key_follows_the_model_and_the_environment(checkpoint, tmp_pat
     assert steps.package_path(("decode", (("torch.int64", (2,)),))) != path
     monkeypatch.setitem(steps._identity, "threads", steps._identity["threads"] + 1)
     assert steps.package_path(key) != path  # generated loops are parallelised for a thread count
+    monkeypatch.delenv(exported_step.AUTOTUNE_ENV)
+    timed = exported_step.ExportedSteps(wrapper.model, wrapper.backend, wrapper.model_dir, wrapper.dtype)
+    assert timed.package_path(key) != path and timed._identity["inductor"]["max_autotune"]
     monkeypatch.delenv(exported_step.CACHE_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert exported_step.step_cache_dir() == tmp_path / "xdg" / "mindspec" / "steps"
