@@ -98,3 +98,24 @@ def test_compiled_noise_equals_eager():
     ref_bits_, ref_e = noise(keys, seeded)
     assert torch.equal(bits, ref_bits_)
     torch.testing.assert_close(e, ref_e, rtol=2e-7, atol=0)
+
+
+def test_a_step_traced_before_any_eager_one_takes_the_stream_offsets_as_a_constant(monkeypatch):
+    """A compile worker exports a sampled step in a process that never ran one: the stream
+    offsets must still be a constant of the package, not an ``arange`` times GOLDEN computed in
+    its loops (Inductor's C++ folds that into signed index arithmetic that overflows, and the
+    package then never returned)."""
+    from mindspec.text_generator.sampling import noise
+
+    monkeypatch.setattr(noise, "_OFFSETS", {})
+
+    class Noise(torch.nn.Module):
+        def forward(self, keys):
+            return exponential_noise(keys, 777)
+
+    keys = torch.arange(3, dtype=torch.int64)
+    program = torch.export.export(Noise(), (keys,), strict=False)
+    ops = {str(node.target) for node in program.graph.nodes if node.op == "call_function"}
+    assert not any("arange" in op for op in ops), ops
+    assert noise._OFFSETS == {}  # nothing traced was kept
+    assert torch.equal(program.module()(keys), exponential_noise(keys, 777))
