@@ -240,7 +240,9 @@ class ExportedSteps:
                 return self.model.forward_speculative(input_ids, positions, meta, lm_head_indices, sub_input_ids,
                                                       hidden, lm_head_local_dp, steps, caches, verify_source=verify_source)
 
-            return run(sub_hidden_states) if hidden_cache is None else speculative_step(run, hidden_cache)
+            if hidden_cache is None:
+                return run(sub_hidden_states)
+            return speculative_step(run, hidden_cache, not self.backend.supports_graph_capture)
         accepted = {} if len(outputs) == 3 else {"greedy_tokens": outputs[3], "accepted_drafts": outputs[4]}
         return ModelOutput(logits=outputs[0], hidden_states=outputs[1], draft_tokens=outputs[2], **accepted)
 

@@ -78,15 +78,15 @@ class DeviceHiddenCache:
         return [self.buffer, self.read_rows, self.starts, self.counts, self.keep_rows.reshape(-1), *(self.targets or [])]
 
 
-def speculative_step(forward: Callable, cache: DeviceHiddenCache):
+def speculative_step(forward: Callable, cache: DeviceHiddenCache, whole_rows: bool = False):
     """``forward(first-stage hidden states)`` -> ModelOutput of a speculative step, its hidden
     states read from ``cache``, its targets and accepted drafts computed and the accepted rows'
     hidden states kept (``greedy_tokens``: the targets, ``accepted_drafts``; with keep rows all 0
-    nothing is kept and the host accepts)."""
+    nothing is kept and the host accepts). ``whole_rows``: as step_targets.sample_targets'."""
     out = forward(read_hidden(cache.buffer, cache.read_rows))
     out.greedy_tokens, out.accepted_drafts = accept_and_keep(
         cache.buffer, out.logits, out.hidden_states, out.draft_tokens, cache.starts, cache.counts, cache.keep_rows,
-        cache.targets)
+        cache.targets, whole_rows)
     return out
 
 
@@ -104,6 +104,7 @@ def accept_and_keep(
     counts: torch.Tensor,  # [B] int64 drafts each sequence verifies (<= K; 0 for padding sequences)
     keep_rows: torch.Tensor,  # [B, K + 1] int64 cache row of each verification row's position (0: none)
     sampling: Optional[list[torch.Tensor]] = None,  # TargetRows.arrays() on the device; None: greedy
+    whole_rows: bool = False,  # as step_targets.sample_targets'
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Strict acceptance -> (targets [N]: each row's argmax, or its sample with ``sampling``;
     accepted drafts [B]); the hidden states of each sequence's accepted rows (its first accepted
@@ -113,7 +114,7 @@ def accept_and_keep(
     if sampling is None:
         targets, exact = logits.argmax(dim=-1), None  # [N]
     else:
-        targets, exact = sample_targets(logits, *sampling)
+        targets, exact = sample_targets(logits, *sampling, whole_rows=whole_rows)
     k = drafts.shape[1]
     j = torch.arange(k + 1, device=drafts.device)  # [K + 1]
     rows = starts[:, None] + torch.minimum(j[None, :], counts[:, None])  # [B, K + 1]; past a count: its last row

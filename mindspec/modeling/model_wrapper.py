@@ -65,6 +65,9 @@ class ModelWrapper:
     ):
         self.model_dir = Path(model_dir)
         self.backend = backend if isinstance(backend, Backend) else get_backend(backend, device)
+        # A step may branch on its own values (step_targets' whole-row thresholds) unless it is
+        # replayed as a captured graph.
+        self.whole_rows = not self.backend.supports_graph_capture
         self.dtype = parse_dtype(dtype)
         self.hf_config = read_hf_config(model_dir, supported_model_types())
         # Decode steps as captured graphs (graph_runner.py, set up with the cache) where the backend
@@ -129,7 +132,7 @@ class ModelWrapper:
             self.launch.fire()
             out = self.model.forward(*args)
         if targets is not None and out.greedy_tokens is None:  # run eagerly: sample here
-            out.greedy_tokens = decided_targets(out.logits, targets)
+            out.greedy_tokens = decided_targets(out.logits, targets, self.whole_rows)
         return out
 
     def forward_host(self, inputs: ModelInputs, tree_mask: Optional[torch.Tensor] = None,
@@ -232,7 +235,7 @@ class ModelWrapper:
                 inputs.input_ids, inputs.positions, inputs.meta, inputs.lm_head_indices, first.input_ids, hidden_states,
                 lm_head_local_dp, steps, self.caches, verify_source=verify_source, hidden_cache=hidden_cache)
         self.launch.fire()
-        return run(hidden_states) if hidden_cache is None else speculative_step(run, hidden_cache)
+        return run(hidden_states) if hidden_cache is None else speculative_step(run, hidden_cache, self.whole_rows)
 
     def forward_speculative_host(
         self,

@@ -77,7 +77,8 @@ def _decode(model, b, caches, meta: AttentionMetadata, n_meta: int, tree: bool, 
         if tree:
             m.tree_mask = mask
         out = model.forward(ids, pos, b.bind_cache_tensors(caches, list(rest[n_meta:])), m, lm)
-        tokens = out.logits.argmax(dim=-1) if sampling is None else decided_targets(out.logits, sampling)
+        tokens = (out.logits.argmax(dim=-1) if sampling is None
+                  else decided_targets(out.logits, sampling, not b.supports_graph_capture))
         return out.logits, out.hidden_states, tokens
 
     return run
@@ -128,7 +129,7 @@ def _speculative(model, b, caches, meta: AttentionMetadata, steps: list[tuple], 
         if not hidden_cache:
             out = forward(first[0])
             return out.logits, out.hidden_states, out.draft_tokens
-        out = speculative_step(forward, DeviceHiddenCache.of(first[0], list(first[1:])))
+        out = speculative_step(forward, DeviceHiddenCache.of(first[0], list(first[1:])), not b.supports_graph_capture)
         return out.logits, out.hidden_states, out.draft_tokens, out.greedy_tokens, out.accepted_drafts
 
     return run

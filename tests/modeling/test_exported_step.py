@@ -12,7 +12,7 @@ from mindspec import LLM, SamplingParams
 from mindspec.modeling import exported_step
 from mindspec.modeling.prefill_padding import PREFILL_ENV
 from tests.support.checkpoints import make_self_predicting_checkpoint, tiny_v3_config
-from tests.support.in_step_acceptance import record_acceptance
+from tests.support.in_step_acceptance import record_acceptance, record_plain_sampling
 
 K = 2
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -155,6 +155,25 @@ def test_seeded_sampling_is_reproducible_compiled(checkpoint, cache_dir, plugin_
     assert stats.failed == 0 and stats.calls > 0
     if plugin_params is not None:  # the targets were sampled, and the drafts accepted, inside the packages
         assert seen["sampled"] > 0 and seen["host"] == seen["undecided"] == 0
+
+
+@pytest.mark.slow
+def test_a_compiled_step_does_top_p_sets_past_the_head_over_whole_rows(checkpoint, tmp_path, monkeypatch):
+    """A ranked head of 2 logits in the step (the packages of its own cache directory): nearly
+    every top-p set reaches past it, and the package branches (``torch.cond``) to the whole row
+    for them, giving the host sampler's tokens without a step left to the host."""
+    from mindspec.text_generator.sampling import step_targets
+
+    monkeypatch.setenv(exported_step.CACHE_ENV, str(tmp_path))
+    sampled = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True)
+    expected = _tokens(_llm(checkpoint, decode_graphs=False), sampled)
+    monkeypatch.setattr(step_targets, "RANK_CANDIDATES", 2)
+    seen = record_plain_sampling(monkeypatch)
+    llm = _llm(checkpoint, decode_graphs=True, max_batch_size=1)
+    assert _tokens(llm, sampled) == expected
+    stats = llm.engine.model_wrapper.compiled.stats
+    assert stats.failed == 0 and stats.calls > 0
+    assert seen["in_step"] > 0 and seen["undecided"] == seen["host"] == 0
 
 
 @pytest.mark.slow

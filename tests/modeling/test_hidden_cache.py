@@ -12,7 +12,7 @@ from mindspec.plugins.mtp.decoding_policy import strict_accept
 from mindspec.plugins.mtp.decode_inputs import verify_grid
 from mindspec.plugins.mtp.hidden_history import HiddenHistory
 from mindspec.text_generator.sampling import Sampler, SamplingMetadata, SamplingParams
-from mindspec.text_generator.sampling.step_targets import TargetRows
+from mindspec.text_generator.sampling.step_targets import TargetRows, sample_targets
 
 HIDDEN, VOCAB, K = 6, 5, 3
 
@@ -138,11 +138,13 @@ def _sampled_case(seed: int, counts: list[int], scale: float):
     return counts, starts, torch.from_numpy(drafts), logits, hidden, targets, host_targets
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_sampled_acceptance_keeps_what_the_host_would(seed):
+@pytest.mark.parametrize("seed, scale, whole_rows", [(0, 6.0, False), (1, 6.0, False), (2, 6.0, False), (3, 6.0, False),
+                                                      (4, 0.05, True), (5, 6.0, True)])
+def test_sampled_acceptance_keeps_what_the_host_would(seed, scale, whole_rows):
     """Every sequence samples: the step's targets are the host sampler's, and so are the
-    accepted counts and the kept rows."""
-    counts, starts, drafts, logits, hidden, targets, host_targets = _sampled_case(seed, [3, 0, 2, 1, 3], scale=6.0)
+    accepted counts and the kept rows; flat rows (top-p sets past the 256 largest logits) too
+    where the step may do their whole rows."""
+    counts, starts, drafts, logits, hidden, targets, host_targets = _sampled_case(seed, [3, 0, 2, 1, 3], scale)
     host, step = HiddenHistory(4 + K), HiddenHistory(4 + K)
     slots = np.array([host.add(b, hidden) for b in range(len(counts))], dtype=np.int64)
     [step.add(b, hidden) for b in range(len(counts))]
@@ -152,16 +154,18 @@ def test_sampled_acceptance_keeps_what_the_host_would(seed):
 
     keep_rows = step.rows(slots[:, None], ends[:, None] + np.arange(K + 1))
     sampling = [torch.from_numpy(a) for a in targets.arrays()]
+    assert bool(sample_targets(logits, *sampling)[1]) == (scale > 1)  # flat: past the head
     got_targets, got = accept_and_keep(step.buf, logits, hidden, drafts, torch.from_numpy(starts),
-                                       torch.from_numpy(counts), torch.from_numpy(keep_rows), sampling)
+                                       torch.from_numpy(counts), torch.from_numpy(keep_rows), sampling, whole_rows)
     np.testing.assert_array_equal(got_targets.numpy(), host_targets)
     np.testing.assert_array_equal(got.numpy(), want)
     assert torch.equal(step.buf, host.buf) and want.any()
 
 
 def test_a_sampled_step_that_cannot_decide_keeps_nothing():
-    """Flat rows whose top-p set passes the 256 largest logits: accepted -1 for every sequence,
-    nothing written (the host samples, accepts and keeps that step)."""
+    """Flat rows whose top-p set passes the 256 largest logits, in a step that may not branch (a
+    captured graph): accepted -1 for every sequence, nothing written (the host samples, accepts
+    and keeps that step)."""
     counts, starts, drafts, logits, hidden, targets, _ = _sampled_case(5, [2, 1], scale=0.05)
     buf = torch.randn(12, HIDDEN)
     buf[0] = 0

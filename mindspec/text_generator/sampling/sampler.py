@@ -112,8 +112,8 @@ def threshold_over_head(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     row's top-p set may reach past them). ``any_top_k`` / ``any_top_p`` False skip a filter no
     row uses (the same threshold as computing it: top_k = V and top_p = 1 set none)."""
     head = scaled.topk(width, dim=-1).values  # [N, width] descending
-    neg_inf = torch.tensor(float("-inf"), device=scaled.device)
-    thr = torch.full_like(head[:, :1], float("-inf"))
+    neg_inf = float("-inf")  # Python scalars, not tensor constants: a torch.cond branch may run this
+    thr = torch.full_like(head[:, :1], neg_inf)
     short = torch.zeros(head.shape[0], dtype=torch.bool, device=scaled.device)
     if any_top_k:  # rows without top-k hold V: no threshold
         kth = head.gather(1, (top_k.clamp(max=width) - 1).unsqueeze(1))
@@ -125,9 +125,8 @@ def threshold_over_head(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.
         csum = torch.cumsum((head - lse).exp(), dim=-1)
         # mass of the tokens ranked strictly before each position (exactly monotone)
         excl = torch.cat([torch.zeros_like(csum[:, :1]), csum[:, :-1]], dim=1)
-        keep_head = excl < top_p.unsqueeze(1)
-        keep_head[:, 0] = True
-        n_keep = keep_head.sum(dim=-1, keepdim=True)
+        # the kept tokens are a prefix of the ranking, the first always among them
+        n_keep = (excl < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp(min=1)
         p_thr = head.gather(1, n_keep - 1)
         on = (top_p < 1.0).unsqueeze(1)
         thr = torch.maximum(thr, torch.where(on, p_thr, neg_inf))

@@ -8,12 +8,14 @@ inputs (``TargetRows``, built on the host before the step) and computes the targ
 (``sample_targets``), the same ops as the host sampler, so eagerly its tokens are the sampler's.
 
 A plain decode step samples its rows' tokens the same way (``decided_targets``). One part is
-not static: the sampler's top-p threshold is decided from the row's 256 largest
-logits unless the row's top-p mass reaches past them, when it reads a value and does the row
-again over the whole vocabulary. A step cannot read a value, so it reports such a row instead
-(``exact`` False, as for a top-k above those 256): a speculative step then keeps nothing, a plain
-one returns -1 targets, and the host samples (and accepts) that step as it does for every other
-request.
+not static: the sampler's top-p threshold is decided from the row's 256 largest logits unless the
+row's top-p mass reaches past them (or its top-k is wider), when it does the row again over the
+whole vocabulary. A step on a backend whose steps are not captured graphs does the same
+(``whole_rows``: a branch on the step's own values, ``torch.cond`` in compiled code, so the sort
+of the whole vocabulary costs only the steps that need it). A captured graph (CUDA, NPU) cannot
+branch, so there the step reports such a row instead (``exact`` False): a speculative step then
+keeps nothing, a plain one returns -1 targets, and the host samples (and accepts) that step as
+it does for every other request.
 """
 from __future__ import annotations
 
@@ -88,27 +90,51 @@ def sample_targets(
     top_k: torch.Tensor,  # [N] int64, V: off
     top_p: torch.Tensor,  # [N] float32, 1: off
     keys: torch.Tensor,  # [N] int64 noise keys
+    whole_rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (targets [N] int64, exact [] bool). Sampled rows: the exponential race over the
-    temperature-scaled, top-k / top-p filtered softmax (the host sampler's ops); greedy rows: the
-    argmax. ``exact`` is False when a sampled row's top-k or top-p set may reach past the
-    ``RANK_CANDIDATES`` largest logits: its target is then not the sampler's."""
+    temperature-scaled, top-k / top-p filtered softmax (the host sampler's ops); greedy rows the
+    argmax. A sampled row whose top-k or top-p set may reach past the ``RANK_CANDIDATES`` largest
+    logits takes its threshold from its whole row with ``whole_rows`` (as the sampler does);
+    without, ``exact`` is False and its target is not the sampler's."""
     v = logits.shape[1]
     greedy = temperature == 0  # [N]
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
     width = min(v, RANK_CANDIDATES)
     thr, short = threshold_over_head(scaled, top_k, top_p, width)  # [N, 1], [N]
+    wide = (top_k > width) & (top_k < v)  # a top-k the head cannot hold
+    past = (short | wide) & ~greedy  # [N] rows the head cannot decide
+    exact = ~past.any()
+    if whole_rows and width < v:
+        # copies: a package's inputs may be views of one buffer, and cond's operands may not alias
+        whole = _branch(~exact, _whole_row_thresholds, _unused_thresholds, (scaled, top_k.clone(), top_p.clone()))
+        thr = torch.where(past.unsqueeze(1), whole, thr)
+        exact = torch.ones_like(exact)
     keep = scaled >= thr
     probs = scaled.masked_fill(~keep, float("-inf")).softmax(dim=-1)  # [N, V]
     sampled = (probs / exponential_noise(keys, v)).argmax(dim=-1)  # [N]
     targets = torch.where(greedy, logits.argmax(dim=-1), sampled)
-    wide = (top_k > width) & (top_k < v)  # a top-k the head cannot hold
-    exact = ~((short | wide) & ~greedy).any()
     return targets, exact
 
 
-def decided_targets(logits: torch.Tensor, sampling: Sequence[torch.Tensor]) -> torch.Tensor:
+def _whole_row_thresholds(scaled, top_k, top_p) -> torch.Tensor:
+    return threshold_over_head(scaled, top_k, top_p, scaled.shape[1])[0]  # [N, 1]
+
+
+def _unused_thresholds(scaled, top_k, top_p) -> torch.Tensor:
+    return scaled.new_zeros(scaled.shape[0], 1)  # no row takes them (a new tensor: a cond branch may not alias)
+
+
+def _branch(pred: torch.Tensor, true_fn: Callable, false_fn: Callable, operands: tuple) -> torch.Tensor:
+    """``torch.cond`` where the step is traced (a package keeps both branches); eagerly a plain
+    ``if`` (torch.cond would compile its branches)."""
+    if torch.compiler.is_compiling():
+        return torch.cond(pred, true_fn, false_fn, operands)
+    return true_fn(*operands) if bool(pred) else false_fn(*operands)
+
+
+def decided_targets(logits: torch.Tensor, sampling: Sequence[torch.Tensor], whole_rows: bool = False) -> torch.Tensor:
     """[N] int64 each row's target (``sample_targets`` over ``TargetRows.arrays()`` on the
     device), or -1 in every row when the step cannot decide them all (the host samples then)."""
-    targets, exact = sample_targets(logits, *sampling)
+    targets, exact = sample_targets(logits, *sampling, whole_rows=whole_rows)
     return torch.where(exact, targets, torch.full_like(targets, -1))

@@ -1,7 +1,8 @@
 """Sampled requests are sampled inside plain decode steps and accept inside the speculative step (the targets sampled there: sampling/
-step_targets.py): the tokens MTP off samples, seeded or not, beside greedy requests; a step the
-step cannot decide, and requests that ask for more than temperature, top-k and top-p, are
-sampled and accepted on the host, with the same tokens."""
+step_targets.py): the tokens MTP off samples, seeded or not, beside greedy requests; top-p sets
+past the ranked head are done over the whole row inside, or, where steps are captured graphs,
+on the host; requests that ask for more than temperature, top-k and top-p are sampled and
+accepted on the host, with the same tokens."""
 import numpy as np
 import pytest
 import torch
@@ -69,14 +70,24 @@ def test_unseeded_sampling_follows_the_torch_seed(checkpoint, prompts, monkeypat
     assert _tokens(_llm(checkpoint, MTP), prompts, params) != runs[0]
 
 
-def test_steps_the_step_cannot_decide_are_sampled_on_the_host(checkpoint, prompts, monkeypatch):
-    """With a ranked head of 2 logits in the step most top-p sets reach past it: those steps keep
-    nothing and say so; the host samples and accepts them, and the tokens stay MTP off's."""
+@pytest.mark.parametrize("whole_rows", [True, False], ids=["whole-rows", "captured"])
+def test_top_p_sets_past_the_head_are_decided_over_whole_rows_or_on_the_host(checkpoint, prompts, whole_rows,
+                                                                             monkeypatch):
+    """With a ranked head of 2 logits in the step most top-p sets reach past it. On the cpu
+    backend the step does those rows over the whole vocabulary itself; where steps are captured
+    graphs (``whole_rows`` off) those steps keep nothing and say so, and the host samples and
+    accepts them. The tokens stay MTP off's either way."""
     expected = _tokens(_llm(checkpoint), prompts, _params())
     monkeypatch.setattr(step_targets, "RANK_CANDIDATES", 2)
     seen = record_acceptance(monkeypatch)
-    assert _tokens(_llm(checkpoint, MTP), prompts, _params()) == expected
-    assert seen["undecided"] > 0
+    llm = _llm(checkpoint, MTP)
+    assert llm.engine.model_wrapper.whole_rows  # cpu: no captured graphs
+    llm.engine.model_wrapper.whole_rows = whole_rows
+    assert _tokens(llm, prompts, _params()) == expected
+    if whole_rows:
+        assert seen["sampled"] > 0 and seen["undecided"] == seen["host"] == 0
+    else:
+        assert seen["undecided"] > 0
 
 
 def test_a_request_with_penalties_puts_its_steps_on_the_host(checkpoint, prompts, monkeypatch):
@@ -101,9 +112,16 @@ def test_plain_steps_sample_inside_with_the_host_sampler_s_tokens(checkpoint, pr
     assert seen["in_step"] > 0 and seen["host"] == seen["undecided"] == 0
 
 
-def test_plain_steps_the_step_cannot_decide_are_sampled_on_the_host(checkpoint, prompts, monkeypatch):
+@pytest.mark.parametrize("whole_rows", [True, False], ids=["whole-rows", "captured"])
+def test_plain_steps_past_the_head_are_decided_over_whole_rows_or_on_the_host(checkpoint, prompts, whole_rows,
+                                                                             monkeypatch):
     expected = _tokens(_llm(checkpoint), prompts, _params())
     monkeypatch.setattr(step_targets, "RANK_CANDIDATES", 2)
     seen = record_plain_sampling(monkeypatch)
-    assert _tokens(_llm(checkpoint), prompts, _params()) == expected
-    assert seen["undecided"] > 0
+    llm = _llm(checkpoint)
+    llm.engine.model_wrapper.whole_rows = whole_rows
+    assert _tokens(llm, prompts, _params()) == expected
+    if whole_rows:
+        assert seen["in_step"] > 0 and seen["undecided"] == seen["host"] == 0
+    else:
+        assert seen["undecided"] > 0

@@ -1,6 +1,7 @@
 """Targets sampled inside a step (sampling/step_targets.py) against the host sampler: the same
-tokens for the same rows, keys and draws; ``exact`` False exactly where the sampler would read a
-value (a top-p set past the ranked head, a top-k wider than it)."""
+tokens for the same rows, keys and draws; where the sampler redoes a row over its whole
+vocabulary (a top-p set past the ranked head, a top-k wider than it) the step does too with
+``whole_rows``, and says ``exact`` False without."""
 import random
 
 import numpy as np
@@ -9,6 +10,7 @@ import torch
 
 from mindspec.text_generator.sampling import Sampler, SamplingMetadata, SamplingParams
 from mindspec.text_generator.sampling import sampler as sampler_module
+from mindspec.text_generator.sampling import step_targets
 from mindspec.text_generator.sampling.noise import keyed_for_step, row_keys
 from mindspec.text_generator.sampling.step_targets import TargetRows, sample_targets, samples_in_step
 
@@ -30,9 +32,9 @@ def _host(logits: torch.Tensor, params, positions, draw: int) -> torch.Tensor:
     return sampler(logits, md).token_ids
 
 
-def _in_step(logits: torch.Tensor, params, positions, draw: int):
+def _in_step(logits: torch.Tensor, params, positions, draw: int, whole_rows: bool = False):
     rows = TargetRows.build(params, positions, logits.shape[1], lambda: draw)
-    return sample_targets(logits, *[torch.from_numpy(a) for a in rows.arrays()])
+    return sample_targets(logits, *[torch.from_numpy(a) for a in rows.arrays()], whole_rows=whole_rows)
 
 
 def test_the_sampler_s_tokens_for_every_row():
@@ -50,9 +52,12 @@ def test_the_sampler_s_tokens_for_every_row():
         targets, exact = _in_step(logits, params, positions, draw)
         greedy = torch.tensor([p.greedy for p in params])
         assert torch.equal(targets[greedy], logits.argmax(dim=-1)[greedy])
+        host = _host(logits, params, positions, draw)
         if bool(exact):
-            assert torch.equal(targets, _host(logits, params, positions, draw))
+            assert torch.equal(targets, host)
             exact_cases += 1
+        whole, exact = _in_step(logits, params, positions, draw, whole_rows=True)
+        assert bool(exact) and torch.equal(whole, host), seed
     assert 4 <= exact_cases < 24
 
 
@@ -87,6 +92,25 @@ def test_a_row_the_head_cannot_decide_makes_the_step_inexact():
     for name, (params, logits, want) in cases.items():
         _, exact = _in_step(logits, params, [0], draw=3)
         assert bool(exact) == want, name
+        for draw in range(4):  # with whole_rows: decided, and the sampler's token
+            targets, exact = _in_step(logits, params, [0], draw, whole_rows=True)
+            assert bool(exact) and torch.equal(targets, _host(logits, params, [0], draw)), name
+
+
+def test_whole_rows_cost_only_the_steps_that_need_them(monkeypatch):
+    """The whole-row threshold runs when some sampled row needs it, not otherwise."""
+    rng = np.random.default_rng(5)
+    v = 700
+    flat = torch.from_numpy(rng.normal(size=(2, v)).astype(np.float32)) * 0.05
+    widths = []
+    real = step_targets.threshold_over_head
+    monkeypatch.setattr(step_targets, "threshold_over_head", lambda s, *a: widths.append(a[2]) or real(s, *a))
+    params = [SamplingParams(top_p=0.9, seed=1), SamplingParams(temperature=0)]
+    _in_step(flat * 200, params, [0, 0], draw=0, whole_rows=True)
+    assert widths == [256]
+    widths.clear()
+    _in_step(flat, params, [0, 0], draw=0, whole_rows=True)
+    assert widths == [256, v]
 
 
 def test_the_host_sampler_reads_no_more_than_the_head_where_the_step_is_exact(monkeypatch):
@@ -157,3 +181,19 @@ def test_compiled_without_graph_breaks_gives_the_eager_tokens():
     eager = sample_targets(logits, *arrays)
     compiled = torch.compile(sample_targets, fullgraph=True, dynamic=False)(logits, *arrays)
     assert torch.equal(compiled[0], eager[0]) and bool(compiled[1]) == bool(eager[1])
+
+
+def test_compiled_whole_rows_branch_inside_and_give_the_eager_tokens():
+    """``whole_rows`` compiles to a ``torch.cond`` (no graph break): both of its branches give the
+    eager tokens, which are the host sampler's."""
+    rng = np.random.default_rng(6)
+    v, n = 600, 4
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=s) for s in range(n - 1)] + [SamplingParams(temperature=0)]
+    arrays = [torch.from_numpy(a) for a in TargetRows.build(params, list(range(n)), v, lambda: 0).arrays()]
+    compiled = torch.compile(sample_targets, fullgraph=True, dynamic=False)
+    for scale in (0.05, 8.0):  # flat rows take the whole-row branch, peaked ones do not
+        logits = torch.from_numpy(rng.normal(size=(n, v)).astype(np.float32)) * scale
+        eager = sample_targets(logits, *arrays, whole_rows=True)
+        got = compiled(logits, *arrays, whole_rows=True)
+        assert torch.equal(got[0], eager[0]) and bool(got[1]) and bool(eager[1])
+        assert torch.equal(eager[0], _host(logits, params, list(range(n)), 0))
