@@ -62,7 +62,7 @@ FORMAT = 3  # bump when what a package computes changes without the inputs of it
 # template's kernels, inlined into the package, run 2-8x faster than a library call (the shipped
 # model's plain step: 1.2-1.3 ms against 2.0-2.5 ms), for ~3 s of compile time per GEMM shape.
 # The timings stay out of the server's log. MINDSPEC_AUTOTUNE_GEMMS=0 leaves every GEMM to ATen:
-# packages compile in about half the time and run slower.
+# packages compile in about a third of the time and run slower.
 INDUCTOR_CONFIGS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                     "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
 AUTOTUNE_ENV = "MINDSPEC_AUTOTUNE_GEMMS"
