@@ -80,6 +80,9 @@ def test_tree_sampling_matches_target_distribution(checkpoint):
 
 
 def _check_distribution(checkpoint, params, plugin_params, num_samples):
+    # The unseeded requests draw their noise keys from torch's generator: a fixed sample, so that
+    # an exact sampler cannot fail the 1.5x-noise bound by chance (~0.5 % of runs, seen once in CI).
+    torch.manual_seed(2026)
     llm = LLM(model=str(checkpoint), dtype="float32", cache_block_size=16, num_blocks=2100, progress=False,
               max_batch_size=2048, max_prefill_batch_size=2048, max_prefill_tokens=10**6,
               plugin_params=plugin_params)
