@@ -189,6 +189,12 @@ class Backend(ABC):
         """Whether ``capture_graph`` works here (CUDA graphs on the cuda backend). Default: no."""
         return False
 
+    @property
+    def steps_branch(self) -> bool:
+        """Whether a step may branch on its own values (``torch.cond``, or an ``if`` eagerly):
+        not where steps replay as captured graphs."""
+        return not self.supports_graph_capture
+
     def capture_graph(self, fn: Callable[[], object]):
         """Record the device work of ``fn`` once -> an object with ``replay()`` and ``outputs``
         (what fn returned: static tensors that each replay rewrites)."""

@@ -65,9 +65,7 @@ class ModelWrapper:
     ):
         self.model_dir = Path(model_dir)
         self.backend = backend if isinstance(backend, Backend) else get_backend(backend, device)
-        # A step may branch on its own values (step_targets' whole-row thresholds) unless it is
-        # replayed as a captured graph.
-        self.whole_rows = not self.backend.supports_graph_capture
+        self.whole_rows = self.backend.steps_branch  # step_targets' whole-row thresholds
         self.dtype = parse_dtype(dtype)
         self.hf_config = read_hf_config(model_dir, supported_model_types())
         # Decode steps as captured graphs (graph_runner.py, set up with the cache) where the backend

@@ -78,7 +78,7 @@ def _decode(model, b, caches, meta: AttentionMetadata, n_meta: int, tree: bool, 
             m.tree_mask = mask
         out = model.forward(ids, pos, b.bind_cache_tensors(caches, list(rest[n_meta:])), m, lm)
         tokens = (out.logits.argmax(dim=-1) if sampling is None
-                  else decided_targets(out.logits, sampling, not b.supports_graph_capture))
+                  else decided_targets(out.logits, sampling, b.steps_branch))
         return out.logits, out.hidden_states, tokens
 
     return run
@@ -129,7 +129,7 @@ def _speculative(model, b, caches, meta: AttentionMetadata, steps: list[tuple], 
         if not hidden_cache:
             out = forward(first[0])
             return out.logits, out.hidden_states, out.draft_tokens
-        out = speculative_step(forward, DeviceHiddenCache.of(first[0], list(first[1:])), not b.supports_graph_capture)
+        out = speculative_step(forward, DeviceHiddenCache.of(first[0], list(first[1:])), b.steps_branch)
         return out.logits, out.hidden_states, out.draft_tokens, out.greedy_tokens, out.accepted_drafts
 
     return run
