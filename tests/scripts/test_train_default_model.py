@@ -28,9 +28,17 @@ def _args(train, out, **kw):
     return train.parse_args(argv)
 
 
-def test_short_training_saves_a_loadable_checkpoint(tmp_path):
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One short training run (2 steps on 8 files) shared by the tests that read its checkpoint
+    or start from it: -> (checkpoint directory, the metrics train() returned)."""
     train = _script()
-    metrics = train.train(_args(train, tmp_path, max_files=8))
+    out = tmp_path_factory.mktemp("trained")
+    return out, train.train(_args(train, out, max_files=8))
+
+
+def test_short_training_saves_a_loadable_checkpoint(trained):
+    tmp_path, metrics = trained
     assert len(metrics["mtp_top1_agreement"]) == 3 and metrics["heldout_loss"] > 0
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["model_type"] == "deepseek_v3" and cfg["num_nextn_predict_layers"] == 3
@@ -70,22 +78,20 @@ def _tensors(path):
     return load_file(str(path / "model.safetensors"))
 
 
-def test_load_reads_back_what_save_wrote(tmp_path):
-    train = _script()
-    train.train(_args(train, tmp_path, max_files=8))
-    model, tokenizer = train.load(tmp_path)
-    train.save(model, tmp_path, tmp_path / "again")
-    first, again = _tensors(tmp_path), _tensors(tmp_path / "again")
+def test_load_reads_back_what_save_wrote(trained, tmp_path):
+    train, (checkpoint, _) = _script(), trained
+    model, tokenizer = train.load(checkpoint)
+    train.save(model, checkpoint, tmp_path / "again")
+    first, again = _tensors(checkpoint), _tensors(tmp_path / "again")
     assert first.keys() == again.keys() and all(first[k].equal(again[k]) for k in first)
-    assert tokenizer.get_vocab() == json.loads((tmp_path / "tokenizer.json").read_text())["model"]["vocab"]
+    assert tokenizer.get_vocab() == json.loads((checkpoint / "tokenizer.json").read_text())["model"]["vocab"]
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        assert (tmp_path / "again" / name).read_bytes() == (tmp_path / name).read_bytes()
+        assert (tmp_path / "again" / name).read_bytes() == (checkpoint / name).read_bytes()
 
 
-def test_distillation_trains_only_the_mtp_modules(tmp_path):
-    train = _script()
-    pre, out = tmp_path / "pre", tmp_path / "distilled"
-    train.train(_args(train, pre, max_files=8))
+def test_distillation_trains_only_the_mtp_modules(trained, tmp_path):
+    train, (pre, _) = _script(), trained
+    out = tmp_path / "distilled"
     metrics = train.main(_args(train, out, max_files=8, distill_from=pre, distill_steps=3, distill_sequences=4,
                                distill_prompt_tokens=8))
     d = metrics["mtp_distillation"]
@@ -111,8 +117,7 @@ def test_distillation_trains_only_the_mtp_modules(tmp_path):
     assert mtp.generate(prompt, greedy)[0].token_ids == plain.generate(prompt, greedy)[0].token_ids
 
 
-def test_distillation_rejects_a_prompt_longer_than_the_window(tmp_path):
-    train = _script()
-    train.train(_args(train, tmp_path / "pre", max_files=8))
+def test_distillation_rejects_a_prompt_longer_than_the_window(trained, tmp_path):
+    train, (pre, _) = _script(), trained
     with pytest.raises(ValueError, match="--distill-prompt-tokens"):
-        train.distill(_args(train, tmp_path / "out", max_files=8, distill_prompt_tokens=64), tmp_path / "pre", tmp_path / "out")
+        train.distill(_args(train, tmp_path / "out", max_files=8, distill_prompt_tokens=64), pre, tmp_path / "out")
