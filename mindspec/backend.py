@@ -20,9 +20,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-
-class BackendError(RuntimeError):
-    """A backend cannot be created here (unknown name, missing device or library)."""
+from mindspec.backend_error import BackendError  # noqa: F401 (re-exported: backends raise it from here)
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,12 +15,12 @@ import sys
 from dataclasses import replace
 from typing import Optional, Sequence
 
-from mindspec.backend import BackendError
+# Nothing imported at the top loads torch: --help, ``configs`` and argument errors answer at once.
+from mindspec.backend_error import BackendError
 from mindspec.config.plugin_params import PluginParamsError
 from mindspec.engine.errors import RequestRejected
 from mindspec.modeling.errors import CheckpointError
 from mindspec.plugins.plugin import PluginError
-from mindspec.text_generator.sampling.params import SamplingParamsError
 from mindspec.text_generator.tokenizer import TokenizerError
 
 DEBUG_ENV = "MINDSPEC_DEBUG"
@@ -32,9 +32,9 @@ class CliError(Exception):
 
 # Errors caused by the user's input: one line on stderr, exit code 2, a traceback only with --debug.
 # BackendError: an unknown backend, or cuda/npu asked for where they cannot run. ValueError covers
-# ConfigError, ModelConfigError and the value checks of LLM's keywords.
+# ConfigError, ModelConfigError, SamplingParamsError and the value checks of LLM's keywords.
 USER_ERRORS = (
-    CliError, BackendError, CheckpointError, PluginParamsError, PluginError, RequestRejected, SamplingParamsError,
+    CliError, BackendError, CheckpointError, PluginParamsError, PluginError, RequestRejected,
     TokenizerError, ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError,
 )
 

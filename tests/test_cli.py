@@ -138,6 +138,17 @@ def test_options_apply_to_the_shipped_model():
     assert on.stdout == off.stdout  # lossless: greedy output is the same with and without MTP
 
 
+def test_help_configs_and_argument_errors_do_not_load_torch():
+    """The command line module imports nothing that loads torch (its import alone took ~2-3 s),
+    so --help, ``configs`` and argparse's errors answer at once."""
+    probe = "import sys, mindspec.cli; print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))"
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout + res.stderr
+    assert _run("--help").returncode == 0
+    bad = _run("generate", "--max-tokens", "many")
+    assert bad.returncode == 2 and "--max-tokens" in bad.stderr
+
+
 def test_configs_lists_prints_and_copies_the_shipped_configs(tmp_path):
     configs = Path(__file__).resolve().parents[1] / "configs"
     listed = _run("configs")
