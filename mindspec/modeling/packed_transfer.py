@@ -55,6 +55,14 @@ class PackedLayout:
         for a, (dt, _, off) in zip(arrays, self.fields):
             raw[off : off + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
 
+    def host_views(self, buffer: torch.Tensor) -> list[np.ndarray]:
+        """Typed numpy arrays over a host uint8 ``buffer`` [>= nbytes], one per field: a caller
+        that fills the same buffer every step keeps them and assigns into them (``write`` makes
+        each field's view again, ~8x slower for a step's few dozen arrays)."""
+        raw = buffer.numpy()
+        return [raw[off : off + dt.itemsize * int(np.prod(shape, dtype=np.int64))].view(dt).reshape(shape)
+                for dt, shape, off in self.fields]
+
     def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Typed tensors over ``buffer`` (uint8 [nbytes], any device), one per field."""
         out = []

@@ -30,6 +30,20 @@ def test_views_round_trip_every_dtype_and_shape():
     assert all(off % ALIGN == 0 for _, _, off in layout.fields) and layout.nbytes % ALIGN == 0
 
 
+def test_host_views_share_the_buffer_the_device_views_read():
+    """Values assigned into the host views (what a static cpu buffer is loaded through) are what
+    the typed views of the same buffer hold, every dtype and shape, zero-size fields included."""
+    arrays = _arrays()
+    layout = PackedLayout.of(arrays)
+    buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    host = layout.host_views(buffer)
+    for view, a in zip(host, arrays):
+        assert view.dtype == a.dtype and view.shape == a.shape
+        view[...] = a
+    for t, a in zip(layout.views(buffer), arrays):
+        assert np.array_equal(t.numpy(), a)
+
+
 def test_stage_refuses_arrays_of_another_layout():
     arrays = _arrays()
     layout = PackedLayout.of(arrays)
