@@ -4,15 +4,18 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
-from mindspec.distributed.launch import MODEL_CONFIG_PATH, build_engine
-from mindspec.distributed.parallel_config import ParallelConfig
+# Nothing imported here loads torch: the model's arguments (a config's errors among them) are
+# resolved before the engine's modules load, which takes seconds.
+from mindspec.distributed.parallel_config import MODEL_CONFIG_PATH, ParallelConfig
 from mindspec.engine.args import EngineArgs
-from mindspec.engine.llm_engine import LLMEngine, Prompt
-from mindspec.engine.outputs import RequestOutput
 from mindspec.engine.scheduler import SchedulerConfig
-from mindspec.text_generator.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from mindspec.engine.llm_engine import Prompt
+    from mindspec.engine.outputs import RequestOutput
+    from mindspec.text_generator.sampling.params import SamplingParams
 
 
 class LLM:
@@ -80,6 +83,8 @@ class LLM:
             )
         # the keyword beats $MINDSPEC_CPU_THREADS, which beats the config's cpuThreads
         args.apply_cpu_threads(cpu_threads)
+        from mindspec.distributed.launch import build_engine
+
         with _environ(args.rank_thread_env(parallel.is_distributed)):  # while dp ranks start
             self.engine = build_engine(args, parallel, where)
 

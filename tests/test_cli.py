@@ -149,6 +149,25 @@ def test_help_configs_and_argument_errors_do_not_load_torch():
     assert bad.returncode == 2 and "--max-tokens" in bad.stderr
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["--config", "{config}"], "maxBatchSize"),
+    (["--top-p", "2"], "top_p"),
+])
+def test_config_and_sampling_errors_answer_before_torch_loads(tmp_path, args, needle):
+    """`generate`'s one-line errors about its config or sampling options come before the engine's
+    modules (torch) load, which took 4-8 s."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"BackendConfig": {"ModelDeployConfig": {"ModelConfig": [{}]},
+                                                 "ScheduleConfig": {"maxBatchSize": -3}}}))
+    argv = ["generate", "--prompt", "x", *(a.format(config=cfg) for a in args)]
+    probe = (f"import sys, mindspec.cli; rc = mindspec.cli.main({argv!r}); "
+             "print(rc, sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    env = {k: v for k, v in os.environ.items() if k != "MINDSPEC_DEBUG"}
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    assert res.stdout.strip() == "2 []", res.stdout + res.stderr
+    assert res.stderr.startswith("mindspec: error: ") and needle in res.stderr and res.stderr.count("\n") == 1
+
+
 def test_configs_lists_prints_and_copies_the_shipped_configs(tmp_path):
     configs = Path(__file__).resolve().parents[1] / "configs"
     listed = _run("configs")

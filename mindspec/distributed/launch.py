@@ -221,9 +221,6 @@ def exit_without_teardown(code: int) -> None:
 
 
 # ---- entry point for LLM and the server -------------------------------------------------------------
-MODEL_CONFIG_PATH = "BackendConfig.ModelDeployConfig.ModelConfig[0]."
-
-
 def build_engine(args: EngineArgs, parallel: Optional[ParallelConfig] = None, prefix: str = ""):
     """A plain LLMEngine for one process; else rank 0 of a local multi-process engine."""
     if parallel is None or not parallel.check(prefix).is_distributed:

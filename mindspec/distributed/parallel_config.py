@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+# Where a MindIE config.json keeps the parallel fields: the prefix of their error messages.
+MODEL_CONFIG_PATH = "BackendConfig.ModelDeployConfig.ModelConfig[0]."
 DEFAULT_TIMEOUT_S = 600.0  # MindIE's tokenTimeout default; collectives wait at most this long
 
 

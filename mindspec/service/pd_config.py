@@ -6,7 +6,7 @@ from typing import Optional
 
 from mindspec.config.mindie_config import ConfigError, MindieConfig
 from mindspec.config.plugin_params import parse_plugin_params
-from mindspec.distributed.launch import MODEL_CONFIG_PATH
+from mindspec.distributed.parallel_config import MODEL_CONFIG_PATH
 
 # the MTP plugin's pd_role for each node role (MindIE: both P and D must configure MTP)
 MTP_ROLE = {"prefill": "prefill", "decode": "decode"}

@@ -11,6 +11,7 @@ import uvicorn
 
 from mindspec.config.mindie_config import MindieConfig, load_config
 from mindspec.distributed import launch
+from mindspec.distributed.parallel_config import MODEL_CONFIG_PATH
 from mindspec.engine.args import EngineArgs
 
 from .app import apps_by_port
@@ -49,8 +50,8 @@ def build_engine(config: MindieConfig):
     """One process; rank 0 of spawned local ranks (worldSize > 1); rank 0 under torchrun."""
     args, parallel = engine_args(config), config.model.parallel
     if launch.torchrun_env() is not None:
-        return launch.join_torchrun(args, parallel, launch.MODEL_CONFIG_PATH)
-    return launch.build_engine(args, parallel, launch.MODEL_CONFIG_PATH)
+        return launch.join_torchrun(args, parallel, MODEL_CONFIG_PATH)
+    return launch.build_engine(args, parallel, MODEL_CONFIG_PATH)
 
 
 def build_state(config: MindieConfig, api_key: Optional[str] = None) -> ServiceState:
@@ -148,6 +149,6 @@ def run(config_path: Optional[str] = None, api_key: Optional[str] = None) -> int
     config = resolve_config(config_path)
     torchrun = launch.torchrun_env()
     if torchrun is not None and torchrun[0] != 0:  # a follower rank: no HTTP, rank 0's steps
-        return launch.follow(launch.join_torchrun(engine_args(config), config.model.parallel, launch.MODEL_CONFIG_PATH))
+        return launch.follow(launch.join_torchrun(engine_args(config), config.model.parallel, MODEL_CONFIG_PATH))
     asyncio.run(serve(config, api_key or os.environ.get("MINDSPEC_API_KEY")))
     return 0

@@ -1,26 +1,28 @@
-"""Sampling: per-request params, per-step metadata, penalties and the batched sampler."""
-from .metadata import SamplingMetadata
-from .params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
-from .penalties import apply_penalties
-from .sampler import (
-    Sampler,
-    SamplerOutput,
-    filter_logits,
-    penalised_logits,
-    probs_from_penalised,
-    processed_probs,
-)
+"""Sampling: per-request params, per-step metadata, penalties and the batched sampler.
 
-__all__ = [
-    "MAX_LOGPROBS",
-    "SamplingParams",
-    "SamplingParamsError",
-    "SamplingMetadata",
-    "apply_penalties",
-    "Sampler",
-    "SamplerOutput",
-    "filter_logits",
-    "penalised_logits",
-    "probs_from_penalised",
-    "processed_probs",
-]
+The torch-backed names load on first use, so ``sampling.params`` (a request's parameters and
+their errors) imports without torch: the command line checks them before the engine loads."""
+from importlib import import_module
+
+from .params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+
+_LAZY = {
+    "SamplingMetadata": ".metadata",
+    "apply_penalties": ".penalties",
+    "Sampler": ".sampler",
+    "SamplerOutput": ".sampler",
+    "filter_logits": ".sampler",
+    "penalised_logits": ".sampler",
+    "probs_from_penalised": ".sampler",
+    "processed_probs": ".sampler",
+}
+
+__all__ = ["MAX_LOGPROBS", "SamplingParams", "SamplingParamsError", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
