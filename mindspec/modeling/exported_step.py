@@ -478,20 +478,38 @@ def _flatten(pairs: list[tuple[torch.Tensor, dict]]) -> tuple[list[torch.Tensor]
     return [t for t, _ in pairs], [d for _, d in pairs]
 
 
-def _code_fingerprint(model, backend) -> str:
-    """The source of what a package computes: the model's and the backend's packages, the
-    backend interface, this package (the steps' recipes, acceptance and the hidden cache) and
-    the sampler's (targets sampled inside a step); a source checkout edited in place changes it."""
+# Files of this package that no traced step runs (the host's padding, buffers, compile workers,
+# accounting, converters): editing them leaves every package valid, so they are not part of the
+# code fingerprint (tests/modeling/test_step_recipes.py checks that exports never run them).
+HOST_ONLY_FILES = frozenset({
+    "aoti_runner.py", "background_compiles.py", "compile_worker.py", "fp8_convert.py", "gguf_convert.py",
+    "graph_runner.py", "launch_signal.py", "packed_transfer.py", "prefill_padding.py", "random_checkpoint.py",
+    "step_accounting.py", "tree_padding.py",
+})
+
+
+def fingerprinted_files(model, backend) -> list[Path]:
+    """The source of what a package computes: the model's and the backend's packages, the backend
+    interface, the expert-parallel routing the MoE layers call, this package (the steps' recipes,
+    acceptance, the hidden cache, the weights' loaders) but its host-only files, and the sampler's
+    (targets sampled inside a step)."""
     import inspect
 
     from mindspec import backend as interface
+    from mindspec.distributed import expert_parallel, parallel_state
     from mindspec.text_generator.sampling import step_targets
 
-    h = hashlib.sha256()
-    files = [Path(inspect.getfile(interface))]
+    files = [Path(inspect.getfile(m)) for m in (interface, expert_parallel, parallel_state)]
     for module_file in (inspect.getfile(type(model)), inspect.getfile(type(backend)), __file__,
                         inspect.getfile(step_targets)):
         files += sorted(Path(module_file).parent.glob("*.py"))
-    for f in files:
+    here = Path(__file__).parent
+    return [f for f in files if not (f.parent == here and f.name in HOST_ONLY_FILES)]
+
+
+def _code_fingerprint(model, backend) -> str:
+    """A hash of ``fingerprinted_files``: a source checkout edited in place changes it."""
+    h = hashlib.sha256()
+    for f in fingerprinted_files(model, backend):
         h.update(f.name.encode() + f.read_bytes())
     return h.hexdigest()

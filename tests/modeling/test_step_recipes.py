@@ -1,6 +1,9 @@
 """A step saved as a recipe (what a compile worker exports from, step_recipes.py) and exported
 from it with the model loaded again from the checkpoint computes what the serving process's
 step computes: plain, MTP speculative and draft-tree steps, on the inputs the engine padded."""
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -52,7 +55,10 @@ def _check_round_trip(llm, key, args, caches, tensors, dims, tmp_path):
     recipe = StepRecipe.load(path)
     assert recipe.kind == key[0] and recipe.signature == key[1] and len(recipe.inputs) == len(tensors) - len(caches)
 
-    program = export_recipe(recipe)  # what a worker does: its own model, its own caches
+    with _files_run() as ran:
+        program = export_recipe(recipe)  # what a worker does: its own model, its own caches
+    fingerprinted = set(exported_step.fingerprinted_files(compiled.model, compiled.backend))
+    assert ran and ran <= fingerprinted, sorted(map(str, ran - fingerprinted))
 
     # Both run on the serving process's inputs over copies of one cache state (a step writes its
     # new entries before reading them, so both see the same cache).
@@ -65,6 +71,29 @@ def _check_round_trip(llm, key, args, caches, tensors, dims, tmp_path):
     assert len(got) == len(expected)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+_REPO = Path(__file__).resolve().parents[2]
+
+
+class _files_run:
+    """The repository's source files whose functions are called on this thread inside the block:
+    what an export reads besides torch."""
+
+    def __enter__(self) -> set:
+        self.files: set[Path] = set()
+
+        def profile(frame, event, arg):
+            if event == "call":
+                path = Path(frame.f_code.co_filename)
+                if path.is_relative_to(_REPO) and "tests" not in path.relative_to(_REPO).parts:
+                    self.files.add(path)
+
+        sys.setprofile(profile)
+        return self.files
+
+    def __exit__(self, *exc) -> None:
+        sys.setprofile(None)
 
 
 @pytest.mark.slow
@@ -89,6 +118,11 @@ def test_padded_prefills_rebuilt_from_recipes_compute_the_same(checkpoint, tmp_p
     llm, key, *_ = steps[kind]
     assert key[1][0][1] == (32,)  # the prompts of 5 and 9 tokens, 16 rows each
     _check_round_trip(*steps[kind], tmp_path)
+
+
+def test_the_host_only_files_left_out_of_the_code_fingerprint_exist():
+    here = Path(exported_step.__file__).parent
+    assert sorted(n for n in exported_step.HOST_ONLY_FILES if not (here / n).is_file()) == []
 
 
 def test_a_recipe_file_must_hold_a_recipe(tmp_path):
