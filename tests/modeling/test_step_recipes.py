@@ -58,8 +58,8 @@ def _check_round_trip(llm, key, args, caches, tensors, dims, tmp_path):
 
     with _files_run() as ran:
         program = export_recipe(recipe)  # what a worker does: its own model, its own caches
-    fingerprinted = set(exported_step.fingerprinted_files(compiled.model, compiled.backend))
-    assert ran and ran <= fingerprinted, sorted(map(str, ran - fingerprinted))
+    fingerprinted = {str(f) for f in exported_step.fingerprinted_files(compiled.model, compiled.backend)}
+    assert ran and ran <= fingerprinted, sorted(ran - fingerprinted)
 
     # Both run on the serving process's inputs over copies of one cache state (a step writes its
     # new entries before reading them, so both see the same cache).
@@ -78,12 +78,11 @@ _REPO = Path(__file__).resolve().parents[2]
 
 
 class _files_run:
-    """The repository's source files whose functions are called on this thread inside the block:
-    what an export runs besides torch. (A trace function sees only new frames, so it costs far
-    less than a profile function, which also sees every return and C call.)"""
+    """The paths of the repository's source files whose functions are called on this thread
+    inside the block: what an export runs besides torch. (A trace function sees only new frames,
+    so it costs far less than a profile function, which also sees every return and C call.)"""
 
     def __enter__(self) -> set:
-        self.files: set[Path] = set()
         names: set[str] = set()
         repo, tests = f"{_REPO}{os.sep}", f"{_REPO / 'tests'}{os.sep}"
 
@@ -93,13 +92,11 @@ class _files_run:
                 names.add(name)
             return None  # no line events
 
-        self.names = names
         sys.settrace(trace)
-        return self.files
+        return names
 
     def __exit__(self, *exc) -> None:
         sys.settrace(None)
-        self.files.update(Path(n) for n in self.names)
 
 
 @pytest.mark.slow
