@@ -20,6 +20,7 @@ from mindspec.backend_error import BackendError
 from mindspec.config.plugin_params import PluginParamsError
 from mindspec.engine.errors import RequestRejected
 from mindspec.modeling.errors import CheckpointError
+from mindspec.modeling.model_path import check_model_path
 from mindspec.plugins.plugin import PluginError
 from mindspec.text_generator.tokenizer import TokenizerError
 
@@ -206,6 +207,7 @@ def _apply_threads(config, threads: Optional[int]) -> None:
     from mindspec.engine.args import EngineArgs
 
     engine_args = EngineArgs.from_mindie_config(config)
+    check_model_path(engine_args.model)
     engine_args.apply_cpu_threads(threads)
     # the server's dp ranks (spawned, or torchrun's share_host_cores here) read the count from there
     os.environ.update(engine_args.rank_thread_env(config.model.parallel.is_distributed))

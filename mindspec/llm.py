@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 from mindspec.distributed.parallel_config import MODEL_CONFIG_PATH, ParallelConfig
 from mindspec.engine.args import EngineArgs
 from mindspec.engine.scheduler import SchedulerConfig
+from mindspec.modeling.model_path import check_model_path
 
 if TYPE_CHECKING:
     from mindspec.engine.llm_engine import Prompt
@@ -81,6 +82,7 @@ class LLM:
                 progress=progress,
                 **{k: v for k, v in given.items() if v is not None},
             )
+        check_model_path(args.model)  # before torch loads: a wrong path answers at once
         # the keyword beats $MINDSPEC_CPU_THREADS, which beats the config's cpuThreads
         args.apply_cpu_threads(cpu_threads)
         from mindspec.distributed.launch import build_engine

@@ -15,7 +15,7 @@ from typing import Optional, Sequence as Seq, Union
 import torch
 
 from mindspec.config.plugin_params import PluginParams, parse_plugin_params
-from mindspec.modeling.gguf_file import is_gguf
+from mindspec.modeling.model_path import is_gguf
 from mindspec.modeling.loader import checkpoint_keys
 from mindspec.modeling.model_wrapper import ModelWrapper
 from mindspec.modeling.step_accounting import account_decode_steps

@@ -44,9 +44,10 @@ import torch
 
 from mindspec.modeling.aoti_runner import ReleasedRunner, open_released
 from mindspec.modeling.background_compiles import DONE, PENDING, BackgroundCompiles
-from mindspec.modeling.gguf_file import is_gguf, split_files
+from mindspec.modeling.gguf_file import split_files
 from mindspec.modeling.hidden_cache import speculative_step
 from mindspec.modeling.launch_signal import LaunchSignal
+from mindspec.modeling.model_path import is_gguf
 from mindspec.modeling.prefill_padding import compiled_prefill_rows
 from mindspec.modeling.random_checkpoint import MANIFEST
 from mindspec.modeling.step_accounting import outside_accounting

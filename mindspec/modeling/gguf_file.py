@@ -18,15 +18,11 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
 from .errors import CheckpointError, NotACheckpointError, UnsupportedCheckpointError
+from .model_path import GGUF_SUFFIX as SUFFIX, check_model_path
 
-SUFFIX = ".gguf"
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 # GGUF architecture -> the module that maps it onto a Hugging Face layout (hf_config, hf_tensors)
 GGUF_ARCHITECTURES = {"deepseek2": "mindspec.models.deepseekv2.gguf_layout"}
-
-
-def is_gguf(path: str | Path) -> bool:
-    return str(path).endswith(SUFFIX)
 
 
 @dataclass(frozen=True)
@@ -87,8 +83,7 @@ class GgufCheckpoint:
 
 def split_files(path: Path) -> list[Path]:
     """[path] for a single file; every shard, in order, for any shard of a split set."""
-    if not path.is_file():
-        raise NotACheckpointError(f"GGUF file {str(path)!r} does not exist")
+    check_model_path(path)
     m = _SPLIT.match(path.name)
     if m is None:
         return [path]

@@ -19,9 +19,9 @@ from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from .fp8 import BlockFp8Format, Fp8Weight, ScalePairing, checkpoint_quantization
-from .gguf_file import is_gguf
 from .gguf_loader import gguf_hf_config, gguf_keys, load_gguf
 from .gguf_quants import GgufWeight
+from .model_path import check_model_dir, is_gguf
 from .random_checkpoint import MANIFEST, RandomWeights
 from .errors import (
     CheckpointError,
@@ -45,13 +45,9 @@ class WeightSpec:
 
 def read_hf_config(model_dir: str | Path, supported_model_types: Iterable[str] = ("deepseek_v2", "deepseek_v3")) -> dict:
     """config.json of a checkpoint directory, or its equivalent from a GGUF file's metadata."""
-    path = Path(model_dir)
-    if is_gguf(path):
-        return gguf_hf_config(path)
-    if not path.exists():
-        raise NotACheckpointError(f"model directory {str(path)!r} does not exist")
-    if not path.is_dir():
-        raise NotACheckpointError(f"{str(path)!r} is not a directory; pass the checkpoint directory")
+    if is_gguf(model_dir):
+        return gguf_hf_config(Path(model_dir))
+    path = check_model_dir(model_dir)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise NotACheckpointError(f"{str(path)!r} is not a model checkpoint: it has no config.json")
@@ -76,11 +72,7 @@ MEDUSA_HEADS_FILE = "medusa_lm_head.safetensors"  # Medusa's own name for its he
 
 def find_checkpoint_files(model_dir: str | Path) -> tuple[list[Path], dict[str, Path]]:
     """(files, weight_map); weight_map is empty for unindexed checkpoints."""
-    path = Path(model_dir)
-    if not path.exists():
-        raise NotACheckpointError(f"model directory {str(path)!r} does not exist")
-    if not path.is_dir():
-        raise NotACheckpointError(f"{str(path)!r} is not a directory; pass the checkpoint directory")
+    path = check_model_dir(model_dir)
     index = path / INDEX_FILE
     if index.is_file():
         try:
