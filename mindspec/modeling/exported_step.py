@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -439,13 +440,23 @@ def _export(run: Callable, tensors: list[torch.Tensor], dims: list[dict]) -> tor
         return torch.export.export(_Graph(run), tuple(tensors), dynamic_shapes=(spec,), strict=False)
 
 
+# Deprecation warnings torch raises against its own code while compiling (a graph's deepcopy makes
+# LeafSpecs; the GEMM timing reads a TypedStorage): nothing a user of mindspec can act on.
+TORCH_COMPILE_NOISE = (
+    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),
+    (r"TypedStorage is deprecated", UserWarning),
+)
+
+
 def compile_package(program: torch.export.ExportedProgram, path: Path) -> None:
     """AOTInductor-compile ``program`` into the package ``path``, written atomically (another
     process compiling the same step writes the same file)."""
     start = time.perf_counter()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")
-    with torch.inference_mode(False), torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
+        for message, category in TORCH_COMPILE_NOISE:
+            warnings.filterwarnings("ignore", message=message, category=category)
         torch._inductor.aoti_compile_and_package(program, package_path=str(tmp),
                                                   inductor_configs=inductor_configs())  # torch adds to it
     os.replace(tmp, path)

@@ -99,10 +99,10 @@ def test_compiled_steps_give_the_eager_tokens_and_a_restart_loads_them(checkpoin
 
 
 @pytest.mark.slow
-def test_packages_inline_the_gemm_templates_inductor_timed_faster(checkpoint, cache_dir, monkeypatch):
+def test_packages_inline_the_gemm_templates_inductor_timed_faster(checkpoint, cache_dir, monkeypatch, recwarn):
     """The default options: every GEMM of a package timed against ATen's kernel at compile time,
     and at these skinny shapes Inductor's C++ template wins and is inlined; the tokens stay the
-    eager ones."""
+    eager ones. Compiling prints none of torch's warnings against its own code."""
     monkeypatch.delenv(exported_step.AUTOTUNE_ENV)
     expected = _tokens(_llm(checkpoint, decode_graphs=False, max_batch_size=1), GREEDY)
     llm = _llm(checkpoint, decode_graphs=True, max_batch_size=1)
@@ -110,6 +110,8 @@ def test_packages_inline_the_gemm_templates_inductor_timed_faster(checkpoint, ca
     stats = llm.engine.model_wrapper.compiled.stats
     assert stats.failed == 0 and stats.calls > 0 and all(n.startswith("decode-") for n in stats.by_key)
     assert all(_uses_cpp_gemm(cache_dir / "steps" / f"{n}.pt2") for n in stats.by_key)
+    assert stats.compiled > 0  # so the warnings below would have been raised here
+    assert not [str(w.message) for w in recwarn if "LeafSpec" in str(w.message) or "TypedStorage" in str(w.message)]
 
 
 @pytest.mark.slow
