@@ -96,8 +96,8 @@ class EngineArgs:
         """The checkpoint's hidden_size (config.json), for the cpu thread default; None if unreadable
         (the loader reports a bad checkpoint with its own error)."""
         from mindspec.modeling.errors import CheckpointError
-        from mindspec.modeling.model_path import is_gguf
         from mindspec.modeling.loader import read_hf_config
+        from mindspec.modeling.model_path import is_gguf
 
         try:
             if is_gguf(self.model):

@@ -15,8 +15,8 @@ from typing import Optional, Sequence as Seq, Union
 import torch
 
 from mindspec.config.plugin_params import PluginParams, parse_plugin_params
-from mindspec.modeling.model_path import is_gguf
 from mindspec.modeling.loader import checkpoint_keys
+from mindspec.modeling.model_path import is_gguf
 from mindspec.modeling.model_wrapper import ModelWrapper
 from mindspec.modeling.step_accounting import account_decode_steps
 from mindspec.plugins.plugin import load_plugin, plugin_class

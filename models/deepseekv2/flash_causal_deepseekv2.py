@@ -19,8 +19,8 @@ from typing import Callable, Optional
 import torch
 
 from mindspec.backend import AttentionMetadata, Backend, LatentCache
-from mindspec.modeling.model_path import is_gguf
 from mindspec.modeling.loader import checkpoint_keys, load_checkpoint
+from mindspec.modeling.model_path import is_gguf
 from mindspec.modeling.rotary import build_rotary, softmax_scale
 
 from .config import DeepseekV2Config, ModelConfigError
