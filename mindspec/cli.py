@@ -201,7 +201,8 @@ def check_ports_free(server_cfg) -> None:
 
 def _apply_threads(config, threads: Optional[int]) -> None:
     """--threads > $MINDSPEC_CPU_THREADS > the config's cpuThreads > the default policy, set before
-    the engine is built (a PD router runs no model)."""
+    the engine is built (a PD router runs no model); first the model path is checked, since
+    setting the threads loads torch."""
     if config.server.pd_role == "router":
         return
     from mindspec.engine.args import EngineArgs
