@@ -408,8 +408,10 @@ def _llm(model_dir: str, config: "speed.Config", num_blocks: int, max_batch: int
               async_scheduling=config.async_scheduling, max_batch_size=limit,
               max_prefill_batch_size=64, split_fuse=config.split_fuse)
     compiled = llm.engine.model_wrapper.compiled
-    if compiled is not None and not config.compile_prefill:
-        compiled.prefill_max_rows = 0
+    if compiled is not None:  # the steady state: each prompt bucket met compiles at once, or none does
+        compiled.prefill_at_once = config.compile_prefill
+        if not config.compile_prefill:
+            compiled.prefill_max_rows = 0
     return llm
 
 

@@ -24,7 +24,7 @@ while it computes; torch's loader, which holds the GIL, where that does not appl
 With ``workers`` > 0 a shape not in the cache is exported and compiled in a worker process
 (background_compiles.py), which loads the model itself from the step's recipe (step_recipes.py),
 while the step runs eagerly; without, it is exported and compiled on the calling thread, the
-step waiting for it.
+step waiting for it (a prefill bucket only once its eager runs have cost as long: prefill_compiles.py).
 
 Any failure (no C++ toolchain, an op export cannot trace) logs one warning per shape and that
 shape runs eagerly from then on: serving never depends on the compiler.
@@ -49,6 +49,7 @@ from mindspec.modeling.gguf_file import split_files
 from mindspec.modeling.hidden_cache import speculative_step
 from mindspec.modeling.launch_signal import LaunchSignal
 from mindspec.modeling.model_path import is_gguf
+from mindspec.modeling.prefill_compiles import DEFAULT_COMPILE_S, EagerPrefills, prefills_compile_at_once
 from mindspec.modeling.prefill_padding import compiled_prefill_rows
 from mindspec.modeling.random_checkpoint import MANIFEST
 from mindspec.modeling.step_accounting import outside_accounting
@@ -149,6 +150,9 @@ class ExportedSteps:
         self.export_after = 1
         self._misses: dict[tuple, int] = {}  # shape key -> steps run eagerly without a package
         self.prefill_max_rows = compiled_prefill_rows()  # prefills padded to more rows run eagerly
+        # Without workers a prefill bucket compiles once its eager runs have cost a compile's time.
+        self.prefill_at_once = prefills_compile_at_once()
+        self.eager_prefills = EagerPrefills()
         self._identity = {
             "format": FORMAT, "model": model_fingerprint(model_dir), "dtype": str(dtype),
             "backend": backend.name, "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -302,11 +306,19 @@ class ExportedSteps:
 
     def _due(self, key: tuple) -> bool:
         """Whether a shape met again is to be loaded or compiled now: at once when a package is
-        in the cache, else from its ``export_after``-th step on."""
+        in the cache, else from its ``export_after``-th step on (a prefill on the calling thread:
+        once its eager runs have cost what a compile takes, ``eager_prefills``)."""
+        if key[0] in (PREFILL, PREFILL_MTP) and self.background is None and not self.prefill_at_once:
+            return self.package_path(key).is_file() or self.eager_prefills.due(key, self._compile_s())
         if self.export_after <= 1:
             return True
         seen = self._misses[key] = self._misses.get(key, 0) + 1
         return seen >= self.export_after or self.package_path(key).is_file()
+
+    def _compile_s(self) -> float:
+        """What compiling one more package is expected to take: this process's mean so far, else
+        DEFAULT_COMPILE_S."""
+        return self.stats.compile_s / self.stats.compiled if self.stats.compiled else DEFAULT_COMPILE_S
 
     def wait_for_compiles(self) -> None:
         """Block until the workers have compiled every shape met so far, and load the packages."""
@@ -495,8 +507,8 @@ def _flatten(pairs: list[tuple[torch.Tensor, dict]]) -> tuple[list[torch.Tensor]
 # code fingerprint (tests/modeling/test_step_recipes.py checks that exports never run them).
 HOST_ONLY_FILES = frozenset({
     "aoti_runner.py", "background_compiles.py", "compile_worker.py", "fp8_convert.py", "gguf_convert.py",
-    "graph_runner.py", "launch_signal.py", "packed_transfer.py", "prefill_padding.py", "random_checkpoint.py",
-    "step_accounting.py", "tree_padding.py",
+    "graph_runner.py", "launch_signal.py", "packed_transfer.py", "prefill_compiles.py", "prefill_padding.py",
+    "random_checkpoint.py", "step_accounting.py", "tree_padding.py",
 })
 
 

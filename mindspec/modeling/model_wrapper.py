@@ -7,6 +7,7 @@ which backend or model class runs.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -146,7 +147,8 @@ class ModelWrapper:
             if out is not None:
                 return out
         device_targets = None if targets is None else to_device_packed(targets.arrays(), self.device)
-        return self.forward(to_device(inputs, self.device, tree_mask), targets=device_targets)
+        return self._eagerly(padded, lambda: self.forward(to_device(inputs, self.device, tree_mask),
+                                                          targets=device_targets))
 
     def _padded_prefill(self, inputs: ModelInputs) -> Optional[PaddedPrefill]:
         """``inputs`` padded to a compiled prefill's bucket, or None: it runs eagerly."""
@@ -165,6 +167,17 @@ class ModelWrapper:
         out = run(x)
         if out is not None:
             out.hidden_states = out.hidden_states[torch.from_numpy(padded.row_map).to(self.device)]
+        return out
+
+    def _eagerly(self, padded: Optional[PaddedPrefill], run):
+        """``run()``; for a prefill with a bucket but no package its time goes to the bucket's
+        eager seconds (prefill_compiles.py: a bucket compiles once they reach a compile's time).
+        Only the cpu backend compiles packages, and its eager forward returns when done."""
+        if padded is None:
+            return run()
+        start = time.perf_counter()
+        out = run()
+        self.compiled.eager_prefills.ran_eagerly(time.perf_counter() - start)
         return out
 
     def lm_head_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -201,7 +214,7 @@ class ModelWrapper:
                 x.input_ids, x.positions, x.meta, x.lm_head_indices, mtp_modules, self.caches, nxt))
             if out is not None:
                 return out
-        return self.forward_prefill_mtp(to_device(inputs, self.device), mtp_modules, nxt)
+        return self._eagerly(padded, lambda: self.forward_prefill_mtp(to_device(inputs, self.device), mtp_modules, nxt))
 
     def forward_speculative(
         self,
