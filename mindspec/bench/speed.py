@@ -143,7 +143,9 @@ def default_configs(ks: list[int], mtp_modules: int, bos: int, eos: int, compile
                 Config(f"{best} K=3 adaptive +compile", mtp(3, best, adaptive=True), decode_graphs=True),
                 # what the compiled prefill is worth, side by side
                 Config("mtp off +compile +eager prefill", decode_graphs=True, compile_prefill=False),
-                Config(f"{best} K=3 +compile +eager prefill", mtp(3, best), decode_graphs=True, compile_prefill=False)]
+                Config(f"{best} K=3 +compile +eager prefill", mtp(3, best), decode_graphs=True, compile_prefill=False),
+                Config(f"{best} K=3 adaptive +compile +eager prefill", mtp(3, best, adaptive=True), decode_graphs=True,
+                       compile_prefill=False)]
     if compiled and asynchronous:  # the host's work beside the package (no adaptive speculation under async)
         out += [Config("mtp off +compile +async", decode_graphs=True, async_scheduling=True),
                 Config(f"{best} K=3 +compile +async", mtp(3, best), decode_graphs=True, async_scheduling=True)]

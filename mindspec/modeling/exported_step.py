@@ -17,7 +17,7 @@ modification times), dtype, backend, thread count (generated loops are paralleli
 input shapes (the KV cache's included), torch version and the source of the model, the backend
 and the backend interface; it lives in ``step_cache_dir()``: a restart loads it in milliseconds
 instead of compiling again (tens of seconds per package on two cores). An unreadable package is
-compiled again. The weights are constants inside the package. A package runs through its model
+compiled again; the directory is kept under a size limit (step_cache.py). The weights are constants inside the package. A package runs through its model
 library's C ABI with the GIL released (aoti_runner.py), so async scheduling's host thread works
 while it computes; torch's loader, which holds the GIL, where that does not apply.
 
@@ -52,6 +52,7 @@ from mindspec.modeling.model_path import is_gguf
 from mindspec.modeling.prefill_compiles import DEFAULT_COMPILE_S, EagerPrefills, prefills_compile_at_once
 from mindspec.modeling.prefill_padding import compiled_prefill_rows
 from mindspec.modeling.random_checkpoint import MANIFEST
+from mindspec.modeling.step_cache import cache_limit_bytes, mark_used, prune
 from mindspec.modeling.step_accounting import outside_accounting
 from mindspec.modeling.step_recipes import DECODE, PREFILL, PREFILL_MTP, SPECULATIVE, TREE, StepRecipe, trace_fn
 
@@ -150,6 +151,7 @@ class ExportedSteps:
         self.export_after = 1
         self._misses: dict[tuple, int] = {}  # shape key -> steps run eagerly without a package
         self.prefill_max_rows = compiled_prefill_rows()  # prefills padded to more rows run eagerly
+        self.cache_limit = cache_limit_bytes()  # bytes of packages step_cache_dir() keeps
         # Without workers a prefill bucket compiles once its eager runs have cost a compile's time.
         self.prefill_at_once = prefills_compile_at_once()
         self.eager_prefills = EagerPrefills()
@@ -358,6 +360,7 @@ class ExportedSteps:
             runner = open_released(path) or torch._inductor.aoti_load_package(str(path))
             self.stats.compiled += 1
             self.stats.by_key[path.stem] = "compiled"
+            self._prune()
             return runner
         except Exception as exc:  # no toolchain, an untraceable op: run this shape eagerly
             return self._failed(path, first_line(exc))
@@ -395,9 +398,14 @@ class ExportedSteps:
             return self._failed(pending.path, job.error or "no package")
         self.stats.compiled += 1
         self.stats.by_key[pending.path.stem] = "compiled"
+        self._prune()
         log.info("the %s step %s compiled in %.0f s (worker process); it runs compiled from now on",
                  _kind(pending.path), pending.path.stem, job.seconds)
         return runner
+
+    def _prune(self) -> None:
+        """After a package is written: the cache cut back to its limit, sparing what this process runs."""
+        prune(step_cache_dir(), self.cache_limit, [n for n, state in self.stats.by_key.items() if state != "failed"])
 
     def _failed(self, path: Path, reason: str) -> None:
         log.warning("compiling the %s step %s failed (%s); it runs eagerly", _kind(path), path.stem, reason)
@@ -413,6 +421,7 @@ class ExportedSteps:
             log.warning("the compiled step %s cannot be loaded (%s); compiling it again", path, first_line(exc))
             return None
         self.stats.load_s += time.perf_counter() - start
+        mark_used(path)
         return runner
 
 
@@ -508,7 +517,7 @@ def _flatten(pairs: list[tuple[torch.Tensor, dict]]) -> tuple[list[torch.Tensor]
 HOST_ONLY_FILES = frozenset({
     "aoti_runner.py", "background_compiles.py", "compile_worker.py", "fp8_convert.py", "gguf_convert.py",
     "graph_runner.py", "launch_signal.py", "packed_transfer.py", "prefill_compiles.py", "prefill_padding.py",
-    "random_checkpoint.py", "step_accounting.py", "tree_padding.py",
+    "random_checkpoint.py", "step_accounting.py", "step_cache.py", "tree_padding.py",
 })
 
 

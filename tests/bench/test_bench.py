@@ -337,7 +337,8 @@ def test_default_configs_leave_graphs_to_the_backend():
     assert set(both) == {"mtp off +compile +async", "vanilla K=3 +compile +async"}
     assert not both["vanilla K=3 +compile +async"].plugin_params["adaptive_speculation"]  # off under async
     eager_prefill = {c.name for c in configs if not c.compile_prefill}  # the compiled prefill, side by side
-    assert eager_prefill == {"mtp off +compile +eager prefill", "vanilla K=3 +compile +eager prefill"}
+    assert eager_prefill == {"mtp off +compile +eager prefill", "vanilla K=3 +compile +eager prefill",
+                             "vanilla K=3 adaptive +compile +eager prefill"}
     assert all(c.decode_graphs for c in configs if c.name in eager_prefill)
 
 

@@ -11,6 +11,7 @@ import torch
 from mindspec import LLM, SamplingParams
 from mindspec.modeling import exported_step
 from mindspec.modeling.prefill_padding import PREFILL_ENV
+from mindspec.modeling.step_cache import CACHE_GB_ENV
 from tests.support.checkpoints import make_self_predicting_checkpoint, tiny_v3_config
 from tests.support.in_step_acceptance import record_acceptance, record_plain_sampling
 
@@ -74,13 +75,19 @@ def _uses_cpp_gemm(package) -> bool:
 def test_compiled_steps_give_the_eager_tokens_and_a_restart_loads_them(checkpoint, cache_dir, monkeypatch):
     monkeypatch.setenv(PREFILL_ENV, "1")
     expected = _tokens(_llm(checkpoint, VANILLA, decode_graphs=False), GREEDY)
+    stale = cache_dir / "steps" / "decode-stale.pt2"  # a package whose key nothing makes any more
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_bytes(b"x" * 1000)
+    monkeypatch.setenv(CACHE_GB_ENV, "1e-6")  # ~1 KB: each package written deletes all the process does not run
     llm = _llm(checkpoint, VANILLA, decode_graphs=True)  # plain steps of buckets 1 and 2 compile at warm-up
+    monkeypatch.delenv(CACHE_GB_ENV)
     stats = llm.engine.model_wrapper.compiled.stats
     assert _tokens(llm, GREEDY) == expected  # three prompts, two at a time: buckets 1 and 2
     assert stats.failed == 0 and stats.compiled >= 3 and stats.calls > 0
     assert any(name.startswith("speculative-") for name in stats.by_key)
     assert any(name.startswith("prefill_mtp-") for name in stats.by_key)  # prompts of 5, 11 and 3: 16 rows each
     assert sorted(p.name for p in (cache_dir / "steps").glob("*.pt2")) == sorted(f"{n}.pt2" for n in stats.by_key)
+    assert not stale.exists()
     assert not list((cache_dir / "steps").glob(".*"))  # no temporary file left behind
     assert not any(_uses_cpp_gemm(cache_dir / "steps" / f"{n}.pt2") for n in stats.by_key)  # AUTOTUNE_ENV=0
 
