@@ -17,14 +17,16 @@ modification times), dtype, backend, thread count (generated loops are paralleli
 input shapes (the KV cache's included), torch version and the source of the model, the backend
 and the backend interface; it lives in ``step_cache_dir()``: a restart loads it in milliseconds
 instead of compiling again (tens of seconds per package on two cores). An unreadable package is
-compiled again; the directory is kept under a size limit (step_cache.py). The weights are constants inside the package. A package runs through its model
-library's C ABI with the GIL released (aoti_runner.py), so async scheduling's host thread works
-while it computes; torch's loader, which holds the GIL, where that does not apply.
+compiled again; the directory is kept under a size limit (step_cache.py). The weights are
+constants inside the package. A package runs through its model library's C ABI with the GIL
+released (aoti_runner.py), so async scheduling's host thread works while it computes; torch's
+loader, which holds the GIL, where that does not apply.
 
 With ``workers`` > 0 a shape not in the cache is exported and compiled in a worker process
 (background_compiles.py), which loads the model itself from the step's recipe (step_recipes.py),
 while the step runs eagerly; without, it is exported and compiled on the calling thread, the
-step waiting for it (a prefill bucket only once its eager runs have cost as long: prefill_compiles.py).
+step waiting for it (a prefill bucket only once its eager runs have cost as long:
+prefill_compiles.py).
 
 Any failure (no C++ toolchain, an op export cannot trace) logs one warning per shape and that
 shape runs eagerly from then on: serving never depends on the compiler.
