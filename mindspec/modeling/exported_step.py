@@ -25,8 +25,8 @@ loader, which holds the GIL, where that does not apply.
 With ``workers`` > 0 a shape not in the cache is exported and compiled in a worker process
 (background_compiles.py), which loads the model itself from the step's recipe (step_recipes.py),
 while the step runs eagerly; without, it is exported and compiled on the calling thread, the
-step waiting for it (a prefill bucket only once its eager runs have cost as long:
-prefill_compiles.py).
+step waiting for it (a prefill bucket, and a decode shape first met after the engine's warm-up,
+only once its eager runs have cost as long: eager_runs.py).
 
 Any failure (no C++ toolchain, an op export cannot trace) logs one warning per shape and that
 shape runs eagerly from then on: serving never depends on the compiler.
@@ -47,11 +47,11 @@ import torch
 
 from mindspec.modeling.aoti_runner import ReleasedRunner, open_released
 from mindspec.modeling.background_compiles import DONE, PENDING, BackgroundCompiles
+from mindspec.modeling.eager_runs import DEFAULT_COMPILE_S, EagerRuns, prefills_compile_at_once
 from mindspec.modeling.gguf_file import split_files
 from mindspec.modeling.hidden_cache import speculative_step
 from mindspec.modeling.launch_signal import LaunchSignal
 from mindspec.modeling.model_path import is_gguf
-from mindspec.modeling.prefill_compiles import DEFAULT_COMPILE_S, EagerPrefills, prefills_compile_at_once
 from mindspec.modeling.prefill_padding import compiled_prefill_rows
 from mindspec.modeling.random_checkpoint import MANIFEST
 from mindspec.modeling.step_cache import cache_limit_bytes, mark_used, prune
@@ -154,9 +154,11 @@ class ExportedSteps:
         self._misses: dict[tuple, int] = {}  # shape key -> steps run eagerly without a package
         self.prefill_max_rows = compiled_prefill_rows()  # prefills padded to more rows run eagerly
         self.cache_limit = cache_limit_bytes()  # bytes of packages step_cache_dir() keeps
-        # Without workers a prefill bucket compiles once its eager runs have cost a compile's time.
+        # Without workers a prefill bucket compiles once its eager runs have cost a compile's time,
+        # and so does a decode shape once the engine clears ``decode_at_once`` after its warm-up.
         self.prefill_at_once = prefills_compile_at_once()
-        self.eager_prefills = EagerPrefills()
+        self.decode_at_once = True
+        self.eager_runs = EagerRuns()
         self._identity = {
             "format": FORMAT, "model": model_fingerprint(model_dir), "dtype": str(dtype),
             "backend": backend.name, "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -182,7 +184,7 @@ class ExportedSteps:
                 "targets": bool(sampling)}
         outputs = self._run(key, args, caches, tensors, dims)
         if outputs is None:  # eagerly: the caller samples the targets (no greedy_tokens)
-            return self.model.forward(input_ids, positions, caches, meta, lm_head_indices)
+            return self._eagerly(lambda: self.model.forward(input_ids, positions, caches, meta, lm_head_indices))
         return ModelOutput(logits=outputs[0], hidden_states=outputs[1], greedy_tokens=outputs[2])
 
     def forward_prefill(self, input_ids, positions, caches, meta, lm_head_indices):
@@ -251,8 +253,8 @@ class ExportedSteps:
                                                       hidden, lm_head_local_dp, steps, caches, verify_source=verify_source)
 
             if hidden_cache is None:
-                return run(sub_hidden_states)
-            return speculative_step(run, hidden_cache, self.backend.steps_branch)
+                return self._eagerly(lambda: run(sub_hidden_states))
+            return self._eagerly(lambda: speculative_step(run, hidden_cache, self.backend.steps_branch))
         accepted = {} if len(outputs) == 3 else {"greedy_tokens": outputs[3], "accepted_drafts": outputs[4]}
         return ModelOutput(logits=outputs[0], hidden_states=outputs[1], draft_tokens=outputs[2], **accepted)
 
@@ -283,13 +285,14 @@ class ExportedSteps:
                 "steps": [(s.module_idx, s.inputs.meta) for s in steps], "sizes": sizes}
         outputs = self._run(key, args, caches, tensors, dims)
         if outputs is None:
-            return verify_tree(self.model, drafter, main, steps, first_hidden, caches)
+            return self._eagerly(lambda: verify_tree(self.model, drafter, main, steps, first_hidden, caches))
         return ModelOutput(logits=outputs[0], hidden_states=outputs[1]), DraftTree(*outputs[2:])
 
     # ---- packages ------------------------------------------------------------------------------
     def _run(self, key: tuple, args: dict, caches: list, tensors: list[torch.Tensor], dims: list[dict]):
         """The package's outputs for ``tensors``, or None: run this step eagerly. ``args``: what
         step_recipes.trace_fn builds the traced function of ``key[0]`` from."""
+        self.eager_runs.renting = None
         if key not in self._runners:
             if not self._due(key):
                 return None
@@ -310,14 +313,26 @@ class ExportedSteps:
 
     def _due(self, key: tuple) -> bool:
         """Whether a shape met again is to be loaded or compiled now: at once when a package is
-        in the cache, else from its ``export_after``-th step on (a prefill on the calling thread:
-        once its eager runs have cost what a compile takes, ``eager_prefills``)."""
-        if key[0] in (PREFILL, PREFILL_MTP) and self.background is None and not self.prefill_at_once:
-            return self.package_path(key).is_file() or self.eager_prefills.due(key, self._compile_s())
+        in the cache, else from its ``export_after``-th step on; on the calling thread (no
+        workers), once its eager runs have cost what a compile takes (``eager_runs``) for a
+        prefill, and for a decode shape after the warm-up."""
+        if self.background is None and not self._at_once(key[0]):
+            return self.package_path(key).is_file() or self.eager_runs.due(key, self._compile_s())
         if self.export_after <= 1:
             return True
         seen = self._misses[key] = self._misses.get(key, 0) + 1
         return seen >= self.export_after or self.package_path(key).is_file()
+
+    def _at_once(self, kind: str) -> bool:
+        return self.prefill_at_once if kind in (PREFILL, PREFILL_MTP) else self.decode_at_once
+
+    def _eagerly(self, run: Callable):
+        """``run()``, a decode step's eager fallback, its seconds credited to the shape ``_due``
+        turned down (the cpu backend runs eager ops synchronously: the wall time is the step's)."""
+        start = time.perf_counter()
+        out = run()
+        self.eager_runs.ran_eagerly(time.perf_counter() - start)
+        return out
 
     def _compile_s(self) -> float:
         """What compiling one more package is expected to take: this process's mean so far, else
@@ -518,7 +533,7 @@ def _flatten(pairs: list[tuple[torch.Tensor, dict]]) -> tuple[list[torch.Tensor]
 # code fingerprint (tests/modeling/test_step_recipes.py checks that exports never run them).
 HOST_ONLY_FILES = frozenset({
     "aoti_runner.py", "background_compiles.py", "compile_worker.py", "fp8_convert.py", "gguf_convert.py",
-    "graph_runner.py", "launch_signal.py", "packed_transfer.py", "prefill_compiles.py", "prefill_padding.py",
+    "eager_runs.py", "graph_runner.py", "launch_signal.py", "packed_transfer.py", "prefill_padding.py",
     "random_checkpoint.py", "step_accounting.py", "step_cache.py", "tree_padding.py",
 })
 

@@ -171,13 +171,13 @@ class ModelWrapper:
 
     def _eagerly(self, padded: Optional[PaddedPrefill], run):
         """``run()``; for a prefill with a bucket but no package its time goes to the bucket's
-        eager seconds (prefill_compiles.py: a bucket compiles once they reach a compile's time).
+        eager seconds (eager_runs.py: a bucket compiles once they reach a compile's time).
         Only the cpu backend compiles packages, and its eager forward returns when done."""
         if padded is None:
             return run()
         start = time.perf_counter()
         out = run()
-        self.compiled.eager_prefills.ran_eagerly(time.perf_counter() - start)
+        self.compiled.eager_runs.ran_eagerly(time.perf_counter() - start)
         return out
 
     def lm_head_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ bucket (``pad_rows_per_seq``): padding rows repeat the sequence's last position,
 entry (slot -1) and come after the real rows, so the causal mask keeps every real row from seeing
 them, and their outputs are dropped. Block tables are cut or widened to the bucket's own width
 (a prefill writes through its slots and reads no table). Each row bucket is one package per
-batch size, compiled once its eager runs have cost a compile's time (prefill_compiles.py;
+batch size, compiled once its eager runs have cost a compile's time (eager_runs.py;
 while serving, after ``export_after`` eager runs, in a worker); a batch padded to more than
 PREFILL_MAX_ROWS rows, or to more than twice its rows plus PREFILL_MIN_ROWS (prompts of very
 different lengths), runs eagerly. ``MINDSPEC_COMPILE_PREFILL=0`` runs every prefill eagerly

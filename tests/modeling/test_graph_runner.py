@@ -302,8 +302,8 @@ def test_padding_rows_live_in_the_dummy_block_only():
     assert two.lm_head_indices.tolist() == [1, 2, 4, 5, 7, 8]
 
 
-def test_draft_rows_buckets_are_even_then_powers_of_two():
-    assert [draft_rows_bucket(n) for n in (1, 2, 3, 5, 6, 7, 8)] == [2, 2, 4, 6, 6, 8, 8]
+def test_draft_rows_buckets_are_one_for_steady_steps_then_powers_of_two():
+    assert [draft_rows_bucket(n) for n in (1, 2, 3, 5, 6, 7, 8)] == [6, 6, 6, 6, 6, 8, 8]
     assert [draft_rows_bucket(n) for n in (9, 12, 16, 17, 35)] == [16, 16, 16, 32, 64]
 
 

@@ -1,7 +1,8 @@
-"""When a prefill bucket compiles on the calling thread (prefill_compiles.py): once its eager runs
-have cost what a compile is expected to take; at once from the cache or with
-MINDSPEC_COMPILE_PREFILL=1; never for an offline run whose prompts meet each bucket a few times.
-Packages are not compiled here: ``_package`` is replaced by a recorder (the shapes run eagerly)."""
+"""When a shape compiles on the calling thread (eager_runs.py): a prefill bucket, or a decode shape
+first met after the warm-up, once its eager runs have cost what a compile is expected to take; at
+once from the cache, with MINDSPEC_COMPILE_PREFILL=1, or in the warm-up; never for an offline run
+whose prompts meet each bucket a few times. Packages are not compiled here: ``_package`` is
+replaced by a recorder (the shapes run eagerly)."""
 import numpy as np
 import pytest
 
@@ -9,9 +10,9 @@ from mindspec import LLM, SamplingParams
 from mindspec.modeling import exported_step
 from mindspec.modeling.forward_metadata import build_model_inputs
 from mindspec.modeling.model_wrapper import ModelWrapper
-from mindspec.modeling.prefill_compiles import DEFAULT_COMPILE_S, EagerPrefills
+from mindspec.modeling.eager_runs import DEFAULT_COMPILE_S, EagerRuns
 from mindspec.modeling.prefill_padding import PREFILL_ENV
-from mindspec.modeling.step_recipes import PREFILL, PREFILL_MTP
+from mindspec.modeling.step_recipes import DECODE, PREFILL, PREFILL_MTP, SPECULATIVE
 from tests.support.checkpoints import make_self_predicting_checkpoint, tiny_v3_config
 
 K = 2
@@ -57,7 +58,7 @@ def _wrapper(checkpoint) -> ModelWrapper:
 
 
 def test_a_shape_is_due_once_its_eager_seconds_reach_the_compile_time():
-    eager = EagerPrefills()
+    eager = EagerRuns()
     assert not eager.due("a", compile_s=1.0)
     eager.ran_eagerly(0.6)
     assert not eager.due("a", compile_s=1.0)
@@ -80,7 +81,7 @@ def test_a_prefill_bucket_compiles_after_its_eager_runs_cost_a_compile(checkpoin
     for _ in range(3):
         run([5, 11])
     assert packaged == []  # three eager runs of a tiny model cost far less than 5 s
-    ((key, seconds),) = w.compiled.eager_prefills.seconds.items()
+    ((key, seconds),) = w.compiled.eager_runs.seconds.items()
     assert key[0] == (PREFILL_MTP if mtp else PREFILL) and 0 < seconds < 5.0
     w.compiled.stats.compile_s = 2 * seconds  # now the eager runs have cost a compile's mean
     run([7, 13])  # the same bucket: two sequences of 16 rows
@@ -91,7 +92,7 @@ def test_a_prefill_bucket_compiles_after_its_eager_runs_cost_a_compile(checkpoin
 def test_a_cached_package_or_the_environment_compiles_at_first_meeting(checkpoint, packaged, monkeypatch):
     w = _wrapper(checkpoint)
     w.forward_host(_prefill([5]))
-    ((key, _),) = w.compiled.eager_prefills.seconds.items()
+    ((key, _),) = w.compiled.eager_runs.seconds.items()
     assert packaged == []
     w.compiled.package_path(key).parent.mkdir(parents=True)
     w.compiled.package_path(key).write_bytes(b"a package")  # the cache has it: load at once
@@ -116,4 +117,30 @@ def test_an_offline_run_of_varied_prompts_compiles_decode_shapes_only(checkpoint
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     kinds = {key[0] for key in packaged}
     assert "speculative" in kinds and not kinds & {PREFILL, PREFILL_MTP}
-    assert len(llm.engine.model_wrapper.compiled.eager_prefills.seconds) == 3
+    prefills = [k for k in llm.engine.model_wrapper.compiled.eager_runs.seconds if k[0] in (PREFILL, PREFILL_MTP)]
+    assert len(prefills) == 3
+
+
+def test_decode_shapes_first_met_after_the_warm_up_compile_once_their_eager_steps_cost_a_compile(checkpoint, packaged):
+    """The warm-up's shapes (batch 1) are asked for at once; batch 2's, met by a request, run
+    eagerly, give the same tokens, and are asked for once their eager seconds reach the mean
+    compile time."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [np.random.default_rng(n).integers(2, 60, n).tolist() for n in (5, 9)]
+    kw = dict(model=str(checkpoint), dtype="float32", cache_block_size=BLOCK_SIZE, num_blocks=128, progress=False,
+              max_batch_size=2, plugin_params={"plugin_type": "mtp", "num_speculative_tokens": K,
+                                                "adaptive_speculation": False})
+    expected = [o.token_ids for o in LLM(**kw, decode_graphs=False).generate(prompts, params)]
+    llm = LLM(**kw, decode_graphs=True)
+    compiled = llm.engine.model_wrapper.compiled
+    warm = list(packaged)
+    assert warm and {k[0] for k in warm} <= {DECODE, SPECULATIVE}  # the warm-up compiles at once
+
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    met = [k for k in compiled.eager_runs.seconds if k[0] in (DECODE, SPECULATIVE)]
+    assert met and not set(met) & set(warm)  # batch 2's shapes, eager so far
+    assert packaged == warm
+
+    compiled.stats.compiled, compiled.stats.compile_s = 1, min(compiled.eager_runs.seconds[k] for k in met)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert set(met) <= set(packaged[len(warm):])
