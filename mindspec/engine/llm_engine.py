@@ -254,12 +254,8 @@ class LLMEngine:
             self._warm_up_shapes(ids, params, batch_sizes)
         finally:
             compiled.prefill_max_rows = prefill_max_rows
-        # Shapes met from now on come in passing (catch-ups, passing batch sizes) or recur: with
-        # workers (serving) they compile after EXPORT_AFTER_STEPS eager steps, without (offline)
-        # once their eager steps have cost a compile (eager_runs.py).
-        if compiled.background is not None:
+        if compiled.background is not None:  # serving: rare shapes stay eager, recurring ones compile
             compiled.export_after = EXPORT_AFTER_STEPS
-        compiled.decode_at_once = False
         self.spec_stats = SpecDecodeStats.for_drafts(len(self.spec_stats.accepted_per_position))
         self._reset_adaptive()
 

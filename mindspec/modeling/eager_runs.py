@@ -4,19 +4,21 @@ cost what a compile is expected to take, a rent-or-buy rule.
 
 A package costs minutes of compiling (the shipped model: ~2-4 on two cores) and saves part of
 each run of its shape: ~15 ms of a ~45 ms prefill, ~10 ms of a speculative step. A prefill bucket
-runs once per request, and the shapes an adaptive run meets after its warm-up (MTP cache
-catch-ups: 8-64 draft rows per sequence) come a few dozen steps in a run: compiled when first met,
-an offline run over varied prompts would spend most of its time compiling for steps that barely
-recur. So such a shape runs eagerly, its eager seconds added up, and is compiled once they reach
-what a compile is expected to take (this process's mean compile time, else DEFAULT_COMPILE_S):
-the compile of a shape costs at most the eager time already spent on it, so a run never takes
-much more than twice what the better choice in hindsight (compile at once, or never) would have,
-and a shape met a few times costs no compile. A package already in the cache loads at once.
+runs once per request, and the steps that catch MTP entries up after plain steps (adaptive
+speculation; 16-64 draft rows per sequence, graph_runner.catches_up) come a few dozen in a run:
+compiled when first met, an offline run over varied prompts would spend most of its time
+compiling for shapes that barely recur. So such a shape runs eagerly, its eager seconds added up,
+and is compiled once they reach what a compile is expected to take (this process's mean compile
+time, else DEFAULT_COMPILE_S): the compile of a shape costs at most the eager time already spent
+on it, so a run never takes much more than twice what the better choice in hindsight (compile at
+once, or never) would have, and a shape met a few times costs no compile. A package already in
+the cache loads at once.
 
-Which shapes follow the rule (exported_step.py, ``ExportedSteps._due``): prefill buckets always,
-unless ``MINDSPEC_COMPILE_PREFILL=1`` (benchmarks of the steady state, tests); decode shapes once
-the engine's warm-up is over (its shapes are the ones every request runs: they compile at once).
-With compile workers (a server) the engine's ``export_after`` applies instead.
+Which shapes follow the rule (exported_step.py, ``ExportedSteps._due``): prefill buckets, unless
+``MINDSPEC_COMPILE_PREFILL=1`` (benchmarks of the steady state, tests), and catch-up steps; every
+other decode shape (a batch size, a draft count, sampled targets) recurs on every step of its
+kind and compiles when first met. With compile workers (a server) the engine's ``export_after``
+applies instead.
 """
 from __future__ import annotations
 

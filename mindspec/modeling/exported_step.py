@@ -25,7 +25,7 @@ loader, which holds the GIL, where that does not apply.
 With ``workers`` > 0 a shape not in the cache is exported and compiled in a worker process
 (background_compiles.py), which loads the model itself from the step's recipe (step_recipes.py),
 while the step runs eagerly; without, it is exported and compiled on the calling thread, the
-step waiting for it (a prefill bucket, and a decode shape first met after the engine's warm-up,
+step waiting for it (a prefill bucket, and the draft rows of a step catching MTP entries up,
 only once its eager runs have cost as long: eager_runs.py).
 
 Any failure (no C++ toolchain, an op export cannot trace) logs one warning per shape and that
@@ -49,6 +49,7 @@ from mindspec.modeling.aoti_runner import ReleasedRunner, open_released
 from mindspec.modeling.background_compiles import DONE, PENDING, BackgroundCompiles
 from mindspec.modeling.eager_runs import DEFAULT_COMPILE_S, EagerRuns, prefills_compile_at_once
 from mindspec.modeling.gguf_file import split_files
+from mindspec.modeling.graph_runner import catches_up
 from mindspec.modeling.hidden_cache import speculative_step
 from mindspec.modeling.launch_signal import LaunchSignal
 from mindspec.modeling.model_path import is_gguf
@@ -154,10 +155,9 @@ class ExportedSteps:
         self._misses: dict[tuple, int] = {}  # shape key -> steps run eagerly without a package
         self.prefill_max_rows = compiled_prefill_rows()  # prefills padded to more rows run eagerly
         self.cache_limit = cache_limit_bytes()  # bytes of packages step_cache_dir() keeps
-        # Without workers a prefill bucket compiles once its eager runs have cost a compile's time,
-        # and so does a decode shape once the engine clears ``decode_at_once`` after its warm-up.
+        # Without workers a prefill bucket, or a catch-up step's shape, compiles once its eager
+        # runs have cost a compile's time.
         self.prefill_at_once = prefills_compile_at_once()
-        self.decode_at_once = True
         self.eager_runs = EagerRuns()
         self._identity = {
             "format": FORMAT, "model": model_fingerprint(model_dir), "dtype": str(dtype),
@@ -246,7 +246,8 @@ class ExportedSteps:
                tuple((s.module_idx, s.lm_rows_only) for s in steps)) + (("source",) if source else ())
         args = {"meta": meta, "steps": [(s.module_idx, s.meta, s.lm_rows_only) for s in steps], "sizes": sizes,
                 "verify_source": bool(source), "hidden_cache": len(cache)}
-        outputs = self._run(key, args, caches, tensors, dims)
+        passing = catches_up(sub_input_ids.shape[0] // lm_head_local_dp.shape[0])  # rows per sequence
+        outputs = self._run(key, args, caches, tensors, dims, passing)
         if outputs is None:
             def run(hidden):
                 return self.model.forward_speculative(input_ids, positions, meta, lm_head_indices, sub_input_ids,
@@ -289,12 +290,14 @@ class ExportedSteps:
         return ModelOutput(logits=outputs[0], hidden_states=outputs[1]), DraftTree(*outputs[2:])
 
     # ---- packages ------------------------------------------------------------------------------
-    def _run(self, key: tuple, args: dict, caches: list, tensors: list[torch.Tensor], dims: list[dict]):
+    def _run(self, key: tuple, args: dict, caches: list, tensors: list[torch.Tensor], dims: list[dict],
+             passing: bool = False):
         """The package's outputs for ``tensors``, or None: run this step eagerly. ``args``: what
-        step_recipes.trace_fn builds the traced function of ``key[0]`` from."""
+        step_recipes.trace_fn builds the traced function of ``key[0]`` from. ``passing``: a shape
+        met in passing (a catch-up step's)."""
         self.eager_runs.renting = None
         if key not in self._runners:
-            if not self._due(key):
+            if not self._due(key, passing):
                 return None
             with outside_accounting():  # loading, exporting or compiling is no step's work
                 self._runners[key] = self._package(key, args, caches, tensors, dims)
@@ -311,20 +314,17 @@ class ExportedSteps:
             self.launch.fire()
             return runner(*tensors)
 
-    def _due(self, key: tuple) -> bool:
+    def _due(self, key: tuple, passing: bool) -> bool:
         """Whether a shape met again is to be loaded or compiled now: at once when a package is
         in the cache, else from its ``export_after``-th step on; on the calling thread (no
-        workers), once its eager runs have cost what a compile takes (``eager_runs``) for a
-        prefill, and for a decode shape after the warm-up."""
-        if self.background is None and not self._at_once(key[0]):
+        workers), a prefill bucket or a shape met in passing once its eager runs have cost what a
+        compile takes (``eager_runs``)."""
+        if self.background is None and (not self.prefill_at_once if key[0] in (PREFILL, PREFILL_MTP) else passing):
             return self.package_path(key).is_file() or self.eager_runs.due(key, self._compile_s())
         if self.export_after <= 1:
             return True
         seen = self._misses[key] = self._misses.get(key, 0) + 1
         return seen >= self.export_after or self.package_path(key).is_file()
-
-    def _at_once(self, kind: str) -> bool:
-        return self.prefill_at_once if kind in (PREFILL, PREFILL_MTP) else self.decode_at_once
 
     def _eagerly(self, run: Callable):
         """``run()``, a decode step's eager fallback, its seconds credited to the shape ``_due``

@@ -220,25 +220,31 @@ def verify_source_rows(counts: np.ndarray, host: np.ndarray, num_seqs: int, rows
     return np.where(drafted, num_seqs * rows + b * k + j - 1, np.arange(num_seqs * rows)).astype(np.int64)
 
 
-# Draft rows per sequence of any steady MTP step with K <= 3: MTP Vanilla's window is its K - 1
-# history entries and max(accepted, K + 1) new ones (decode_inputs.py), 2K when it drafts K;
-# MTP Eagle's K + 1.
+# Draft rows per sequence of any steady MTP step: MTP Vanilla's window is its K - 1 history
+# entries and max(accepted, K + 1) new ones (decode_inputs.py), at most 2K (K <= 3: the MTP
+# modules of DeepSeek-family checkpoints and the shipped model); MTP Eagle's max(accepted, K + 1),
+# K + 1 (K <= 5). More only when a sequence accepted more than K + 1 tokens since its MTP caches
+# were last written: a step catching them up after plain steps.
 STEADY_DRAFT_ROWS = 6
 
 
 def draft_rows_bucket(rows: int) -> int:
-    """The padded rows per sequence of draft steps whose sequences need at most ``rows``: 6 up to
-    6 (STEADY_DRAFT_ROWS), 8 up to 8, then a power of two. One bucket for every steady step makes
-    a step's shape depend on its draft count alone: with adaptive speculation a step with k drafts
-    needs 2k rows after a step with k drafts, more after one with more, and each count would be a
-    shape of its own to compile, met first in the warm-up only in its transition form. A padding
-    row costs a row of the one-layer draft stages. Rows above 8 come from catching up MTP entries
-    (up to CATCH_UP + K), rare steps whose every row count would otherwise be a shape too."""
+    """The padded rows per sequence of draft steps whose sequences need at most ``rows``:
+    STEADY_DRAFT_ROWS, then a power of two. One bucket for every steady step makes a step's shape
+    depend on its draft count alone: with adaptive speculation MTP Vanilla drafting k needs 2k
+    rows after a step that drafted k, up to k + 3 after one that drafted more, and each count
+    would be a shape of its own to compile, met first in the warm-up only in its transition form.
+    A padding row costs a row of the one-layer draft stages. More rows come from catching up MTP
+    entries (up to CATCH_UP + K), rare steps whose every row count would otherwise be a shape too."""
     if rows <= STEADY_DRAFT_ROWS:
         return STEADY_DRAFT_ROWS
-    if rows <= 8:
-        return 8
     return 1 << (rows - 1).bit_length()
+
+
+def catches_up(rows_per_seq: int) -> bool:
+    """Whether draft steps of this many rows per sequence catch MTP entries up: steps that come
+    after plain ones, a few dozen in a run, each row count a shape met in passing."""
+    return rows_per_seq > STEADY_DRAFT_ROWS
 
 
 def verifies_every_row(inputs: ModelInputs) -> bool:

@@ -5,11 +5,13 @@ whose prompts meet each bucket a few times. Packages are not compiled here: ``_p
 replaced by a recorder (the shapes run eagerly)."""
 import numpy as np
 import pytest
+import torch
 
 from mindspec import LLM, SamplingParams
 from mindspec.modeling import exported_step
 from mindspec.modeling.forward_metadata import build_model_inputs
 from mindspec.modeling.model_wrapper import ModelWrapper
+from mindspec.plugins.mtp import decode_inputs as di
 from mindspec.modeling.eager_runs import DEFAULT_COMPILE_S, EagerRuns
 from mindspec.modeling.prefill_padding import PREFILL_ENV
 from mindspec.modeling.step_recipes import DECODE, PREFILL, PREFILL_MTP, SPECULATIVE
@@ -121,10 +123,9 @@ def test_an_offline_run_of_varied_prompts_compiles_decode_shapes_only(checkpoint
     assert len(prefills) == 3
 
 
-def test_decode_shapes_first_met_after_the_warm_up_compile_once_their_eager_steps_cost_a_compile(checkpoint, packaged):
-    """The warm-up's shapes (batch 1) are asked for at once; batch 2's, met by a request, run
-    eagerly, give the same tokens, and are asked for once their eager seconds reach the mean
-    compile time."""
+def test_decode_shapes_compile_when_first_met_after_the_warm_up_too(checkpoint, packaged):
+    """A batch size the warm-up did not meet is asked for at its first step: every step of its
+    batches runs it."""
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = [np.random.default_rng(n).integers(2, 60, n).tolist() for n in (5, 9)]
     kw = dict(model=str(checkpoint), dtype="float32", cache_block_size=BLOCK_SIZE, num_blocks=128, progress=False,
@@ -132,15 +133,37 @@ def test_decode_shapes_first_met_after_the_warm_up_compile_once_their_eager_step
                                                 "adaptive_speculation": False})
     expected = [o.token_ids for o in LLM(**kw, decode_graphs=False).generate(prompts, params)]
     llm = LLM(**kw, decode_graphs=True)
-    compiled = llm.engine.model_wrapper.compiled
     warm = list(packaged)
-    assert warm and {k[0] for k in warm} <= {DECODE, SPECULATIVE}  # the warm-up compiles at once
-
+    assert warm and {k[0] for k in warm} <= {DECODE, SPECULATIVE}
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
-    met = [k for k in compiled.eager_runs.seconds if k[0] in (DECODE, SPECULATIVE)]
-    assert met and not set(met) & set(warm)  # batch 2's shapes, eager so far
-    assert packaged == warm
+    assert {k[0] for k in packaged[len(warm):]} == {SPECULATIVE}  # batch 2's step
+    assert not [k for k in llm.engine.model_wrapper.compiled.eager_runs.seconds if k[0] == SPECULATIVE]
 
-    compiled.stats.compiled, compiled.stats.compile_s = 1, min(compiled.eager_runs.seconds[k] for k in met)
-    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
-    assert set(met) <= set(packaged[len(warm):])
+
+def test_a_catch_up_step_compiles_once_its_eager_steps_cost_a_compile(checkpoint, packaged):
+    """Draft rows past the steady bucket (a sequence whose MTP caches lack 9 entries after plain
+    steps) are a shape met in passing: it runs eagerly until its eager seconds reach the mean
+    compile time; a steady step's shape is asked for at once."""
+    w = _wrapper(checkpoint)
+    lengths = np.array([12])
+    tokens = [np.random.default_rng(3).integers(2, 60, 12).tolist()]
+    tables = di.block_tables([list(range(8))])
+
+    def step(last_accepted):
+        layout = di.decode_layout(lengths, np.array([last_accepted]), K, "vanilla")
+        subs = di.sub_inputs(tokens, layout, tables, BLOCK_SIZE, K, "vanilla")
+        main = di.main_inputs(np.array([tokens[0][-1]]), lengths, tables, BLOCK_SIZE, K)
+        hidden = torch.zeros(subs[0].num_tokens, w.config.hidden_size)
+        with torch.inference_mode():
+            w.forward_speculative_host(main, subs, list(range(K)), hidden, subs[0].lm_head_indices)
+
+    step(1)
+    ((steady,),) = [packaged]
+    assert steady[0] == SPECULATIVE
+    step(9)
+    step(9)
+    ((catch_up, seconds),) = w.compiled.eager_runs.seconds.items()
+    assert catch_up[0] == SPECULATIVE and catch_up != steady and seconds > 0 and packaged == [steady]
+    w.compiled.stats.compiled, w.compiled.stats.compile_s = 1, seconds
+    step(9)
+    assert packaged == [steady, catch_up]

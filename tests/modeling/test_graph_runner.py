@@ -13,8 +13,9 @@ from mindspec import LLM, SamplingParams
 from mindspec.backends.cpu import CpuBackend
 from mindspec.modeling.forward_metadata import build_model_inputs, input_arrays, to_device
 from mindspec.modeling.graph_runner import (
-    DecodeGraphRunner, EagerStep, PadSpec, StaticInputs, _pad_draft_steps, draft_rows_bucket, host_verify_rows,
-    maybe_graph_runner, pad_inputs, pad_rows_per_seq, pad_verify_rows, verify_source_rows,
+    STEADY_DRAFT_ROWS, DecodeGraphRunner, EagerStep, PadSpec, StaticInputs, _pad_draft_steps, catches_up,
+    draft_rows_bucket, host_verify_rows, maybe_graph_runner, pad_inputs, pad_rows_per_seq, pad_verify_rows,
+    verify_source_rows,
 )
 from mindspec.modeling.model_wrapper import ModelWrapper
 from mindspec.plugins.mtp import decode_inputs as di
@@ -305,6 +306,21 @@ def test_padding_rows_live_in_the_dummy_block_only():
 def test_draft_rows_buckets_are_one_for_steady_steps_then_powers_of_two():
     assert [draft_rows_bucket(n) for n in (1, 2, 3, 5, 6, 7, 8)] == [6, 6, 6, 6, 6, 8, 8]
     assert [draft_rows_bucket(n) for n in (9, 12, 16, 17, 35)] == [16, 16, 16, 32, 64]
+    assert [catches_up(n) for n in (6, 8, 16)] == [False, True, True]
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "eagle"])
+def test_steady_steps_need_no_more_draft_rows_than_the_steady_bucket(mode):
+    """Every K the modes allow (vanilla up to 3 modules, eagle up to 5), after any step accepting
+    up to K + 1 tokens, whatever this step drafts: one shape per draft count."""
+    for k_max in range(1, 4 if mode == "vanilla" else 6):
+        for k in range(1, k_max + 1):
+            accepted = np.arange(1, k_max + 2)
+            layout = di.decode_layout(np.full(len(accepted), 100), accepted, k, mode)
+            assert layout.sub_q_lens.max() <= STEADY_DRAFT_ROWS
+            assert not catches_up(draft_rows_bucket(int(layout.sub_q_lens.max())))
+    catch_up = di.decode_layout(np.array([100]), np.array([9]), 3, mode)  # after plain steps
+    assert catches_up(draft_rows_bucket(int(catch_up.sub_q_lens.max())))
 
 
 def test_rows_per_seq_padding_keeps_each_sequences_rows_first():
