@@ -20,8 +20,12 @@ its decayed counts blended with a prior from the last finished sequences) and ve
 it reaches and keeps with probability >= ROW_YIELD; the step's arm maximises the batch's tokens
 per second with each sequence verifying the fewer of those and the arm's; a sequence that
 verified nothing for a while retries one draft. Speculative steps that catch up MTP cache entries
-skipped by plain steps inform acceptance but not step time: they cost more than a steady
-speculative step, and counting them would make speculation look worse the longer it is off.
+skipped by plain steps inform acceptance but not their arm's step time (counted there, they would
+make speculation look worse the longer it is off): what they cost over a steady step of their arm
+is the plain steps' deferred work, so it is charged to the plain arm, per entry caught up (a plain
+step skips one entry per sequence). Where a row costs what its arithmetic does (compiled steps on
+a cpu: a catch-up of 32 entries costs ~7 plain steps), a sequence that goes plain and retries
+pays that later, and plain steps only look cheaper than drafting.
 
 Every choice is lossless: a sequence verifying no drafts decodes plainly, and the MTP caches it
 skipped are caught up by its next speculative step (decode_inputs: ``last_accepted`` counts the
@@ -95,12 +99,20 @@ class _Bucket:
     seconds: dict[int, deque] = field(default_factory=dict)  # arm -> recent step times
     steps: int = 0
     timed_at: dict[int, int] = field(default_factory=dict)  # arm -> the step count when last timed
+    # recent catch-ups' seconds over a steady step of their arm, per MTP entry caught up
+    deferred: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
 
     def median_seconds(self, k: int) -> float:
         """A step slowed by something else on the machine (a noisy neighbour, a page fault, GC)
         moves a median little and a mean a lot."""
         s = self.seconds.get(k, ())
         return statistics.median(s) if s else 0.0
+
+    def arm_seconds(self, k: int, batch_size: int) -> float:
+        """A step's cost with k drafts: its median time, and for a plain step the catch-up it
+        defers (one MTP entry per sequence)."""
+        deferred = statistics.median(self.deferred) if k == 0 and self.deferred else 0.0
+        return self.median_seconds(k) + batch_size * deferred
 
 
 class AdaptiveSpeculation:
@@ -166,7 +178,7 @@ class AdaptiveSpeculation:
         timing = self._timing_arm(b)
         if timing is not None:
             return np.full(n, timing, dtype=np.int64)
-        seconds = np.array([b.median_seconds(k) for k in self.arms])  # all > 0 once timed
+        seconds = np.array([b.arm_seconds(k, n) for k in self.arms])  # all > 0 once timed
         seqs, alpha = self._alphas(seq_ids, kinds)  # [B, K]
         tokens = expected_tokens(alpha)  # [B, K + 1]
         useful = (np.cumprod(alpha, axis=1) >= ROW_YIELD).sum(axis=1)  # [B] drafts worth a verification row
@@ -233,21 +245,34 @@ class AdaptiveSpeculation:
         return b.choice if self.enabled and b is not None else self.max_k
 
     def record(self, seq_ids: Sequence[int], counts: Sequence[int], accepted: Sequence[int],
-               seconds: Optional[float]) -> None:
+               seconds: Optional[float], catch_up: Optional[tuple[float, int]] = None) -> None:
         """One finished step: the drafts each sequence verified and kept, and its wall time
-        (None: a step that is no sample of its arm's cost, e.g. one that caught MTP caches up).
-        Disabled, it still keeps acceptance (``expected`` weighs MTP drafts against suffix drafts)."""
+        (None: a step that is no sample of its arm's cost). ``catch_up``: (its wall time, MTP
+        entries written beyond a steady step's) for a step that caught MTP caches up. Disabled,
+        it still keeps acceptance (``expected`` weighs MTP drafts against suffix drafts)."""
         counts, accepted = np.asarray(counts, dtype=np.int64), np.asarray(accepted, dtype=np.int64)
         k = int(counts.max()) if len(counts) else 0
         if self.enabled and seconds is not None and seconds > 0 and k in self.arms:
             b = self._bucket(len(counts))
             b.seconds[k].append(seconds)
             b.timed_at[k] = b.steps
+        if self.enabled and catch_up is not None and k in self.arms:
+            self._caught_up(self._bucket(len(counts)), k, *catch_up)
         reached, kept = reached_and_kept(counts, accepted, self.max_k)  # [B, K] each, for the pool and each sequence
         if k > 0:
             self.acceptance.record_positions(reached, kept)
         for seq_id, r, a in zip(seq_ids, reached, kept):
             self._sequence(seq_id).record(r, a)
+
+    @staticmethod
+    def _caught_up(b: _Bucket, k: int, seconds: float, entries: int) -> None:
+        """A step of arm k wrote ``entries`` MTP entries plain steps skipped: its time over the
+        arm's steady step is what they deferred. An entry (a row of the draft stages) costs less
+        than a whole step: a step that took longer (it waited for its shape's compile, the
+        machine paused) counts as that."""
+        steady = b.median_seconds(k)
+        if entries > 0 and steady > 0:
+            b.deferred.append(min(max(0.0, seconds - steady) / entries, steady))
 
     def finish(self, seq_ids: Sequence[int]) -> None:
         """Sequences that ended: their acceptance joins the prior of the sequences to come."""

@@ -359,15 +359,18 @@ class MtpPlugin(Plugin):
             state.hidden_end += count
             self._follow_think(state, outputs.accepted[b])
         # More entries than a speculative step leaves (K+1): plain steps came before, not fewer drafts.
-        caught_up = speculated and int(inputs.extra["mtp_layout"].last_accepted.max()) > self.k + 1
-        seconds = None if caught_up else time.perf_counter() - inputs.extra["mtp_started"]  # adaptive.py
+        behind = np.clip(inputs.extra["mtp_layout"].last_accepted - (self.k + 1), 0, None) if speculated else None
+        caught_up = behind is not None and int(behind.max()) > 0
+        elapsed = time.perf_counter() - inputs.extra["mtp_started"]
+        seconds = None if caught_up else elapsed  # adaptive.py
         if self.trees:  # a plain step of tree_choice.py
             self.tree_choice.record(len(states), False, int(counts.sum()), seconds)
         drafted = inputs.extra["mtp_counts"] if verified else np.zeros(len(states), dtype=np.int64)
         accepted = np.asarray(outputs.num_draft_accepted if verified else drafted, dtype=np.int64)
         if self.suffix:
             drafted, accepted, seconds = self._suffix_step_done(batch, inputs, outputs, drafted, accepted, seconds)
-        self.adaptive.record([seq.seq_id for seq in batch.seqs], drafted, accepted, seconds)
+        self.adaptive.record([seq.seq_id for seq in batch.seqs], drafted, accepted, seconds,
+                             catch_up=(elapsed, int(behind.sum())) if caught_up else None)
 
     def _tree_done(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs) -> None:
         """After a tree step: the accepted path's KV into place, its hidden states kept."""

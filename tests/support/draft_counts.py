@@ -34,6 +34,7 @@ class ScriptedSpeculation:
         self.log: list[int] = []  # per step: the most drafts a sequence verified
         self.counts: list[list[int]] = []  # per step: each sequence's count
         self.recorded: list[int] = []  # per timed step: its draft count
+        self.caught_up: list[tuple[float, int]] = []  # per catch-up step: (seconds, entries)
         self.plan, self.plan_asked = k if planned is None else planned, []
 
     def planned(self, batch_size):
@@ -56,9 +57,11 @@ class ScriptedSpeculation:
     def step_seconds(self, batch_size, k):
         return 0.0  # nothing timed: suffix steps are weighed by tokens alone
 
-    def record(self, seq_ids, counts, accepted, seconds):
+    def record(self, seq_ids, counts, accepted, seconds, catch_up=None):
         if seconds is not None:
             self.recorded.append(int(max(counts)))
+        if catch_up is not None:
+            self.caught_up.append(catch_up)
 
     def finish(self, seq_ids):
         pass

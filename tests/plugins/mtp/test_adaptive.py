@@ -150,6 +150,39 @@ def test_a_few_slow_steps_do_not_flip_the_choice():
     assert ctl.summary()[2]["k"] == 3
 
 
+def test_the_catch_up_plain_steps_defer_is_charged_to_them():
+    """Steady steps favour plain decoding a little: one draft, kept 2 times in 5, yields 1.4
+    tokens in 1.5 s against 1 token in 1 s. Catch-ups then show each MTP entry a plain step skips
+    costing 0.5 s later (6.5 s for a K=1 step writing 10 of them): a plain step costs 1.5 s, and
+    the draft pays."""
+    ctl = AdaptiveSpeculation([1, 0])
+    times = {0: 1.0, 1: 1.5}
+    step = iter(range(10**6))
+
+    def run(steps):
+        out = []
+        for _ in range(steps):
+            counts = ctl.draft_counts([0])
+            k = int(counts[0])
+            ctl.record([0], counts, [min(k, int(next(step) % 5 < 2))], times[k])
+            out.append(k)
+        return out
+
+    run(40)
+    assert ctl.summary()[1]["k"] == 0 and run(10).count(1) <= 2  # retries aside
+    for _ in range(3):
+        ctl.record([0], [1], [0], None, catch_up=(6.5, 10))
+    assert ctl.buckets[1].arm_seconds(0, 1) == pytest.approx(1.5)
+    assert ctl.buckets[1].arm_seconds(0, 4) == pytest.approx(3.0)  # a plain step defers one entry per sequence
+    assert ctl.summary()[1]["k"] == 0  # the choice moves at the next step
+    after = run(20)
+    assert ctl.buckets[1].choice == 1 and after[-10:].count(1) >= 10 - adaptive.REEXPLORE_BURST
+    # a catch-up that waited for a compile counts as a steady step per entry, no more
+    ctl.buckets[1].deferred.clear()
+    ctl.record([0], [1], [0], None, catch_up=(120.0, 10))
+    assert ctl.buckets[1].arm_seconds(0, 1) == pytest.approx(1.0 + ctl.buckets[1].median_seconds(1))
+
+
 def test_margin_prevents_flip_flopping_on_noise():
     ctl = AdaptiveSpeculation(range(4))
     times = {0: 1.0, 1: 2.0, 2: 2.5, 3: 3.0}  # every draft kept: 3 drafts 4/3 tokens per s, 2 drafts 1.2
@@ -430,7 +463,7 @@ def test_vanilla_prefill_runs_the_modules_the_coming_steps_use(case):
 
 def test_catch_up_steps_are_not_measured(case):
     """The first speculative step after plain ones writes the skipped MTP entries: it is no sample
-    of steady speculation, so the controller never sees it."""
+    of steady speculation, so its arm's timing never sees it (its cost goes to the plain steps)."""
     path, prompts, _ = case
     llm = _llm(path, {"plugin_type": "mtp", "num_speculative_tokens": 1, "mtp_mode": "vanilla"})
     plugin = llm.engine.plugin_manager.plugins[0]
@@ -442,6 +475,9 @@ def test_catch_up_steps_are_not_measured(case):
     assert unmeasured > 0
     assert plugin.adaptive.recorded.count(1) == log.count(1) - unmeasured
     assert plugin.adaptive.recorded.count(0) == log.count(0)
+    # each reported with its time and the entries it wrote beyond K + 1 (charged to plain steps)
+    assert len(plugin.adaptive.caught_up) == unmeasured
+    assert all(seconds > 0 and entries >= 1 for seconds, entries in plugin.adaptive.caught_up)
 
 
 def test_an_easy_sequence_after_hard_ones_goes_back_to_every_draft():
