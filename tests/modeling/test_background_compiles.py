@@ -124,8 +124,8 @@ def test_a_shape_first_met_runs_eagerly_until_its_worker_is_done(checkpoint, tmp
     # After a server's warm-up a shape without a package is compiled on its export_after-th step
     # only; one whose package is in the cache loads at once.
     compiled.export_after = 3
-    assert [compiled._due(("rare",)) for _ in range(3)] == [False, False, True]
-    assert compiled._due(next(iter(compiled._runners)))
+    assert [compiled._due(("rare",), False) for _ in range(3)] == [False, False, True]
+    assert compiled._due(next(iter(compiled._runners)), False)
     engine.close()
 
     # A server's start-up: the warm-up's new shape (bucket 2) compiles in a worker and the

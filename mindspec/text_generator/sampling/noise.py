@@ -83,15 +83,16 @@ _OFFSETS: dict[tuple[int, str], torch.Tensor] = {}
 def stream_offsets(vocab_size: int, device: torch.device) -> torch.Tensor:
     """[V] int64 (v + 1) * GOLDEN, made once per vocabulary and device and read from memory:
     compiled code that computed them from its loop index would overflow a signed integer in its
-    index arithmetic, which C++ leaves undefined (Inductor's C++ then looped for ever). Made with
-    numpy, so that a step exported before any eager one ran (a compile worker's) takes them as a
-    constant too; torch.compile, which cannot trace numpy's uint64, computes them."""
+    index arithmetic, which C++ leaves undefined (Inductor's C++ then looped for ever, or gave
+    wrong bits and crashed on an AVX-512 cpu). Made with numpy, so that a step exported before any
+    eager one ran (a compile worker's) takes them as a constant too; torch.compile, which cannot
+    trace numpy's uint64, takes them from a list of Python ints (a constant as well)."""
     key = (vocab_size, str(device))
     offsets = _OFFSETS.get(key)
     if offsets is not None:
         return offsets
     if torch.compiler.is_dynamo_compiling():
-        return torch.arange(1, vocab_size + 1, dtype=torch.int64, device=device) * GOLDEN
+        return torch.tensor([_signed((v + 1) * GOLDEN) for v in range(vocab_size)], dtype=torch.int64, device=device)
     with torch.inference_mode(False):  # a plain tensor: compiled steps take it as a constant
         host = np.arange(1, vocab_size + 1, dtype=np.uint64) * np.uint64(GOLDEN & _MASK)
         offsets = torch.from_numpy(host.view(np.int64)).to(device)
