@@ -5,7 +5,7 @@ cost what a compile is expected to take, a rent-or-buy rule.
 A package costs minutes of compiling (the shipped model: ~2-4 on two cores) and saves part of
 each run of its shape: ~15 ms of a ~45 ms prefill, ~10 ms of a speculative step. A prefill bucket
 runs once per request, and the steps that catch MTP entries up after plain steps (adaptive
-speculation; 16-64 draft rows per sequence, graph_runner.catches_up) come a few dozen in a run:
+speculation; 8-64 draft rows per sequence, graph_runner.catches_up) come a few dozen in a run:
 compiled when first met, an offline run over varied prompts would spend most of its time
 compiling for shapes that barely recur. So such a shape runs eagerly, its eager seconds added up,
 and is compiled once they reach what a compile is expected to take (this process's mean compile
