@@ -184,7 +184,7 @@ class ExportedSteps:
                 "targets": bool(sampling)}
         outputs = self._run(key, args, caches, tensors, dims)
         if outputs is None:  # eagerly: the caller samples the targets (no greedy_tokens)
-            return self._eagerly(lambda: self.model.forward(input_ids, positions, caches, meta, lm_head_indices))
+            return self.eagerly(lambda: self.model.forward(input_ids, positions, caches, meta, lm_head_indices))
         return ModelOutput(logits=outputs[0], hidden_states=outputs[1], greedy_tokens=outputs[2])
 
     def forward_prefill(self, input_ids, positions, caches, meta, lm_head_indices):
@@ -254,8 +254,8 @@ class ExportedSteps:
                                                       hidden, lm_head_local_dp, steps, caches, verify_source=verify_source)
 
             if hidden_cache is None:
-                return self._eagerly(lambda: run(sub_hidden_states))
-            return self._eagerly(lambda: speculative_step(run, hidden_cache, self.backend.steps_branch))
+                return self.eagerly(lambda: run(sub_hidden_states))
+            return self.eagerly(lambda: speculative_step(run, hidden_cache, self.backend.steps_branch))
         accepted = {} if len(outputs) == 3 else {"greedy_tokens": outputs[3], "accepted_drafts": outputs[4]}
         return ModelOutput(logits=outputs[0], hidden_states=outputs[1], draft_tokens=outputs[2], **accepted)
 
@@ -286,7 +286,7 @@ class ExportedSteps:
                 "steps": [(s.module_idx, s.inputs.meta) for s in steps], "sizes": sizes}
         outputs = self._run(key, args, caches, tensors, dims)
         if outputs is None:
-            return self._eagerly(lambda: verify_tree(self.model, drafter, main, steps, first_hidden, caches))
+            return self.eagerly(lambda: verify_tree(self.model, drafter, main, steps, first_hidden, caches))
         return ModelOutput(logits=outputs[0], hidden_states=outputs[1]), DraftTree(*outputs[2:])
 
     # ---- packages ------------------------------------------------------------------------------
@@ -319,16 +319,18 @@ class ExportedSteps:
         in the cache, else from its ``export_after``-th step on; on the calling thread (no
         workers), a prefill bucket or a shape met in passing once its eager runs have cost what a
         compile takes (``eager_runs``)."""
-        if self.background is None and (not self.prefill_at_once if key[0] in (PREFILL, PREFILL_MTP) else passing):
+        rented = not self.prefill_at_once if key[0] in (PREFILL, PREFILL_MTP) else passing
+        if self.background is None and rented:
             return self.package_path(key).is_file() or self.eager_runs.due(key, self._compile_s())
         if self.export_after <= 1:
             return True
         seen = self._misses[key] = self._misses.get(key, 0) + 1
         return seen >= self.export_after or self.package_path(key).is_file()
 
-    def _eagerly(self, run: Callable):
-        """``run()``, a decode step's eager fallback, its seconds credited to the shape ``_due``
-        turned down (the cpu backend runs eager ops synchronously: the wall time is the step's)."""
+    def eagerly(self, run: Callable):
+        """``run()``, a step's eager fallback (a decode step's here, a prefill's in the model
+        wrapper), its seconds credited to the shape ``_due`` turned down (the cpu backend runs
+        eager ops synchronously: the wall time is the step's)."""
         start = time.perf_counter()
         out = run()
         self.eager_runs.ran_eagerly(time.perf_counter() - start)

@@ -7,7 +7,6 @@ which backend or model class runs.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -171,14 +170,8 @@ class ModelWrapper:
 
     def _eagerly(self, padded: Optional[PaddedPrefill], run):
         """``run()``; for a prefill with a bucket but no package its time goes to the bucket's
-        eager seconds (eager_runs.py: a bucket compiles once they reach a compile's time).
-        Only the cpu backend compiles packages, and its eager forward returns when done."""
-        if padded is None:
-            return run()
-        start = time.perf_counter()
-        out = run()
-        self.compiled.eager_runs.ran_eagerly(time.perf_counter() - start)
-        return out
+        eager seconds (eager_runs.py: a bucket compiles once they reach a compile's time)."""
+        return run() if padded is None else self.compiled.eagerly(run)
 
     def lm_head_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[R, vocab] float32 logits of hidden states the model returned (after the final norm):

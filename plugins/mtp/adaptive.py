@@ -114,6 +114,15 @@ class _Bucket:
         deferred = statistics.median(self.deferred) if k == 0 and self.deferred else 0.0
         return self.median_seconds(k) + batch_size * deferred
 
+    def caught_up(self, k: int, seconds: float, entries: int) -> None:
+        """A step of arm k wrote ``entries`` MTP entries plain steps skipped: its time over the
+        arm's steady step is what they deferred. An entry (a row of the draft stages) costs less
+        than a whole step: a step that took longer (it waited for its shape's compile, the
+        machine paused) counts as that."""
+        steady = self.median_seconds(k)
+        if entries > 0 and steady > 0:
+            self.deferred.append(min(max(0.0, seconds - steady) / entries, steady))
+
 
 class AdaptiveSpeculation:
     """Decides, per step, how many drafts each sequence of a batch verifies.
@@ -257,22 +266,12 @@ class AdaptiveSpeculation:
             b.seconds[k].append(seconds)
             b.timed_at[k] = b.steps
         if self.enabled and catch_up is not None and k in self.arms:
-            self._caught_up(self._bucket(len(counts)), k, *catch_up)
+            self._bucket(len(counts)).caught_up(k, *catch_up)
         reached, kept = reached_and_kept(counts, accepted, self.max_k)  # [B, K] each, for the pool and each sequence
         if k > 0:
             self.acceptance.record_positions(reached, kept)
         for seq_id, r, a in zip(seq_ids, reached, kept):
             self._sequence(seq_id).record(r, a)
-
-    @staticmethod
-    def _caught_up(b: _Bucket, k: int, seconds: float, entries: int) -> None:
-        """A step of arm k wrote ``entries`` MTP entries plain steps skipped: its time over the
-        arm's steady step is what they deferred. An entry (a row of the draft stages) costs less
-        than a whole step: a step that took longer (it waited for its shape's compile, the
-        machine paused) counts as that."""
-        steady = b.median_seconds(k)
-        if entries > 0 and steady > 0:
-            b.deferred.append(min(max(0.0, seconds - steady) / entries, steady))
 
     def finish(self, seq_ids: Sequence[int]) -> None:
         """Sequences that ended: their acceptance joins the prior of the sequences to come."""
