@@ -106,7 +106,9 @@ def _softmax_topk(scores: torch.Tensor, router: RouterConfig) -> tuple[torch.Ten
 def _sigmoid_topk(scores: torch.Tensor, bias: Optional[torch.Tensor], router: RouterConfig):
     T, E = scores.shape
     choice = scores if bias is None else scores + bias.to(torch.float32)
-    group_scores = choice.view(T, router.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)  # top-2 sum per group
+    groups = choice.view(T, router.n_group, -1)  # [T, n_group, E / n_group]
+    top2 = groups if groups.shape[-1] == 2 else groups.topk(2, dim=-1)[0]  # a pair's sum needs no top-2
+    group_scores = top2.sum(dim=-1)  # top-2 sum per group
     choice = choice.masked_fill(~_group_mask(group_scores, router, E), float("-inf"))
     ids = torch.topk(choice, k=router.top_k, dim=-1, sorted=False)[1]
     return scores.gather(1, ids), ids
@@ -194,9 +196,12 @@ def _gathered_experts(x, topk_weights, topk_ids, experts: ExpertWeights) -> torc
     T, k = topk_ids.shape
     E, _, H = experts.w13.shape
     valid = (topk_ids >= 0) & (topk_ids < E)
-    order = torch.where(valid, topk_ids, E).argsort(dim=1)  # ascending expert id, as transformers sums
-    ids = topk_ids.gather(1, order).clamp(0, E - 1).reshape(-1)  # [T*k]
-    w = (topk_weights * valid).gather(1, order).reshape(-1, 1)  # [T*k, 1] float32
+    ids, w = topk_ids, topk_weights * valid  # an expert of another rank weighs 0
+    if k > 2:  # summed in ascending expert id, as transformers does; two terms sum alike either way
+        order = torch.where(valid, topk_ids, E).argsort(dim=1)
+        ids, w = ids.gather(1, order), w.gather(1, order)
+    ids = ids.clamp(0, E - 1).reshape(-1)  # [T*k]
+    w = w.reshape(-1, 1)  # [T*k, 1] float32
     xs = x.repeat_interleave(k, dim=0)[:, :, None]  # [T*k, H, 1]
     h = _silu_and_mul(torch.bmm(experts.w13[ids], xs)[..., 0])  # [T*k, I]
     y = torch.bmm(experts.w2[ids], h[:, :, None])[..., 0]  # [T*k, H]

@@ -45,7 +45,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import statistics
-import time
 from collections import deque
 
 import numpy as np
@@ -70,6 +69,7 @@ from .adaptive import ROW_YIELD, AdaptiveSpeculation
 from .hidden_history import HiddenHistory
 from .tree_inputs import hidden_positions as tree_hidden_positions
 from .params import MtpParams, parse_mtp_params
+from .step_clock import StepClock
 from .tree_choice import TreeOrPlain
 from .tree_steps import TreeSteps
 
@@ -128,13 +128,13 @@ class MtpPlugin(Plugin):
         # chains: draft counts per sequence; trees: tree or plain steps per batch size
         self.adaptive = AdaptiveSpeculation(range(self.k + 1), self.params.adaptive_speculation and not self.trees)
         self.tree_choice = TreeOrPlain(self.params.adaptive_speculation and self.trees is not None)
+        self.clock = StepClock()  # what each decode step costs, for both controllers
         self.simulation_rng = np.random.default_rng(0)  # simulated_acceptance's draws: the same every run
         # relaxed and typical acceptance read the target probabilities; strict needs the sampled tokens only
         self.needs_sampling_metadata = self.params.decoding_policy != "strict" and self.params.simulated_acceptance is None
 
     # ---- hooks ---------------------------------------------------------------------------------
     def model_inputs_update(self, batch: StepBatch, inputs: StepInputs) -> StepInputs:
-        inputs.extra["mtp_started"] = time.perf_counter()
         if batch.is_prefill:
             inputs.extra["mtp_modules"] = self.modules[: self._prefill_modules(batch)]
             return inputs
@@ -188,7 +188,6 @@ class MtpPlugin(Plugin):
         """Async scheduling (speculation on every step): a sequence still in the running step is
         laid out as if that step accepted all pending[b] tokens; fill_in_model_result moves it
         back by what was rejected. Hidden states are gathered at fill time, when they exist."""
-        inputs.extra["mtp_started"] = time.perf_counter()
         if batch.is_prefill:
             return self.model_inputs_update(batch, inputs)
         if self.trees:  # a tree step's window follows what the running step accepts: built at fill time
@@ -332,6 +331,7 @@ class MtpPlugin(Plugin):
 
     def plugin_cache_update(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs) -> None:
         hidden = outputs.hidden_states
+        seconds = self.clock.lap(decode=not (batch.is_prefill or batch.is_mixed))  # step_clock.py
         if batch.is_prefill:
             self._prefilled(batch, inputs, hidden)
             return
@@ -339,7 +339,7 @@ class MtpPlugin(Plugin):
             self._mixed_done(batch, inputs, outputs)
             return
         if "tree" in inputs.extra:
-            self._tree_done(batch, inputs, outputs)
+            self._tree_done(batch, inputs, outputs, seconds)
             return
         k = self._drafts(batch, inputs)
         speculated, verified = k > 0, self._verifying(batch, inputs)
@@ -360,9 +360,8 @@ class MtpPlugin(Plugin):
             self._follow_think(state, outputs.accepted[b])
         # More entries than a speculative step leaves (K+1): plain steps came before, not fewer drafts.
         behind = np.clip(inputs.extra["mtp_layout"].last_accepted - (self.k + 1), 0, None) if speculated else None
-        caught_up = behind is not None and int(behind.max()) > 0
-        elapsed = time.perf_counter() - inputs.extra["mtp_started"]
-        seconds = None if caught_up else elapsed  # adaptive.py
+        caught_up = behind is not None and int(behind.max()) > 0 and seconds is not None
+        elapsed, seconds = seconds, None if caught_up else seconds  # adaptive.py
         if self.trees:  # a plain step of tree_choice.py
             self.tree_choice.record(len(states), False, int(counts.sum()), seconds)
         drafted = inputs.extra["mtp_counts"] if verified else np.zeros(len(states), dtype=np.int64)
@@ -372,7 +371,7 @@ class MtpPlugin(Plugin):
         self.adaptive.record([seq.seq_id for seq in batch.seqs], drafted, accepted, seconds,
                              catch_up=(elapsed, int(behind.sum())) if caught_up else None)
 
-    def _tree_done(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs) -> None:
+    def _tree_done(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs, seconds: Optional[float]) -> None:
         """After a tree step: the accepted path's KV into place, its hidden states kept."""
         self.trees.compact(inputs, self.generator.model_wrapper)
         rows = np.concatenate([np.asarray(r, dtype=np.int64) for r in outputs.accepted_rows])
@@ -387,8 +386,7 @@ class MtpPlugin(Plugin):
             state.hidden_end += count
             self._follow_think(state, outputs.accepted[b])
         caught_up = int(inputs.extra["mtp_layout"].last_accepted.max()) > self.k + 1  # plain steps came before
-        seconds = None if caught_up else time.perf_counter() - inputs.extra["mtp_started"]
-        self.tree_choice.record(len(states), True, int(counts.sum()), seconds)
+        self.tree_choice.record(len(states), True, int(counts.sum()), None if caught_up else seconds)
 
     def _prefilled(self, batch: StepBatch, inputs: StepInputs, hidden: torch.Tensor) -> None:
         """New states for a prefill's sequences; their last ``keep`` hidden states kept."""
@@ -559,8 +557,8 @@ class MtpPlugin(Plugin):
         self._record_suffix(batch, inputs.extra.get("suffix_proposals", {}), host_drafts, outputs)
         if not host_drafts:
             return drafted, accepted, seconds
-        if len(batch.seqs) == 1:
-            self.suffix_seconds.append(time.perf_counter() - inputs.extra["mtp_started"])
+        if len(batch.seqs) == 1 and seconds is not None:
+            self.suffix_seconds.append(seconds)
         drafted, accepted = drafted.copy(), accepted.copy()
         for b in host_drafts:
             drafted[b] = accepted[b] = 0

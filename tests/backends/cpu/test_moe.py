@@ -44,12 +44,13 @@ def test_v2_router_matches_transformers(method, n_group, topk_group):
     torch.testing.assert_close(w, hf_w, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("n_group", [4, 8])  # 8: groups of two experts, whose top-2 is the pair
 @pytest.mark.parametrize("norm", [True, False])
-def test_v3_router_matches_transformers(norm):
+def test_v3_router_matches_transformers(norm, n_group):
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-    cfg = DeepseekV3Config(hidden_size=HIDDEN, n_routed_experts=E, num_experts_per_tok=4, n_group=4,
+    cfg = DeepseekV3Config(hidden_size=HIDDEN, n_routed_experts=E, num_experts_per_tok=4, n_group=n_group,
                            topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=norm)
     hf = DeepseekV3TopkRouter(cfg)
     g = torch.Generator().manual_seed(1)
@@ -59,7 +60,7 @@ def test_v3_router_matches_transformers(norm):
         hf.e_score_correction_bias.copy_(bias)
     x = torch.randn(T, HIDDEN, generator=g)
     _, hf_w, hf_ids = hf(x)
-    router = RouterConfig(top_k=4, scoring="sigmoid", topk_method="noaux_tc", n_group=4, topk_group=2,
+    router = RouterConfig(top_k=4, scoring="sigmoid", topk_method="noaux_tc", n_group=n_group, topk_group=2,
                           norm_topk_prob=norm, routed_scaling_factor=2.5)
     w, ids = CpuBackend().moe_gate(x, hf.weight.data, bias, router)
     w, ids = _sorted(w, ids)
@@ -199,3 +200,19 @@ def test_packed_experts_stay_dense_up_to_more_tokens(monkeypatch, tokens, path):
     ids = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(tokens)])
     moe.moe_experts(torch.randn(tokens, HIDDEN, generator=g), torch.rand(tokens, 2, generator=g), ids, ex)
     assert calls == [path]
+
+
+def test_gathered_top2_sums_alike_in_either_order():
+    """With two experts per token the gathered path skips sorting them by id: a sum of two
+    terms is the same either way round, so the output is bitwise what either order gives."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(5, HIDDEN, generator=g)
+    ex = _experts(g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(5)])
+    ids[2, 1] = -1  # another rank's expert
+    w = torch.rand(5, 2, generator=g)
+    out = moe._gathered_experts(x, w, ids, ex)
+    assert torch.equal(out, moe._gathered_experts(x, w.flip(1), ids.flip(1), ex))
+    keep = (ids >= 0) & (ids < E)
+    expected = ref.moe_experts(x, w * keep, ids.clamp(0, E - 1), ex.w13, ex.w2)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)

@@ -163,14 +163,13 @@ def test_a_step_with_suffix_drafts_times_the_mtp_arm_it_ran():
     """What the MTP controller records after a step: suffix rows are no MTP acceptance; the
     step's time counts for its MTP arm when MTP drafts set how far it drafted, not when only
     suffix drafts made it draft (a plain step's arm is not a step with a draft stage)."""
-    import time
     from types import SimpleNamespace
 
     plugin = _llm(_mtp_suffix()).engine.plugin_manager.plugins[0]
     batch = SimpleNamespace(seqs=[SimpleNamespace(seq_id=1), SimpleNamespace(seq_id=2)])
     outputs = SimpleNamespace(accepted=[[1, 2, 3], [5, 6, 7, 8, 9, 4]], num_draft_accepted=[2, 5])
     extra = {"host_drafts": {1: [5, 6, 7, 8, 9]}, "suffix_proposals": {1: [5, 6, 7, 8, 9]},
-             "mtp_k": 2, "mtp_started": time.perf_counter()}
+             "mtp_k": 2}
     before = plugin.suffix.expected(2, 5)
     drafted, accepted, seconds = plugin._suffix_step_done(batch, SimpleNamespace(extra=extra), outputs,
                                                           np.array([2, 5]), np.array([2, 5]), 0.01)
