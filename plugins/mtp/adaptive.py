@@ -261,17 +261,26 @@ class AdaptiveSpeculation:
         it still keeps acceptance (``expected`` weighs MTP drafts against suffix drafts)."""
         counts, accepted = np.asarray(counts, dtype=np.int64), np.asarray(accepted, dtype=np.int64)
         k = int(counts.max()) if len(counts) else 0
-        if self.enabled and seconds is not None and seconds > 0 and k in self.arms:
-            b = self._bucket(len(counts))
-            b.seconds[k].append(seconds)
-            b.timed_at[k] = b.steps
-        if self.enabled and catch_up is not None and k in self.arms:
-            self._bucket(len(counts)).caught_up(k, *catch_up)
+        self.time_step(len(counts), k, seconds, catch_up)
         reached, kept = reached_and_kept(counts, accepted, self.max_k)  # [B, K] each, for the pool and each sequence
         if k > 0:
             self.acceptance.record_positions(reached, kept)
         for seq_id, r, a in zip(seq_ids, reached, kept):
             self._sequence(seq_id).record(r, a)
+
+    def time_step(self, batch_size: int, k: int, seconds: Optional[float],
+                  catch_up: Optional[tuple[float, int]] = None) -> None:
+        """A step of ``batch_size`` sequences drafting k took ``seconds`` (None: no sample of its
+        arm); ``catch_up`` as in ``record``. The plugin reports a step's time when the next step
+        begins (step_clock.py), after its acceptance."""
+        if not self.enabled or k not in self.arms:
+            return
+        b = self._bucket(batch_size)
+        if seconds is not None and seconds > 0:
+            b.seconds[k].append(seconds)
+            b.timed_at[k] = b.steps
+        if catch_up is not None:
+            b.caught_up(k, *catch_up)
 
     def finish(self, seq_ids: Sequence[int]) -> None:
         """Sequences that ended: their acceptance joins the prior of the sequences to come."""

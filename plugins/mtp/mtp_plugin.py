@@ -135,6 +135,7 @@ class MtpPlugin(Plugin):
 
     # ---- hooks ---------------------------------------------------------------------------------
     def model_inputs_update(self, batch: StepBatch, inputs: StepInputs) -> StepInputs:
+        self.clock.started(decode=not (batch.is_prefill or batch.is_mixed))  # step_clock.py
         if batch.is_prefill:
             inputs.extra["mtp_modules"] = self.modules[: self._prefill_modules(batch)]
             return inputs
@@ -190,6 +191,7 @@ class MtpPlugin(Plugin):
         back by what was rejected. Hidden states are gathered at fill time, when they exist."""
         if batch.is_prefill:
             return self.model_inputs_update(batch, inputs)
+        self.clock.started(decode=not batch.is_mixed)
         if self.trees:  # a tree step's window follows what the running step accepts: built at fill time
             inputs.extra["tree_deferred"] = True
             return inputs
@@ -331,7 +333,6 @@ class MtpPlugin(Plugin):
 
     def plugin_cache_update(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs) -> None:
         hidden = outputs.hidden_states
-        seconds = self.clock.lap(decode=not (batch.is_prefill or batch.is_mixed))  # step_clock.py
         if batch.is_prefill:
             self._prefilled(batch, inputs, hidden)
             return
@@ -339,7 +340,7 @@ class MtpPlugin(Plugin):
             self._mixed_done(batch, inputs, outputs)
             return
         if "tree" in inputs.extra:
-            self._tree_done(batch, inputs, outputs, seconds)
+            self._tree_done(batch, inputs, outputs)
             return
         k = self._drafts(batch, inputs)
         speculated, verified = k > 0, self._verifying(batch, inputs)
@@ -360,18 +361,32 @@ class MtpPlugin(Plugin):
             self._follow_think(state, outputs.accepted[b])
         # More entries than a speculative step leaves (K+1): plain steps came before, not fewer drafts.
         behind = np.clip(inputs.extra["mtp_layout"].last_accepted - (self.k + 1), 0, None) if speculated else None
-        caught_up = behind is not None and int(behind.max()) > 0 and seconds is not None
-        elapsed, seconds = seconds, None if caught_up else seconds  # adaptive.py
-        if self.trees:  # a plain step of tree_choice.py
-            self.tree_choice.record(len(states), False, int(counts.sum()), seconds)
+        entries = int(behind.sum()) if speculated else 0  # caught up beyond a steady step's
         drafted = inputs.extra["mtp_counts"] if verified else np.zeros(len(states), dtype=np.int64)
         accepted = np.asarray(outputs.num_draft_accepted if verified else drafted, dtype=np.int64)
+        arm_timed = True
         if self.suffix:
-            drafted, accepted, seconds = self._suffix_step_done(batch, inputs, outputs, drafted, accepted, seconds)
-        self.adaptive.record([seq.seq_id for seq in batch.seqs], drafted, accepted, seconds,
-                             catch_up=(elapsed, int(behind.sum())) if caught_up else None)
+            drafted, accepted, arm_timed = self._suffix_step_done(batch, inputs, outputs, drafted, accepted)
+        self.adaptive.record([seq.seq_id for seq in batch.seqs], drafted, accepted, None)
+        k = int(drafted.max()) if len(drafted) else 0
+        suffix_step = len(states) == 1 and bool(inputs.extra.get("host_drafts"))
+        self.clock.ended(lambda seconds: self._step_timed(seconds, len(states), k, int(counts.sum()), entries,
+                                                          arm_timed, suffix_step))
 
-    def _tree_done(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs, seconds: Optional[float]) -> None:
+    def _step_timed(self, seconds: Optional[float], batch_size: int, k: int, tokens: int, entries: int,
+                    arm_timed: bool, suffix_step: bool) -> None:
+        """A decode step's time, delivered when the next step begins (step_clock.py). A step that
+        caught up ``entries`` MTP entries is no sample of its arm; its time is charged to the
+        plain steps that deferred them (adaptive.py)."""
+        steady = None if entries else seconds
+        if self.trees:  # a plain step of tree_choice.py
+            self.tree_choice.record(batch_size, False, tokens, steady)
+        if suffix_step and seconds is not None:
+            self.suffix_seconds.append(seconds)
+        self.adaptive.time_step(batch_size, k, steady if arm_timed else None,
+                                catch_up=(seconds, entries) if entries and seconds is not None else None)
+
+    def _tree_done(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs) -> None:
         """After a tree step: the accepted path's KV into place, its hidden states kept."""
         self.trees.compact(inputs, self.generator.model_wrapper)
         rows = np.concatenate([np.asarray(r, dtype=np.int64) for r in outputs.accepted_rows])
@@ -386,7 +401,8 @@ class MtpPlugin(Plugin):
             state.hidden_end += count
             self._follow_think(state, outputs.accepted[b])
         caught_up = int(inputs.extra["mtp_layout"].last_accepted.max()) > self.k + 1  # plain steps came before
-        self.tree_choice.record(len(states), True, int(counts.sum()), None if caught_up else seconds)
+        tokens = int(counts.sum())
+        self.clock.ended(lambda seconds: self.tree_choice.record(len(states), True, tokens, None if caught_up else seconds))
 
     def _prefilled(self, batch: StepBatch, inputs: StepInputs, hidden: torch.Tensor) -> None:
         """New states for a prefill's sequences; their last ``keep`` hidden states kept."""
@@ -547,23 +563,22 @@ class MtpPlugin(Plugin):
         return suffix / mtp if suffix > 0 and mtp > 0 else 1.0
 
     def _suffix_step_done(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs, drafted: np.ndarray,
-                          accepted: np.ndarray, seconds: Optional[float]):
+                          accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
         """The suffix estimates learn from the step; what the MTP controller then records:
         suffix drafts are no evidence of MTP acceptance. The step's time counts for the MTP arm
         whose draft steps it ran (suffix rows included: in a batch where suffix drafts are
         common they are part of every step's cost, and an arm never timed would be explored
-        for good), not when only suffix drafts set how far it drafted."""
+        for good), not when only suffix drafts set how far it drafted: -> (drafted, accepted,
+        whether the step's time counts for its MTP arm)."""
         host_drafts = inputs.extra.get("host_drafts") or {}
         self._record_suffix(batch, inputs.extra.get("suffix_proposals", {}), host_drafts, outputs)
         if not host_drafts:
-            return drafted, accepted, seconds
-        if len(batch.seqs) == 1 and seconds is not None:
-            self.suffix_seconds.append(seconds)
+            return drafted, accepted, True
         drafted, accepted = drafted.copy(), accepted.copy()
         for b in host_drafts:
             drafted[b] = accepted[b] = 0
         k = inputs.extra["mtp_k"]
-        return drafted, accepted, seconds if k and int(drafted.max()) == k else None
+        return drafted, accepted, bool(k) and int(drafted.max()) == k
 
     def _record_suffix(self, batch: StepBatch, proposals: dict[int, list[int]], verified: dict[int, list[int]],
                        outputs: StepOutputs) -> None:

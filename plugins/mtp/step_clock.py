@@ -1,31 +1,39 @@
 """What a decode step costs as the engine runs it, for adaptive speculation and tree_choice.
 
-A step's cost is the time between the ends of two consecutive decode steps: the scheduler, the
-inputs, the forward with its draft stages, verification, the plugin's bookkeeping and the
-engine's outputs (detokenising, stop checks) all count, as they do in the tokens per second a
-user sees. A window around the forward alone leaves out the work a speculative step adds after
-it (every accepted token goes through the outputs), and a plain step of an MTP engine carries
-hidden-state bookkeeping that MTP off does not; both move the choice between draft counts. With
-async scheduling, the next step's host work overlaps this one's forward and the interval is the
-pipeline's period, which is again what throughput sees. An interval that begins at a prefill or
-a mixed (SplitFuse) step is no decode step's cost and is not reported.
+A step's cost is the time from its start (the plugin's inputs hook) to the next step's start:
+its forward with the draft stages, verification, the plugin's bookkeeping, the engine's outputs
+(every accepted token is appended, stop-checked and detokenised) and the scheduling of the next
+step all count, as they do in the tokens per second a user sees. A window around the forward
+alone leaves out the work a speculative step adds after it, and a plain step of an MTP engine
+carries hidden-state bookkeeping that MTP off does not; both move the choice between draft
+counts. The time is known only when the next step begins, so a finished step leaves a report
+that the next start delivers. An interval that ends at a prefill or a mixed (SplitFuse) step may
+hold an idle wait or a new request's admission, and one that starts there is no decode step: their
+reports get None (not a sample).
 """
 from __future__ import annotations
 
 import time
 from typing import Callable, Optional
 
+Report = Callable[[Optional[float]], None]
+
 
 class StepClock:
     def __init__(self, clock: Callable[[], float] = time.perf_counter):
         self._clock = clock
-        self._last: Optional[float] = None  # when the previous step ended
-        self._last_decoded = False  # whether it was a decode step
+        self._began: Optional[float] = None  # when the last step began
+        self._began_decode = False  # whether it was a decode step
+        self._report: Optional[Report] = None  # the last finished step's, waiting for its time
 
-    def lap(self, decode: bool) -> Optional[float]:
-        """A step ended (``decode``: a decode step) -> seconds since the previous one ended when
-        both are decode steps, else None."""
+    def started(self, decode: bool) -> None:
+        """A step begins (``decode``: a decode step): the step before it gets its time."""
         now = self._clock()
-        seconds = now - self._last if decode and self._last_decoded and self._last is not None else None
-        self._last, self._last_decoded = now, decode
-        return seconds
+        report, self._report = self._report, None
+        if report is not None:
+            report(now - self._began if decode and self._began_decode else None)
+        self._began, self._began_decode = now, decode
+
+    def ended(self, report: Report) -> None:
+        """The step that began last is done; ``report`` gets its seconds when the next begins."""
+        self._report = report

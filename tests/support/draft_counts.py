@@ -34,6 +34,7 @@ class ScriptedSpeculation:
         self.log: list[int] = []  # per step: the most drafts a sequence verified
         self.counts: list[list[int]] = []  # per step: each sequence's count
         self.recorded: list[int] = []  # per timed step: its draft count
+        self.seconds: list[tuple[int, float]] = []  # per timed step: (its draft count, its time)
         self.caught_up: list[tuple[float, int]] = []  # per catch-up step: (seconds, entries)
         self.plan, self.plan_asked = k if planned is None else planned, []
 
@@ -58,8 +59,12 @@ class ScriptedSpeculation:
         return 0.0  # nothing timed: suffix steps are weighed by tokens alone
 
     def record(self, seq_ids, counts, accepted, seconds, catch_up=None):
+        self.time_step(len(counts), int(max(counts)), seconds, catch_up)
+
+    def time_step(self, batch_size, k, seconds, catch_up=None):
         if seconds is not None:
-            self.recorded.append(int(max(counts)))
+            self.recorded.append(k)
+            self.seconds.append((k, seconds))
         if catch_up is not None:
             self.caught_up.append(catch_up)
 

@@ -472,10 +472,11 @@ def test_catch_up_steps_are_not_measured(case):
     log = plugin.adaptive.log
     # after two plain steps (3 entries behind, > K + 1 = 2) the next speculative step is a catch-up
     unmeasured = sum(1 for i in range(1, len(log)) if log[i] and log[i - 2:i] == [0, 0])
-    assert unmeasured > 0 and log[0] == 1
-    # nor is the first decode step: its interval (step_clock.py) began at the prefill
-    assert plugin.adaptive.recorded.count(1) == log.count(1) - unmeasured - 1
-    assert plugin.adaptive.recorded.count(0) == log.count(0)
+    assert unmeasured > 0
+    # nor is the last step: its time is known when the next step starts (step_clock.py), and none does
+    last = [log[-1]]
+    assert plugin.adaptive.recorded.count(1) == log.count(1) - unmeasured - last.count(1)
+    assert plugin.adaptive.recorded.count(0) == log.count(0) - last.count(0)
     # each reported with its time and the entries it wrote beyond K + 1 (charged to plain steps)
     assert len(plugin.adaptive.caught_up) == unmeasured
     assert all(seconds > 0 and entries >= 1 for seconds, entries in plugin.adaptive.caught_up)
