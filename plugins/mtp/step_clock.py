@@ -10,9 +10,15 @@ counts. The time is known only when the next step begins, so a finished step lea
 that the next start delivers. An interval that ends at a prefill or a mixed (SplitFuse) step may
 hold an idle wait or a new request's admission, and one that starts there is no decode step: their
 reports get None (not a sample).
+
+With async scheduling (adaptive speculation is off there; tree_choice still times steps) the next
+step starts on the host thread while this one runs, so a report may arrive a step late and carry
+the interval between two later starts: the pipeline's period, what throughput sees. The clock is
+locked: the two threads start and end steps.
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import Callable, Optional
 
@@ -25,15 +31,19 @@ class StepClock:
         self._began: Optional[float] = None  # when the last step began
         self._began_decode = False  # whether it was a decode step
         self._report: Optional[Report] = None  # the last finished step's, waiting for its time
+        self._lock = threading.Lock()
 
     def started(self, decode: bool) -> None:
         """A step begins (``decode``: a decode step): the step before it gets its time."""
-        now = self._clock()
-        report, self._report = self._report, None
+        with self._lock:
+            now = self._clock()
+            report, self._report = self._report, None
+            seconds = now - self._began if decode and self._began_decode else None
+            self._began, self._began_decode = now, decode
         if report is not None:
-            report(now - self._began if decode and self._began_decode else None)
-        self._began, self._began_decode = now, decode
+            report(seconds)
 
     def ended(self, report: Report) -> None:
         """The step that began last is done; ``report`` gets its seconds when the next begins."""
-        self._report = report
+        with self._lock:
+            self._report = report
