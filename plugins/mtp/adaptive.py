@@ -13,8 +13,9 @@ Step time (step_clock.py: a whole engine step, not just its forward) is measured
 bucket and per the step's draft count (the "arms": the most drafts any of its sequences
 verifies, which is how far the step drafts), as the median of its recent steps; each arm is
 timed a few times first, and the arms not chosen are re-tried now and then (a few steps in a
-row, one arm at a time), so the estimate follows the context length as it changes. Tokens per step come from acceptance per draft position j, the share of drafts at j
-accepted when every draft before it was: a step with k drafts yields
+row, one arm at a time), so the estimate follows the context length as it changes. Tokens per
+step come from acceptance per draft position j, the share of drafts at j accepted when every
+draft before it was: a step with k drafts yields
 1 + sum_{j<=k} prod_{i<=j} alpha_i tokens. Each sequence has its own alpha (sequence_acceptance.py:
 its decayed counts blended with a prior from the last finished sequences) and verifies the drafts
 it reaches and keeps with probability >= ROW_YIELD; the step's arm maximises the batch's tokens
