@@ -116,10 +116,13 @@ class ExpertWeights:
 class LinearWeight:
     """A GEMM weight as the model holds it: y = x @ weight.T. Built once at load by
     ``Backend.linear_weight``; ``packed`` is the same weight in a layout only that backend reads
-    (the cpu backend: oneDNN's blocked layout), or None."""
+    (the cpu backend: oneDNN's blocked layout), or None; ``narrow`` the same values in a
+    narrower dtype where every one of them fits it exactly (the cpu backend: a bfloat16
+    checkpoint run in float32), or None."""
 
     weight: torch.Tensor  # [out, in]
     packed: Optional[torch.Tensor] = None
+    narrow: Optional[torch.Tensor] = None  # [out, in]
 
 
 @dataclass

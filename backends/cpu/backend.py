@@ -359,7 +359,15 @@ class CpuBackend(Backend):
     def linear_weight(self, weight: torch.Tensor) -> LinearWeight:
         if is_quantized(weight):
             return LinearWeight(weight)
-        return LinearWeight(weight, packed_linear.pack(weight, self.pack_weights and self._room_for(weight)))
+        room = self._room_for(weight)
+        return LinearWeight(weight, packed_linear.pack(weight, self.pack_weights and room), self._narrow(weight))
+
+    def _narrow(self, weight: torch.Tensor) -> Optional[torch.Tensor]:
+        """``weight`` (any shape) as linear.narrow keeps it, or None."""
+        if not self._room_for(weight):
+            return None
+        half = packed_linear.narrow(weight.reshape(-1, weight.shape[-1]))
+        return None if half is None else half.view(weight.shape)
 
     def _room_for(self, weight: torch.Tensor) -> bool:
         """A packed copy doubles a weight's memory: a big checkpoint stops packing while a quarter
@@ -383,6 +391,7 @@ class CpuBackend(Backend):
             w2_all=self.linear_weight(moe._down_side_by_side(w2).contiguous()) if E <= moe.DENSE_MAX_EXPERTS else None,
             w13_each=[self.linear_weight(w13[e]) for e in range(E)],
             w2_each=[self.linear_weight(w2[e]) for e in range(E)],
+            w13_narrow=self._narrow(w13), w2_narrow=self._narrow(w2),
         )
 
     # ---- norms and activations -------------------------------------------------------------

@@ -18,6 +18,15 @@ sums in another order), as F.linear's own GEMV and GEMM paths already differ fro
 Every weight is packed, small ones too (they go packed in prefills and big batches), so the
 weights take twice their memory on the cpu backend (packing stops while a quarter of the
 machine's memory is still free: CpuBackend._room_for); MINDSPEC_CPU_PACKED_LINEAR=0 turns it off.
+
+Inside a compiled decode step the weights stream from memory every step. A float32 weight whose
+values are all bfloat16 (a bfloat16 checkpoint run in float32) also keeps a bfloat16 copy,
+``narrow``, and a GEMM of one or two rows reads it in ``thin_linear``: the same float32 products
+from half the bytes. Its kernel sums each output with one horizontal reduction, which costs per
+row, so more rows go to Inductor's GEMM on the float32 weight (per GEMM, weights cycled from
+memory, 192 -> 1152: 18 / 32 / 48 us at 1 / 2 / 3 rows against 38 / 72 / 124; a compiled plain
+step of the shipped model 1.05 -> 0.73 ms, while thin verifications of four rows made an MTP K=3
+step slower: 3.24 against 2.97 ms; benchmarks/README.md).
 """
 from __future__ import annotations
 
@@ -33,6 +42,7 @@ from mindspec.modeling import quantized
 PACKED_MIN_MACS = 384 * 1024  # rows * in * out from which the packed GEMM is faster (table above)
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 ENV_SWITCH = "MINDSPEC_CPU_PACKED_LINEAR"  # "0": plain F.linear everywhere (A/B benchmarks)
+THIN_MAX_ROWS = 2  # compiled GEMMs of up to this many rows against a ``narrow`` weight: thin_linear
 
 
 def packing_enabled() -> bool:
@@ -60,12 +70,34 @@ def pack(weight: torch.Tensor, enabled: bool) -> Optional[torch.Tensor]:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
 
 
+def narrow(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """A float32 weight's bfloat16 copy when every value is a bfloat16 (a bfloat16 checkpoint run
+    in float32), else None: a compiled thin GEMM reads it instead (``thin_linear``)."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
+        return None
+    half = weight.to(torch.bfloat16)
+    return half if torch.equal(half.to(torch.float32), weight) else None
+
+
+def thin_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ weight.T inside a compiled step, for a few rows: one fused reduction that
+    widens each weight to x's dtype as it reads it. A decode step streams its weights from memory,
+    so a bfloat16 copy of float32 values halves its bytes and computes the same products; each
+    output sums over ``in`` in one order whatever the row count, so a row's result does not
+    depend on its batch."""
+    rows = x.reshape(-1, 1, x.shape[-1])  # [R, 1, in]
+    out = (rows * weight.to(x.dtype)).sum(dim=-1)  # [R, out]
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
 def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
     """x [..., in] -> [..., out]: packed where it is faster, F.linear otherwise; a quantized
     weight is dequantized for this call only."""
     if not isinstance(w.weight, torch.Tensor):  # quantized (mindspec/modeling/quantized.py)
         return quantized_linear(x, w.weight)
     if torch.compiler.is_compiling():  # first: a traced graph must not touch the oneDNN tensor
+        if w.narrow is not None and x.numel() // w.weight.shape[1] <= THIN_MAX_ROWS:
+            return thin_linear(x, w.narrow)
         return F.linear(x, w.weight)
     if w.packed is None or x.dtype != w.packed.dtype:
         return F.linear(x, w.weight)

@@ -46,6 +46,9 @@ class CpuExpertWeights(ExpertWeights):
     w13_each: list[LinearWeight]  # E x [2I, H]
     w2_each: list[LinearWeight]  # E x [H, I]
     w2_all: Optional[LinearWeight] = None  # [H, E * I]: the down projections side by side (dense path)
+    # w13 / w2 in bfloat16 where every value is one (linear.narrow): the gathered path reads these
+    w13_narrow: Optional[torch.Tensor] = None  # [E, 2I, H]
+    w2_narrow: Optional[torch.Tensor] = None  # [E, H, I]
 
 
 @dataclass
@@ -202,10 +205,21 @@ def _gathered_experts(x, topk_weights, topk_ids, experts: ExpertWeights) -> torc
         ids, w = ids.gather(1, order), w.gather(1, order)
     ids = ids.clamp(0, E - 1).reshape(-1)  # [T*k]
     w = w.reshape(-1, 1)  # [T*k, 1] float32
-    xs = x.repeat_interleave(k, dim=0)[:, :, None]  # [T*k, H, 1]
-    h = _silu_and_mul(torch.bmm(experts.w13[ids], xs)[..., 0])  # [T*k, I]
-    y = torch.bmm(experts.w2[ids], h[:, :, None])[..., 0]  # [T*k, H]
+    xs = x.repeat_interleave(k, dim=0)  # [T*k, H]
+    w13, w2 = _narrow(experts)
+    if w13 is None:
+        h = _silu_and_mul(torch.bmm(experts.w13[ids], xs[:, :, None])[..., 0])  # [T*k, I]
+        y = torch.bmm(experts.w2[ids], h[:, :, None])[..., 0]  # [T*k, H]
+    else:  # as linear.thin_linear: half the bytes, the same products in x's dtype
+        h = _silu_and_mul((w13[ids].to(x.dtype) * xs[:, None, :]).sum(dim=-1))  # [T*k, I]
+        y = (w2[ids].to(x.dtype) * h[:, None, :]).sum(dim=-1)  # [T*k, H]
     return (y * w).to(x.dtype).view(T, k, H).sum(dim=1)
+
+
+def _narrow(experts: ExpertWeights) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    if isinstance(experts, CpuExpertWeights) and experts.w13_narrow is not None and experts.w2_narrow is not None:
+        return experts.w13_narrow, experts.w2_narrow
+    return None, None
 
 
 def _dense_experts(x, topk_weights, topk_ids, experts: ExpertWeights) -> torch.Tensor:

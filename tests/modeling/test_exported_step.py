@@ -106,6 +106,23 @@ def test_compiled_steps_give_the_eager_tokens_and_a_restart_loads_them(checkpoin
 
 
 @pytest.mark.slow
+def test_a_bfloat16_checkpoint_compiles_against_its_narrow_weights(tmp_path_factory, cache_dir):
+    """A bfloat16 checkpoint run in float32: compiled steps read the weights' bfloat16 copies
+    (thin GEMMs and gathered experts, backends/cpu/linear.py) and give the eager tokens, with MTP
+    off and with MTP, whose verification computes each row as a plain step does."""
+    cfg = tiny_v3_config(initializer_range=0.2, num_hidden_layers=2, num_nextn_predict_layers=K)
+    path = make_self_predicting_checkpoint(tmp_path_factory.mktemp("bf16"), cfg, seed=3, residual_scale=0.005,
+                                           dtype=torch.bfloat16)
+    expected = _tokens(_llm(path, decode_graphs=False), GREEDY)
+    for plugin_params in (None, VANILLA):
+        llm = _llm(path, plugin_params, decode_graphs=True)
+        model = llm.engine.model_wrapper.model
+        assert model.lm_head.weight.dtype == torch.float32 and model.lm_head.narrow.dtype == torch.bfloat16
+        assert _tokens(llm, GREEDY) == expected
+        assert llm.engine.model_wrapper.compiled.stats.calls > 0
+
+
+@pytest.mark.slow
 def test_packages_inline_the_gemm_templates_inductor_timed_faster(checkpoint, cache_dir, monkeypatch, recwarn):
     """The default options: every GEMM of a package timed against ATen's kernel at compile time,
     and at these skinny shapes Inductor's C++ template wins and is inlined; the tokens stay the

@@ -278,7 +278,8 @@ def load_hf_model(path, dtype: torch.dtype = torch.float32):
     return model.eval()
 
 
-def make_self_predicting_checkpoint(path, config, *, seed: int = 0, residual_scale: float = 0.05) -> Path:
+def make_self_predicting_checkpoint(path, config, *, seed: int = 0, residual_scale: float = 0.05,
+                                    dtype: torch.dtype = torch.float32) -> Path:
     """A checkpoint whose MTP modules predict what the main model will say, most of the time.
 
     Every block's output projections (o_proj, down_proj of MLPs and experts) are scaled by
@@ -286,19 +287,20 @@ def make_self_predicting_checkpoint(path, config, *, seed: int = 0, residual_sca
     slightly bent by context. Each MTP module keeps only the embedding path (eh_proj = [I | 0]),
     norms set to the main model's, the same head and scaled blocks, so it predicts g(t(i+1)) =
     t(i+2): drafts are usually accepted (the full-hit path) and sometimes rejected.
+    ``dtype``: the checkpoint's weights' dtype.
     """
-    path = make_checkpoint(path, config, seed=seed)
+    path = make_checkpoint(path, config, seed=seed, dtype=dtype)
     tensors = read_tensors(path)
     hidden, layers = config.hidden_size, config.num_hidden_layers
     for name, t in tensors.items():
         if name.endswith(("o_proj.weight", "down_proj.weight")):
-            tensors[name] = t * residual_scale
+            tensors[name] = (t * residual_scale).to(t.dtype)
     modules = getattr(config, "num_nextn_predict_layers", 0) or 0
     for j in range(modules):
         p = f"model.layers.{layers + j}."
-        tensors[p + "eh_proj.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1).to(t.dtype)
-        tensors[p + "enorm.weight"] = torch.ones(hidden, dtype=t.dtype)
-        tensors[p + "hnorm.weight"] = torch.ones(hidden, dtype=t.dtype)
+        tensors[p + "eh_proj.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1).to(dtype)
+        tensors[p + "enorm.weight"] = torch.ones(hidden, dtype=dtype)
+        tensors[p + "hnorm.weight"] = torch.ones(hidden, dtype=dtype)
         tensors[p + "shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
         if p + "shared_head.head.weight" in tensors:
             tensors[p + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()

@@ -129,3 +129,42 @@ def test_packing_stops_before_memory_runs_short(monkeypatch):
     assert small.packed is None
     x = torch.randn(64, 256)
     torch.testing.assert_close(backend.linear(x, small), x @ weight.T)
+
+
+def test_narrow_copy_only_where_every_value_fits():
+    """A float32 weight whose values are all bfloat16 (a bfloat16 checkpoint run in float32)
+    gets a bfloat16 copy holding the same values; one value off the bfloat16 grid, or a weight
+    already narrow, gets none."""
+    exact = _weight(12, 8, torch.bfloat16).float()
+    half = packed_linear.narrow(exact)
+    assert half.dtype == torch.bfloat16 and torch.equal(half.float(), exact)
+    assert CpuBackend().linear_weight(exact).narrow is not None
+    off_grid = exact.clone()
+    off_grid[3, 5] += 2.0 ** -20
+    assert packed_linear.narrow(off_grid) is None
+    assert CpuBackend().linear_weight(off_grid).narrow is None
+    assert packed_linear.narrow(exact.to(torch.bfloat16)) is None
+
+
+def test_compiled_thin_gemms_read_the_narrow_weight(monkeypatch):
+    """Inside a compiled graph up to THIN_MAX_ROWS rows run thin_linear on ``narrow``; more rows
+    run F.linear on the float32 weight (here the two hold different values to tell them apart)."""
+    w = LinearWeight(_weight(24, 16), narrow=_weight(24, 16, torch.bfloat16, seed=1))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    thin = torch.randn(packed_linear.THIN_MAX_ROWS, 16)
+    torch.testing.assert_close(packed_linear.linear(thin, w), thin @ w.narrow.float().T)
+    wide = torch.randn(packed_linear.THIN_MAX_ROWS + 1, 16)
+    torch.testing.assert_close(packed_linear.linear(wide, w), wide @ w.weight.T)
+
+
+def test_compiled_thin_gemm_gives_a_row_the_same_result_in_any_batch():
+    """Compiled by Inductor, thin_linear sums each output in one order whatever the row count:
+    a row's result is bitwise the same alone and among others (a decode step and an MTP
+    verification of the same token agree), and equals x @ W.T to rounding."""
+    weight = _weight(64, 48, torch.bfloat16)
+    x = torch.randn(4, 2, 48)
+    step = torch.compile(packed_linear.thin_linear, backend="inductor", fullgraph=True, dynamic=False)
+    together = step(x, weight)  # [4, 2, 64]
+    alone = step(x[1:2], weight)
+    assert torch.equal(alone[0], together[1])
+    torch.testing.assert_close(together, x @ weight.float().T, atol=1e-5, rtol=1e-5)

@@ -1,4 +1,5 @@
 import types
+from dataclasses import replace
 
 import pytest
 import torch
@@ -216,3 +217,23 @@ def test_gathered_top2_sums_alike_in_either_order():
     keep = (ids >= 0) & (ids < E)
     expected = ref.moe_experts(x, w * keep, ids.clamp(0, E - 1), ex.w13, ex.w2)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_gathered_experts_read_the_narrow_weights():
+    """Experts whose float32 values are all bfloat16 keep bfloat16 copies, which the gathered path
+    (compiled decode steps) reads: the same sums as the float32 experts', and a token's result
+    does not depend on the tokens beside it."""
+    g = torch.Generator().manual_seed(10)
+    exact = ExpertWeights(w13=torch.randn(E, 8, HIDDEN, generator=g).to(torch.bfloat16).float(),
+                          w2=torch.randn(E, HIDDEN, 4, generator=g).to(torch.bfloat16).float())
+    ex = CpuBackend().expert_weights(exact.w13, exact.w2)
+    assert ex.w13_narrow.dtype == torch.bfloat16 and torch.equal(ex.w13_narrow.float(), exact.w13)
+    assert torch.equal(ex.w2_narrow.float(), exact.w2)
+    x = torch.randn(4, HIDDEN, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(4)])
+    w = torch.rand(4, 2, generator=g)
+    out = moe._gathered_experts(x, w, ids, ex)
+    torch.testing.assert_close(out.double(), ref.moe_experts(x, w, ids, exact.w13, exact.w2), atol=1e-5, rtol=1e-5)
+    assert torch.equal(moe._gathered_experts(x[2:3], w[2:3], ids[2:3], ex), out[2:3])
+    other = replace(ex, w13_narrow=(ex.w13_narrow.float() * 2).to(torch.bfloat16))  # tells the copies apart
+    assert not torch.allclose(moe._gathered_experts(x, w, ids, other), out)
