@@ -359,8 +359,10 @@ class CpuBackend(Backend):
     def linear_weight(self, weight: torch.Tensor) -> LinearWeight:
         if is_quantized(weight):
             return LinearWeight(weight)
-        room = self._room_for(weight)
-        return LinearWeight(weight, packed_linear.pack(weight, self.pack_weights and room), self._narrow(weight))
+        return self._linear_weight(weight, self._narrow(weight))
+
+    def _linear_weight(self, weight: torch.Tensor, narrow: Optional[torch.Tensor]) -> LinearWeight:
+        return LinearWeight(weight, packed_linear.pack(weight, self.pack_weights and self._room_for(weight)), narrow)
 
     def _narrow(self, weight: torch.Tensor) -> Optional[torch.Tensor]:
         """``weight`` (any shape) as linear.narrow keeps it, or None."""
@@ -384,14 +386,21 @@ class CpuBackend(Backend):
         # One side quantized alone (its blocks did not allow keeping gate and up together): both dense.
         w13, w2 = (quantized.dense(w) for w in (w13, w2))
         E, two_i, H = w13.shape
+        # One bfloat16 copy per tensor; the per-expert and side-by-side weights take views of it.
+        w13_narrow, w2_narrow = self._narrow(w13), self._narrow(w2)
+
+        def expert(narrow: Optional[torch.Tensor], e: int) -> Optional[torch.Tensor]:
+            return None if narrow is None else narrow[e]
+
         return moe.CpuExpertWeights(
             w13=w13, w2=w2,
-            w13_all=self.linear_weight(w13.reshape(E * two_i, H)),
+            w13_all=self._linear_weight(w13.reshape(E * two_i, H),
+                                        None if w13_narrow is None else w13_narrow.view(E * two_i, H)),
             # Only experts few enough to run dense need it (DeepSeek-V2/V3's 64/256 never do).
-            w2_all=self.linear_weight(moe._down_side_by_side(w2).contiguous()) if E <= moe.DENSE_MAX_EXPERTS else None,
-            w13_each=[self.linear_weight(w13[e]) for e in range(E)],
-            w2_each=[self.linear_weight(w2[e]) for e in range(E)],
-            w13_narrow=self._narrow(w13), w2_narrow=self._narrow(w2),
+            w2_all=self._linear_weight(moe._down_side_by_side(w2).contiguous(), None) if E <= moe.DENSE_MAX_EXPERTS else None,
+            w13_each=[self._linear_weight(w13[e], expert(w13_narrow, e)) for e in range(E)],
+            w2_each=[self._linear_weight(w2[e], expert(w2_narrow, e)) for e in range(E)],
+            w13_narrow=w13_narrow, w2_narrow=w2_narrow,
         )
 
     # ---- norms and activations -------------------------------------------------------------

@@ -237,3 +237,18 @@ def test_gathered_experts_read_the_narrow_weights():
     assert torch.equal(moe._gathered_experts(x[2:3], w[2:3], ids[2:3], ex), out[2:3])
     other = replace(ex, w13_narrow=(ex.w13_narrow.float() * 2).to(torch.bfloat16))  # tells the copies apart
     assert not torch.allclose(moe._gathered_experts(x, w, ids, other), out)
+
+
+def test_experts_keep_one_narrow_copy():
+    """The per-expert GEMM weights and the side-by-side gate/up weight read views of the experts'
+    one bfloat16 copy, not copies of their own: bfloat16 copies add half the float32 size."""
+    g = torch.Generator().manual_seed(11)
+    w13 = torch.randn(E, 8, HIDDEN, generator=g).to(torch.bfloat16).float()
+    w2 = torch.randn(E, HIDDEN, 4, generator=g).to(torch.bfloat16).float()
+    ex = CpuBackend().expert_weights(w13, w2)
+    base = ex.w13_narrow.untyped_storage().data_ptr()
+    assert ex.w13_all.narrow.untyped_storage().data_ptr() == base
+    assert all(w.narrow.untyped_storage().data_ptr() == base for w in ex.w13_each)
+    assert all(torch.equal(w.narrow.float(), w2[e]) for e, w in enumerate(ex.w2_each))
+    assert all(w.narrow.untyped_storage().data_ptr() == ex.w2_narrow.untyped_storage().data_ptr() for w in ex.w2_each)
+    assert ex.w2_all.narrow is None
