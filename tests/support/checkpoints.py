@@ -294,7 +294,7 @@ def make_self_predicting_checkpoint(path, config, *, seed: int = 0, residual_sca
     hidden, layers = config.hidden_size, config.num_hidden_layers
     for name, t in tensors.items():
         if name.endswith(("o_proj.weight", "down_proj.weight")):
-            tensors[name] = (t * residual_scale).to(t.dtype)
+            tensors[name] = t * residual_scale
     modules = getattr(config, "num_nextn_predict_layers", 0) or 0
     for j in range(modules):
         p = f"model.layers.{layers + j}."
