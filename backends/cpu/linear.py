@@ -85,9 +85,17 @@ def thin_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     so a bfloat16 copy of float32 values halves its bytes and computes the same products; each
     output sums over ``in`` in one order whatever the row count, so a row's result does not
     depend on its batch."""
-    rows = x.reshape(-1, 1, x.shape[-1])  # [R, 1, in]
+    rows = materialized(x.reshape(-1, 1, x.shape[-1]))  # [R, 1, in]
     out = (rows * weight.to(x.dtype)).sum(dim=-1)  # [R, out]
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def materialized(x: torch.Tensor) -> torch.Tensor:
+    """x itself, as a buffer of its own inside a compiled step. Inductor inlines a pointwise
+    producer (an rms norm, a residual add) into the reduction that reads it, so a thin GEMM would
+    recompute its input once per output; a view of x's storage makes Inductor store x first
+    (``as_strided`` needs a buffer). The same floats either way."""
+    return x.as_strided(x.shape, x.stride())
 
 
 def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
