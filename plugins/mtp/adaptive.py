@@ -13,20 +13,29 @@ Step time (step_clock.py: a whole engine step, not just its forward) is measured
 bucket and per the step's draft count (the "arms": the most drafts any of its sequences
 verifies, which is how far the step drafts), as the median of its recent steps; each arm is
 timed a few times first, and the arms not chosen are re-tried now and then (a few steps in a
-row, one arm at a time), so the estimate follows the context length as it changes. Tokens per
+row, one arm at a time), so the estimate follows the context length as it changes. A try costs:
+the tried arm is usually the slower one, its first steps find the caches holding the other arm's
+weights, and a deeper arm first catches up the MTP entries its modules skipped. So the wait
+between tries doubles after each try that moved nothing (its arm no faster than estimated by
+DRIFT, the choice unchanged), up to REEXPLORE_MAX steps, and drops back to REEXPLORE_EVERY when
+a try moves either (bandit exploration with backoff). Tokens per
 step come from acceptance per draft position j, the share of drafts at j accepted when every
 draft before it was: a step with k drafts yields
 1 + sum_{j<=k} prod_{i<=j} alpha_i tokens. Each sequence has its own alpha (sequence_acceptance.py:
 its decayed counts blended with a prior from the last finished sequences) and verifies the drafts
 it reaches and keeps with probability >= ROW_YIELD; the step's arm maximises the batch's tokens
-per second with each sequence verifying the fewer of those and the arm's; a sequence that
-verified nothing for a while retries one draft. Speculative steps that catch up MTP cache entries
-skipped by plain steps inform acceptance but not their arm's step time (counted there, they would
-make speculation look worse the longer it is off): what they cost over a steady step of their arm
-is the plain steps' deferred work, so it is charged to the plain arm, per entry caught up (a plain
-step skips one entry per sequence). Where a row costs what its arithmetic does (compiled steps on
-a cpu: a catch-up of 32 entries costs ~7 plain steps), a sequence that goes plain and retries
-pays that later, and plain steps only look cheaper than drafting.
+per second with each sequence verifying the fewer of those and the arm's; a sequence whose own
+drafts do not pay retries one draft now and then (one held back only by a plain bucket waits for
+the bucket's next try: a retry would catch its MTP caches up for nothing). Speculative steps that
+catch up MTP cache entries skipped by plain steps inform acceptance but not their arm's step
+time (counted there, they would make speculation look worse the longer it is off): what they
+cost over a steady step of their arm is the plain steps' deferred work, so it is charged to the
+plain arm, per entry caught up (a plain step skips one entry per sequence). Where a row costs
+what its arithmetic does (compiled steps on a cpu: a catch-up of 32 entries costs ~7 plain
+steps), a sequence that goes plain and retries pays that later, and plain steps only look
+cheaper than drafting. In a plain bucket, though, the plugin catches up at most ``catch_up_cap``
+entries when drafting resumes (the older ones are given up), so a run of plain steps until the
+next try defers that many at most: the charge per plain step shrinks as tries grow rarer.
 
 Every choice is lossless: a sequence verifying no drafts decodes plainly, and the MTP caches it
 skipped are caught up by its next speculative step (decode_inputs: ``last_accepted`` counts the
@@ -46,8 +55,10 @@ from .sequence_acceptance import AcceptancePrior, SequenceAcceptance, expected_t
 
 MIN_SAMPLES = 3  # steps of each arm measured in a bucket before choosing by throughput
 WINDOW = 16  # recent steps per arm that the estimate uses
-REEXPLORE_EVERY = 64  # steps in a bucket between two tries of an arm not chosen
+REEXPLORE_EVERY = 64  # steps in a bucket between two tries of an arm not chosen, at first
+REEXPLORE_MAX = 1024  # ... doubling after each try that moved nothing, up to this
 REEXPLORE_BURST = 3  # steps per try: the first speculative one after plain steps catches up, unmeasured
+DRIFT = 0.1  # a try whose steps' median is this much below its arm's estimate moved it
 MARGIN = 0.03  # switch only when another arm is this much faster (no flip-flopping on noise)
 DECAY = 0.98  # weight kept by past acceptance counts per speculative step (~50 steps remembered)
 # A verification row is worth it when its draft is reached and kept with at least this probability.
@@ -95,6 +106,17 @@ class Acceptance:
 
 
 @dataclass
+class _Try:
+    """A re-exploration burst: what it is judged against once over."""
+
+    arm: int
+    start: int  # the bucket's step count at its first step
+    choice: int  # the bucket's choice when it began
+    before: float  # the arm's median step time then
+    sampled: int  # the arm's step times recorded then
+
+
+@dataclass
 class _Bucket:
     choice: int  # drafts per step now chosen
     seconds: dict[int, deque] = field(default_factory=dict)  # arm -> recent step times
@@ -102,6 +124,28 @@ class _Bucket:
     timed_at: dict[int, int] = field(default_factory=dict)  # arm -> the step count when last timed
     # recent catch-ups' seconds over a steady step of their arm, per MTP entry caught up
     deferred: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    sampled: dict[int, int] = field(default_factory=dict)  # arm -> step times recorded, ever
+    wait: int = REEXPLORE_EVERY  # steps from one try of an arm not chosen to the next
+    next_try: int = REEXPLORE_EVERY  # the step count at which the next try begins
+    tries: int = 0
+    last_try: Optional[_Try] = None
+
+    def add_seconds(self, k: int, seconds: float) -> None:
+        self.seconds[k].append(seconds)
+        self.sampled[k] = self.sampled.get(k, 0) + 1
+        self.timed_at[k] = self.steps
+
+    def judge_last_try(self) -> None:
+        """The wait before the next try: doubled when the last one moved nothing, else reset."""
+        t = self.last_try
+        if t is None:
+            return
+        new = min(self.sampled.get(t.arm, 0) - t.sampled, len(self.seconds[t.arm]))
+        moved = self.choice != t.choice
+        if new > 0 and t.before > 0:  # an arm found slower than estimated will not be chosen either
+            tried = statistics.median(list(self.seconds[t.arm])[-new:])
+            moved = moved or tried < (1 - DRIFT) * t.before
+        self.wait = REEXPLORE_EVERY if moved else min(2 * self.wait, REEXPLORE_MAX)
 
     def median_seconds(self, k: int) -> float:
         """A step slowed by something else on the machine (a noisy neighbour, a page fault, GC)
@@ -109,11 +153,14 @@ class _Bucket:
         s = self.seconds.get(k, ())
         return statistics.median(s) if s else 0.0
 
-    def arm_seconds(self, k: int, batch_size: int) -> float:
+    def arm_seconds(self, k: int, batch_size: int, cap: Optional[int] = None) -> float:
         """A step's cost with k drafts: its median time, and for a plain step the catch-up it
-        defers (one MTP entry per sequence)."""
+        defers: one MTP entry per sequence, or, where plain steps catch up at most ``cap`` entries
+        when drafting resumes (the older ones are given up), a share cap / wait of one, a run of
+        plain steps lasting until the next try."""
         deferred = statistics.median(self.deferred) if k == 0 and self.deferred else 0.0
-        return self.median_seconds(k) + batch_size * deferred
+        share = 1.0 if cap is None else min(1.0, cap / self.wait)
+        return self.median_seconds(k) + batch_size * deferred * share
 
     def caught_up(self, k: int, seconds: float, entries: int) -> None:
         """A step of arm k wrote ``entries`` MTP entries plain steps skipped: its time over the
@@ -130,12 +177,15 @@ class AdaptiveSpeculation:
 
     ``arms``: the allowed draft counts per step, the largest the plugin's K (0 = a plain step)."""
 
-    def __init__(self, arms: Sequence[int], enabled: bool = True):
+    def __init__(self, arms: Sequence[int], enabled: bool = True, catch_up_cap: Optional[int] = None):
+        """``catch_up_cap``: where steps of a plain bucket give up MTP entries older than this many
+        (the plugin's CATCH_UP), what plain steps defer is bounded (``_Bucket.arm_seconds``)."""
         if not arms or min(arms) < 0:
             raise ValueError(f"adaptive speculation needs draft counts >= 0, got {list(arms)}")
         self.arms = sorted(set(arms), reverse=True)  # the most speculative first: explored first
         self.max_k = self.arms[0]
         self.enabled = enabled
+        self.catch_up_cap = catch_up_cap
         self.buckets: dict[int, _Bucket] = {}
         self.acceptance = Acceptance(self.max_k)
         self.sequences: dict[int, SequenceAcceptance] = {}
@@ -188,7 +238,7 @@ class AdaptiveSpeculation:
         timing = self._timing_arm(b)
         if timing is not None:
             return np.full(n, timing, dtype=np.int64)
-        seconds = np.array([b.arm_seconds(k, n) for k in self.arms])  # all > 0 once timed
+        seconds = np.array([b.arm_seconds(k, n, self.catch_up_cap) for k in self.arms])  # all > 0 once timed
         seqs, alpha = self._alphas(seq_ids, kinds)  # [B, K]
         tokens = expected_tokens(alpha)  # [B, K + 1]
         useful = (np.cumprod(alpha, axis=1) >= ROW_YIELD).sum(axis=1)  # [B] drafts worth a verification row
@@ -200,9 +250,11 @@ class AdaptiveSpeculation:
         if best != b.choice and per_arm[best] > per_arm[b.choice] * (1 + MARGIN):
             b.choice = best
         counts = self._floor_arm[np.minimum(useful, b.choice)]
-        for seq, c in zip(seqs, counts.tolist()):
-            seq.prefers_drafts = c > 0
-        retry = (counts == 0) & np.array([s.retry_due() for s in seqs])
+        for seq, u in zip(seqs, useful.tolist()):
+            seq.prefers_drafts = u > 0
+        # Only a sequence whose own drafts do not pay retries: one held back by the step's arm
+        # (a plain bucket) waits for the bucket's next try.
+        retry = (useful == 0) & np.array([s.retry_due() for s in seqs])
         # Retries ride along in a step that drafts anyway (one row each); a step that would draft
         # nothing drafts for them only when half the batch is due (at a batch size where no drafts
         # pay, staggered retries would otherwise make every step draft).
@@ -239,14 +291,23 @@ class AdaptiveSpeculation:
         fewest = min(self.arms, key=lambda k: len(b.seconds[k]))  # ties: the most speculative
         if len(b.seconds[fewest]) < MIN_SAMPLES:
             return fewest  # explore, round robin over the arms
-        if b.steps % REEXPLORE_EVERY < REEXPLORE_BURST:
-            others = [k for k in self.arms if k != b.choice]
-            arm = others[(b.steps // REEXPLORE_EVERY) % len(others)]
-            # an arm the sequences' own counts timed lately needs no burst (at batch 1 they do,
-            # requests whose drafts pay alternating with requests whose drafts do not)
-            if b.steps - b.timed_at.get(arm, -REEXPLORE_EVERY) >= REEXPLORE_EVERY:
-                return arm
-        return None
+        t = b.last_try
+        if t is not None and b.steps < t.start + REEXPLORE_BURST:
+            return t.arm
+        if b.steps < b.next_try:
+            return None
+        b.judge_last_try()
+        b.next_try = b.steps + b.wait
+        others = [k for k in self.arms if k != b.choice]
+        arm = others[b.tries % len(others)]
+        b.tries += 1
+        # an arm the sequences' own counts timed lately needs no burst (at batch 1 they do,
+        # requests whose drafts pay alternating with requests whose drafts do not)
+        if b.steps - b.timed_at.get(arm, -REEXPLORE_EVERY) < REEXPLORE_EVERY:
+            b.last_try = None
+            return None
+        b.last_try = _Try(arm, b.steps, b.choice, b.median_seconds(arm), b.sampled.get(arm, 0))
+        return arm
 
     def planned(self, batch_size: int) -> int:
         """The draft count steps of this batch size currently get at most (K until measured; no
@@ -278,8 +339,7 @@ class AdaptiveSpeculation:
             return
         b = self._bucket(batch_size)
         if seconds is not None and seconds > 0:
-            b.seconds[k].append(seconds)
-            b.timed_at[k] = b.steps
+            b.add_seconds(k, seconds)
         if catch_up is not None:
             b.caught_up(k, *catch_up)
 

@@ -126,7 +126,8 @@ class MtpPlugin(Plugin):
         self.complete_prefill = False  # prefix caching: every prefill writes every MTP cache
         self.history = HiddenHistory(self.keep_hidden)
         # chains: draft counts per sequence; trees: tree or plain steps per batch size
-        self.adaptive = AdaptiveSpeculation(range(self.k + 1), self.params.adaptive_speculation and not self.trees)
+        self.adaptive = AdaptiveSpeculation(range(self.k + 1), self.params.adaptive_speculation and not self.trees,
+                                            catch_up_cap=CATCH_UP)
         self.tree_choice = TreeOrPlain(self.params.adaptive_speculation and self.trees is not None)
         self.clock = StepClock()  # what each decode step costs, for both controllers
         self.simulation_rng = np.random.default_rng(0)  # simulated_acceptance's draws: the same every run
@@ -149,7 +150,9 @@ class MtpPlugin(Plugin):
         kinds = _kinds(batch)
         counts = np.asarray(self.adaptive.draft_counts([s.seq_id for s in batch.seqs], kinds), dtype=np.int64)
         behind = np.array([self.states[s.seq_id].lag[0] >= CATCH_UP for s in batch.seqs])
-        if behind.any():  # no drafts now would leave an MTP entry unwritten for good
+        # A sequence left out of a drafting step would leave its entries unwritten for good; in a
+        # plain bucket every sequence gives them up, the next try catches up CATCH_UP of them.
+        if behind.any() and self.adaptive.planned(len(batch)) > 0:
             counts[behind] = np.maximum(counts[behind], min(a for a in self.adaptive.arms if a))
         host_drafts = self._suffix_choice(batch, inputs, kinds, counts) if self.suffix else {}
         mtp = np.ones(len(counts), dtype=bool)
@@ -354,13 +357,15 @@ class MtpPlugin(Plugin):
             self.history.write(np.array([st.slot for st in states], dtype=np.int64),
                                np.array([st.hidden_end for st in states], dtype=np.int64), counts,
                                hidden, np.cumsum(rows) - rows)
+        lag0 = np.array([st.lag[0] for st in states], dtype=np.int64)  # module 0's, before this step
         for b, (state, count) in enumerate(zip(states, counts.tolist())):
             # The modules this step ran wrote the entries of the tokens before it; the others did not.
             self._lag_behind(state, count, used)
             state.hidden_end += count
             self._follow_think(state, outputs.accepted[b])
-        # More entries than a speculative step leaves (K+1): plain steps came before, not fewer drafts.
-        behind = np.clip(inputs.extra["mtp_layout"].last_accepted - (self.k + 1), 0, None) if speculated else None
+        # Module 0 behind by more than a speculative step leaves it (K+1): plain steps came before.
+        # (Deeper modules behind after steps of fewer drafts: the cost of switching arms, not theirs.)
+        behind = np.clip(lag0 - (self.k + 1), 0, None) if speculated else None
         entries = int(behind.sum()) if speculated else 0  # caught up beyond a steady step's
         drafted = inputs.extra["mtp_counts"] if verified else np.zeros(len(states), dtype=np.int64)
         accepted = np.asarray(outputs.num_draft_accepted if verified else drafted, dtype=np.int64)

@@ -15,17 +15,26 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
 # ---- the controller -----------------------------------------------------------------------------
-def _counts(ctl: AdaptiveSpeculation, steps: int, seconds: dict[int, float], runs: list[int], ids=None):
+def _counts(ctl: AdaptiveSpeculation, steps: int, seconds: dict[int, float], runs: list[int], ids=None,
+            tries: list | None = None):
     """Run `steps` decisions for len(runs) sequences. Sequence b would keep runs[b] drafts if it
     had enough, so verifying c drafts it keeps min(runs[b], c); a step drafting k (the most any
-    sequence verifies) takes seconds[k]. Returns every step's per-sequence counts."""
+    sequence verifies) takes seconds[k]. Returns every step's per-sequence counts; ``tries``
+    gets, per step, whether it was a step of a re-exploration burst."""
     ids = list(range(len(runs))) if ids is None else ids
     out = []
     for _ in range(steps):
         counts = ctl.draft_counts(ids)
+        if tries is not None:
+            tries.append(_in_try(ctl.buckets[batch_bucket(len(ids))]))
         out.append(counts.tolist())
         ctl.record(ids, counts, [min(r, c) for r, c in zip(runs, counts)], seconds[int(counts.max())])
     return out
+
+
+def _in_try(b) -> bool:
+    t = b.last_try
+    return t is not None and t.start <= b.steps < t.start + adaptive.REEXPLORE_BURST
 
 
 def _feed(ctl: AdaptiveSpeculation, steps: int, seconds: dict[int, float], runs: list[int], ids=None):
@@ -68,22 +77,35 @@ def test_expected_tokens_from_acceptance_per_position():
 
 def test_a_sequence_whose_drafts_miss_stops_drafting_within_a_few_steps_and_retries():
     ctl = AdaptiveSpeculation(range(4))
-    _feed(ctl, 4 * adaptive.MIN_SAMPLES, CPU_LIKE, [3], ids=[1])  # every arm timed on an easy sequence
-    ctl.finish([1])
-    counts = [c[0] for c in _counts(ctl, 120, CPU_LIKE, [0], ids=[2])]  # nothing it drafts is kept
+    _feed(ctl, 4 * adaptive.MIN_SAMPLES, CPU_LIKE, [3, 3], ids=[1, 9])  # every arm timed on easy sequences
+    ctl.finish([9])
+    tries = []  # per step, whether it belonged to a re-exploration burst
+    # sequence 1 keeps every draft (the steps draft), sequence 2 none of its own
+    counts = [c[1] for c in _counts(ctl, 120, CPU_LIKE, [3, 0], ids=[1, 2], tries=tries)]
     first_plain = counts.index(0)
-    assert first_plain <= 8
+    assert first_plain <= 12  # its one-draft row stops paying (~0.2 tokens) within a few steps
     # retries: one draft each (outside the re-exploration bursts, which time every arm now and
     # then), the waits doubling up to RETRY_MAX
-    first_step = ctl.buckets[1].steps - len(counts) + 1
-    burst = [(first_step + i) % adaptive.REEXPLORE_EVERY < adaptive.REEXPLORE_BURST for i in range(len(counts))]
-    retries = [i for i in range(first_plain, len(counts)) if counts[i] > 0 and not burst[i]]
+    retries = [i for i in range(first_plain, len(counts)) if counts[i] > 0 and not tries[i]]
     assert retries and all(counts[i] == 1 for i in retries)
-    drafted = [first_plain - 1] + [i for i in range(first_plain, len(counts)) if counts[i] > 0]
+    drafted = [first_plain - 1] + retries
     gaps = np.diff(drafted)
     assert gaps[0] >= sequence_acceptance.RETRY_AFTER and gaps.max() <= sequence_acceptance.RETRY_MAX + 1
     assert retries[1] - retries[0] == 2 * sequence_acceptance.RETRY_AFTER + 1  # the second wait doubled
     assert sum(counts[first_plain:]) <= 0.15 * len(counts[first_plain:])  # drafting is rare now
+
+
+def test_a_plain_bucket_holds_back_sequences_whose_drafts_pay_without_retries():
+    """Every draft is kept, but at this batch size no step that drafts pays: the steps go plain and
+    the sequence retries nothing (each retry would catch up its MTP caches); the bucket's own tries
+    re-time the arms now and then."""
+    ctl = AdaptiveSpeculation(range(4))
+    slow = {0: 1.0, 1: 2.5, 2: 3.5, 3: 4.5}  # one draft kept: 2 tokens in 2.5 s against 1 in 1 s
+    tries = []
+    counts = [c[0] for c in _counts(ctl, 200, slow, [3], tries=tries)]
+    settled = range(4 * adaptive.MIN_SAMPLES + 4, len(counts))
+    assert all(counts[i] == 0 for i in settled if not tries[i])
+    assert any(tries[i] for i in settled)
 
 
 def test_a_new_request_starts_from_the_prior_not_from_the_last_requests_state():
@@ -170,8 +192,8 @@ def test_the_catch_up_plain_steps_defer_is_charged_to_them():
 
     run(40)
     assert ctl.summary()[1]["k"] == 0 and run(10).count(1) <= 2  # retries aside
-    for _ in range(3):
-        ctl.record([0], [1], [0], None, catch_up=(6.5, 10))
+    for kept in (1, 0, 1):  # the catch-ups' drafts, kept as often as before
+        ctl.record([0], [1], [kept], None, catch_up=(6.5, 10))
     assert ctl.buckets[1].arm_seconds(0, 1) == pytest.approx(1.5)
     assert ctl.buckets[1].arm_seconds(0, 4) == pytest.approx(3.0)  # a plain step defers one entry per sequence
     assert ctl.summary()[1]["k"] == 0  # the choice moves at the next step
@@ -181,6 +203,20 @@ def test_the_catch_up_plain_steps_defer_is_charged_to_them():
     ctl.buckets[1].deferred.clear()
     ctl.record([0], [1], [0], None, catch_up=(120.0, 10))
     assert ctl.buckets[1].arm_seconds(0, 1) == pytest.approx(1.0 + ctl.buckets[1].median_seconds(1))
+
+
+def test_in_a_plain_bucket_what_plain_steps_defer_shrinks_as_tries_grow_rarer():
+    """Where the plugin gives up MTP entries beyond catch_up_cap in a plain bucket, a run of plain
+    steps until the next try defers at most that many per sequence: per plain step cap / wait."""
+    ctl = AdaptiveSpeculation([1, 0], catch_up_cap=32)
+    _feed(ctl, 2 * adaptive.MIN_SAMPLES, {0: 1.0, 1: 1.5}, [1])
+    for _ in range(3):
+        ctl.record([0], [1], [1], None, catch_up=(6.5, 10))  # 0.5 s per entry over a steady step
+    b = ctl.buckets[1]
+    assert b.arm_seconds(0, 1) == pytest.approx(1.5)  # every entry caught up: one per plain step
+    assert b.arm_seconds(0, 1, cap=32) == pytest.approx(1.25)  # tries every 64 steps: half
+    b.wait = adaptive.REEXPLORE_MAX
+    assert b.arm_seconds(0, 4, cap=32) == pytest.approx(1.0 + 4 * 0.5 * 32 / adaptive.REEXPLORE_MAX)
 
 
 def test_margin_prevents_flip_flopping_on_noise():
@@ -193,10 +229,39 @@ def test_margin_prevents_flip_flopping_on_noise():
 
 def test_reexplores_the_other_arms_now_and_then():
     ctl = AdaptiveSpeculation(range(4))
-    choices = _feed(ctl, 4 * adaptive.REEXPLORE_EVERY, {k: 1.0 for k in range(4)}, [3] * 8)
+    # tries at steps 64, 128 and 256: nothing moves, so the waits double
+    choices = _feed(ctl, 7 * adaptive.REEXPLORE_EVERY + adaptive.REEXPLORE_BURST, {k: 1.0 for k in range(4)}, [3] * 8)
     after_warmup = choices[4 * adaptive.MIN_SAMPLES:]
     assert {0, 1, 2} <= set(after_warmup)  # each arm not chosen is re-tried in turn
-    assert sum(1 for k in after_warmup if k != 3) <= 4 * adaptive.REEXPLORE_BURST
+    assert sum(1 for k in after_warmup if k != 3) == 3 * adaptive.REEXPLORE_BURST
+
+
+def test_tries_that_move_nothing_come_ever_rarer_and_one_that_moves_brings_them_back():
+    """Each re-exploration costs (at batch 1 on a cpu: cold caches, a catch-up): the wait doubles
+    after tries whose arm times as estimated, up to REEXPLORE_MAX, and drops back when a try finds
+    its arm's time moved; the estimate then follows and the choice with it."""
+    ctl = AdaptiveSpeculation(range(4))
+    times = dict(CPU_LIKE)  # every draft kept: three drafts pay
+    starts = []
+
+    def run(steps):
+        tries = []
+        _counts(ctl, steps, times, [3], tries=tries)
+        first = ctl.buckets[1].steps - steps + 1
+        starts.extend(first + i for i, (t, prev) in enumerate(zip(tries, [False] + tries)) if t and not prev)
+
+    run(4 * adaptive.REEXPLORE_MAX)
+    b = ctl.buckets[1]
+    assert b.choice == 3 and b.wait == adaptive.REEXPLORE_MAX
+    assert np.diff(starts).tolist()[:6] == [64, 128, 256, 512, 1024, 1024]  # each judged at the next try
+    times[2] = 0.8  # two drafts become much cheaper: 3 tokens in 0.8 s against 4 in 1.9 s
+    waits = []
+    for _ in range(8 * adaptive.REEXPLORE_MAX):
+        run(1)
+        waits.append(b.wait)
+        if b.choice == 2:
+            break
+    assert adaptive.REEXPLORE_EVERY in waits and b.choice == 2
 
 
 def test_buckets_are_independent_and_disabled_always_speculates():
@@ -414,6 +479,37 @@ def test_speculative_steps_catch_up_the_entries_plain_steps_skipped(case, mode, 
     torch.testing.assert_close(mixed, always[0], atol=1e-5, rtol=1e-5)
 
 
+def test_a_plain_bucket_gives_up_module_0_entries_beyond_catch_up(case):
+    """Where the controller chose plain steps for the batch size, no step drafts just to keep
+    module 0 current: it gives up its oldest missed entries like the later modules, the next
+    speculative step writes the newest CATCH_UP, and the tokens stay those of MTP off."""
+    path, prompts, expected = case
+    llm = _llm(path, {"plugin_type": "mtp", "num_speculative_tokens": 2, "mtp_mode": "vanilla"})
+    margin = 2 + 2
+    pattern = [True] + [False] * (CATCH_UP + 10) + [True] * 40
+    always = _mtp_cache_rows(llm, prompts[0], [True], margin)
+    plugin = llm.engine.plugin_manager.plugins[0]
+    drafted = []  # per decode step, the drafts it made
+    original = plugin.model_inputs_update
+
+    def spy(batch, inputs):
+        out = original(batch, inputs)
+        if not batch.is_prefill:
+            drafted.append(out.extra["mtp_k"])
+        return out
+
+    plugin.model_inputs_update = spy
+    mixed = _mtp_cache_rows(llm, prompts[0], pattern, margin, planned=0)
+    assert drafted[0] == 2 and drafted[1 : 1 + CATCH_UP + 10] == [0] * (CATCH_UP + 10)  # no step drafted to catch up
+    missed = ~torch.isclose(mixed, always, atol=1e-5, rtol=1e-5).all(dim=-1)
+    assert missed.any() and (mixed[missed] == 0).all()
+    last_missed = int(missed.nonzero().max())
+    assert len(always) - (last_missed + 1) >= CATCH_UP
+    torch.testing.assert_close(mixed[last_missed + 1 :], always[last_missed + 1 :], atol=1e-5, rtol=1e-5)
+    plugin.adaptive = ScriptedSpeculation(pattern, 2, planned=0)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+
+
 def test_vanilla_later_modules_give_up_entries_beyond_catch_up(case):
     """One-draft steps keep only module 0 current. Catching the later modules up would cost a
     decoder layer per module and token, so after CATCH_UP missed entries they give up the oldest:
@@ -503,10 +599,12 @@ def test_an_arm_timed_lately_needs_no_reexploration_burst():
     ctl = AdaptiveSpeculation(range(4))
     _feed(ctl, 4 * adaptive.MIN_SAMPLES, CPU_LIKE, [3])
     b = ctl.buckets[1]
-    b.steps = 2 * adaptive.REEXPLORE_EVERY - 1  # the next step opens a burst for an arm not chosen
-    arm = [k for k in ctl.arms if k != b.choice][(b.steps + 1) // adaptive.REEXPLORE_EVERY % 3]
+    b.steps = b.next_try - 1  # the next step opens a burst for an arm not chosen
+    arm = [k for k in ctl.arms if k != b.choice][b.tries % 3]
     b.timed_at[arm] = b.steps - 5  # ... which a sequence's own count timed 5 steps ago
     assert ctl.draft_counts([0]).tolist() == [b.choice]
+    b.steps = b.next_try - 1
+    arm = [k for k in ctl.arms if k != b.choice][b.tries % 3]
     b.timed_at[arm] = b.steps - adaptive.REEXPLORE_EVERY
     assert ctl.draft_counts([0]).tolist() == [arm]
 
