@@ -51,12 +51,21 @@ class HiddenHistory:
               hidden: torch.Tensor, first_rows: np.ndarray) -> None:
         """Per sequence b (slot slots[b]): hidden rows first_rows[b] .. + counts[b] - 1 are the
         states of positions first_positions[b] .. + counts[b] - 1 (all [B] int64 arrays)."""
-        over = np.maximum(counts - self.keep, 0)  # only the last ``keep`` positions are kept: distinct rows
-        first_rows, first_positions, counts = first_rows + over, first_positions + over, counts - over
-        seq_idx, rows = token_positions(first_rows, counts)
-        _, positions = token_positions(first_positions, counts)
-        dst, src = to_device_packed([self.rows(slots[seq_idx], positions), rows], self.buf.device, self._write_staging)
-        self.buf.index_copy_(0, dst, hidden.index_select(0, src).to(self.buf.dtype))
+        if counts.min(initial=1) == 1 and counts.max(initial=1) == 1:  # one row each (plain steps)
+            dst, src = self.rows(slots, first_positions), first_rows
+        else:
+            over = np.maximum(counts - self.keep, 0)  # only the last ``keep`` positions are kept: distinct rows
+            first_rows, first_positions, counts = first_rows + over, first_positions + over, counts - over
+            seq_idx, src = token_positions(first_rows, counts)
+            _, positions = token_positions(first_positions, counts)
+            dst = self.rows(slots[seq_idx], positions)
+        if len(src) == hidden.shape[0] and bool((src == np.arange(len(src))).all()):  # every row, in order
+            (dst,) = to_device_packed([dst], self.buf.device, self._write_staging)
+            kept = hidden
+        else:
+            dst, src = to_device_packed([dst, src], self.buf.device, self._write_staging)
+            kept = hidden.index_select(0, src)
+        self.buf.index_copy_(0, dst, kept if kept.dtype == self.buf.dtype else kept.to(self.buf.dtype))
 
     def read(self, slots: np.ndarray, positions: np.ndarray, valid: Optional[np.ndarray] = None) -> torch.Tensor:
         """[R, hidden]: position positions[r] of the sequence in slots[r], which must be one of

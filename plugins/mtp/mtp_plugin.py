@@ -357,7 +357,7 @@ class MtpPlugin(Plugin):
             self.history.write(np.array([st.slot for st in states], dtype=np.int64),
                                np.array([st.hidden_end for st in states], dtype=np.int64), counts,
                                hidden, np.cumsum(rows) - rows)
-        lag0 = np.array([st.lag[0] for st in states], dtype=np.int64)  # module 0's, before this step
+        lag0 = np.array([st.lag[0] for st in states], dtype=np.int64) if speculated else None  # before this step
         for b, (state, count) in enumerate(zip(states, counts.tolist())):
             # The modules this step ran wrote the entries of the tokens before it; the others did not.
             self._lag_behind(state, count, used)
@@ -365,8 +365,7 @@ class MtpPlugin(Plugin):
             self._follow_think(state, outputs.accepted[b])
         # Module 0 behind by more than a speculative step leaves it (K+1): plain steps came before.
         # (Deeper modules behind after steps of fewer drafts: the cost of switching arms, not theirs.)
-        behind = np.clip(lag0 - (self.k + 1), 0, None) if speculated else None
-        entries = int(behind.sum()) if speculated else 0  # caught up beyond a steady step's
+        entries = int(np.clip(lag0 - (self.k + 1), 0, None).sum()) if speculated else 0  # beyond a steady step's
         drafted = inputs.extra["mtp_counts"] if verified else np.zeros(len(states), dtype=np.int64)
         accepted = np.asarray(outputs.num_draft_accepted if verified else drafted, dtype=np.int64)
         arm_timed = True
@@ -477,10 +476,13 @@ class MtpPlugin(Plugin):
 
     def _lag_behind(self, state: MtpSeqState, count: int, used: int) -> None:
         """The modules from ``used`` on wrote none of the ``count`` new tokens' entries."""
-        if (state.lag[used:] + count > CATCH_UP).any():  # the oldest missed entries are given up
-            state.complete_until = min(state.complete_until, state.hidden_end - 1 - int(state.lag.max()))
-        state.lag[:used] = count
-        np.minimum(state.lag[used:] + count, CATCH_UP, out=state.lag[used:])  # module 0: <= CATCH_UP anyway
+        lag = state.lag
+        missed = lag[used:] + count
+        if missed.max(initial=0) > CATCH_UP:  # the oldest missed entries are given up
+            state.complete_until = min(state.complete_until, state.hidden_end - 1 - int(lag.max()))
+            np.minimum(missed, CATCH_UP, out=missed)  # module 0: <= CATCH_UP anyway
+        lag[:used] = count
+        lag[used:] = missed
 
     def adopt_prefilled(self, seq, hidden_size: int, dtype: torch.dtype, device) -> None:
         """A sequence prefilled on another node (PD disaggregation): its KV arrived, its hidden

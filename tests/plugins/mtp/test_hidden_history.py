@@ -57,3 +57,15 @@ def test_one_write_of_more_than_keep_positions_keeps_the_newest():
     rows = _rows(range(7), 6)
     h.write(np.array([a]), np.array([10]), np.array([5]), rows, np.array([2]))  # positions 10..14 from rows 2..6
     assert torch.equal(h.read(np.full(3, a), np.array([12, 13, 14])), rows[4:7])
+
+
+def test_one_row_per_sequence_from_a_padded_step_in_another_dtype():
+    """A plain step's write: one row per sequence, from rows of a step padded past the batch
+    (its padding rows are not kept), converted to the buffer's dtype."""
+    h = HiddenHistory(keep=4)
+    slots = np.array([h.add(i, torch.zeros(1, 4)) for i in (7, 8, 9)])
+    step = _rows(range(4), 7).double()  # [4 padded rows, hidden]
+    h.write(slots[[2, 0]], np.array([5, 9]), np.ones(2, dtype=np.int64), step, np.array([1, 3]))
+    assert h.buf.dtype == torch.float32
+    assert torch.equal(h.read(slots[[0, 2]], np.array([9, 5])), step[[3, 1]].float())
+    assert torch.equal(h.read(slots[[1]], np.array([5])), torch.zeros(1, 4))  # sequence 8 wrote nothing
