@@ -11,31 +11,28 @@ measured, per sequence, not assumed.
 
 Step time (step_clock.py: a whole engine step, not just its forward) is measured per batch-size
 bucket and per the step's draft count (the "arms": the most drafts any of its sequences
-verifies, which is how far the step drafts), as the median of its recent steps; each arm is
-timed a few times first, and the arms not chosen are re-tried now and then (a few steps in a
-row, one arm at a time), so the estimate follows the context length as it changes. A try costs:
-the tried arm is usually the slower one, its first steps find the caches holding the other arm's
-weights, and a deeper arm first catches up the MTP entries its modules skipped. So the wait
+verifies, which is how far the step drafts), as the median of its recent steps. An arm is timed
+in runs: the first SETTLE steps after a switch find the caches holding the other arm's weights
+and are no samples (timed cold, an arm tried in short bursts looks slower than the arm chosen,
+which runs warm, and would never be chosen). Each arm is timed in one run first, and the arms not
+chosen are re-tried now and then (a run each, one arm at a time), so the estimate follows the
+context length as it changes. A try costs (the tried arm is usually the slower one), so the wait
 between tries doubles after each try that moved nothing (its arm no faster than estimated by
 DRIFT, the choice unchanged), up to REEXPLORE_MAX steps, and drops back to REEXPLORE_EVERY when
-a try moves either (bandit exploration with backoff). Tokens per
-step come from acceptance per draft position j, the share of drafts at j accepted when every
-draft before it was: a step with k drafts yields
-1 + sum_{j<=k} prod_{i<=j} alpha_i tokens. Each sequence has its own alpha (sequence_acceptance.py:
-its decayed counts blended with a prior from the last finished sequences) and verifies the drafts
-it reaches and keeps with probability >= ROW_YIELD; the step's arm maximises the batch's tokens
-per second with each sequence verifying the fewer of those and the arm's; a sequence whose own
-drafts do not pay retries one draft now and then (one held back only by a plain bucket waits for
-the bucket's next try: a retry would catch its MTP caches up for nothing). Speculative steps that
-catch up MTP cache entries skipped by plain steps inform acceptance but not their arm's step
-time (counted there, they would make speculation look worse the longer it is off): what they
-cost over a steady step of their arm is the plain steps' deferred work, so it is charged to the
-plain arm, per entry caught up (a plain step skips one entry per sequence). Where a row costs
-what its arithmetic does (compiled steps on a cpu: a catch-up of 32 entries costs ~7 plain
-steps), a sequence that goes plain and retries pays that later, and plain steps only look
-cheaper than drafting. In a plain bucket, though, the plugin catches up at most ``catch_up_cap``
-entries when drafting resumes (the older ones are given up), so a run of plain steps until the
-next try defers that many at most: the charge per plain step shrinks as tries grow rarer.
+a try moves either (bandit exploration with backoff).
+
+Tokens per step come from acceptance per draft position j, the share of drafts at j accepted when
+every draft before it was: a step with k drafts yields 1 + sum_{j<=k} prod_{i<=j} alpha_i tokens.
+Each sequence has its own alpha (sequence_acceptance.py: its decayed counts blended with a prior
+from the last finished sequences) and verifies the drafts it reaches and keeps with probability
+>= ROW_YIELD; the step's arm maximises the batch's tokens per second with each sequence verifying
+the fewer of those and the arm's; a sequence whose own drafts do not pay retries one draft now
+and then (one held back only by a plain bucket waits for the bucket's next try). Speculative
+steps that catch up MTP cache entries skipped by plain steps inform acceptance but not their
+arm's step time (counted there, they would make speculation look worse the longer it is off).
+Plain steps defer no such work when the bucket chose them: there the plugin keeps only the
+entries a steady step writes (mtp_plugin: ``_entries_kept``), so the step that drafts again has a
+steady step's shape and cost.
 
 Every choice is lossless: a sequence verifying no drafts decodes plainly, and the MTP caches it
 skipped are caught up by its next speculative step (decode_inputs: ``last_accepted`` counts the
@@ -51,14 +48,23 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from .sequence_acceptance import AcceptancePrior, SequenceAcceptance, expected_tokens, reached_and_kept
+from .sequence_acceptance import AcceptancePrior, SequenceAcceptance, expected_tokens, reached_and_kept, sequence_alphas
 
 MIN_SAMPLES = 3  # steps of each arm measured in a bucket before choosing by throughput
+# Steps of an arm's run in a bucket that are no samples of its time: the first steps after a
+# switch find the caches holding the other arm's weights (compiled, batch 1, one AMD EPYC core: a
+# plain step 1.44, 1.24, 1.11, 1.07 ms, then 1.01). Timed cold, an arm tried in short bursts looks
+# slower than the arm chosen, which runs warm, and is never chosen.
+SETTLE = 4
 WINDOW = 16  # recent steps per arm that the estimate uses
 REEXPLORE_EVERY = 64  # steps in a bucket between two tries of an arm not chosen, at first
 REEXPLORE_MAX = 1024  # ... doubling after each try that moved nothing, up to this
-REEXPLORE_BURST = 3  # steps per try: the first speculative one after plain steps catches up, unmeasured
+REEXPLORE_BURST = 3  # timed steps per try (after SETTLE untimed ones)
 DRIFT = 0.1  # a try whose steps' median is this much below its arm's estimate moved it
+# Steps a decision that every sequence decodes plainly holds for the same batch: its inputs move
+# only with the plain arm's median and the sequences' retry schedules (>= 8 steps), and deciding
+# costs ~0.1 ms of a ~1 ms plain step at batch 1 (compiled, cpu).
+PLAIN_HOLD = 8
 MARGIN = 0.03  # switch only when another arm is this much faster (no flip-flopping on noise)
 DECAY = 0.98  # weight kept by past acceptance counts per speculative step (~50 steps remembered)
 # A verification row is worth it when its draft is reached and kept with at least this probability.
@@ -122,13 +128,22 @@ class _Bucket:
     seconds: dict[int, deque] = field(default_factory=dict)  # arm -> recent step times
     steps: int = 0
     timed_at: dict[int, int] = field(default_factory=dict)  # arm -> the step count when last timed
-    # recent catch-ups' seconds over a steady step of their arm, per MTP entry caught up
-    deferred: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     sampled: dict[int, int] = field(default_factory=dict)  # arm -> step times recorded, ever
     wait: int = REEXPLORE_EVERY  # steps from one try of an arm not chosen to the next
     next_try: int = REEXPLORE_EVERY  # the step count at which the next try begins
     tries: int = 0
     last_try: Optional[_Try] = None
+    run_arm: int = -1  # the arm of the bucket's last step
+    run_steps: int = 0  # steps of that arm in a row there
+    _medians: dict[int, tuple[int, float]] = field(default_factory=dict)  # arm -> (sampled then, median)
+    plain_batch: tuple = ()  # the sequences of the last decision that drafted nothing ...
+    plain_until: int = 0  # ... and the step count until which it holds
+
+    def ran(self, k: int) -> bool:
+        """A step of arm k ran; whether its time is a sample (its run has settled)."""
+        self.run_steps = self.run_steps + 1 if k == self.run_arm else 1
+        self.run_arm = k
+        return self.run_steps > SETTLE
 
     def add_seconds(self, k: int, seconds: float) -> None:
         self.seconds[k].append(seconds)
@@ -150,26 +165,12 @@ class _Bucket:
     def median_seconds(self, k: int) -> float:
         """A step slowed by something else on the machine (a noisy neighbour, a page fault, GC)
         moves a median little and a mean a lot."""
-        s = self.seconds.get(k, ())
-        return statistics.median(s) if s else 0.0
-
-    def arm_seconds(self, k: int, batch_size: int, cap: Optional[int] = None) -> float:
-        """A step's cost with k drafts: its median time, and for a plain step the catch-up it
-        defers: one MTP entry per sequence, or, where plain steps catch up at most ``cap`` entries
-        when drafting resumes (the older ones are given up), a share cap / wait of one, a run of
-        plain steps lasting until the next try."""
-        deferred = statistics.median(self.deferred) if k == 0 and self.deferred else 0.0
-        share = 1.0 if cap is None else min(1.0, cap / self.wait)
-        return self.median_seconds(k) + batch_size * deferred * share
-
-    def caught_up(self, k: int, seconds: float, entries: int) -> None:
-        """A step of arm k wrote ``entries`` MTP entries plain steps skipped: its time over the
-        arm's steady step is what they deferred. An entry (a row of the draft stages) costs less
-        than a whole step: a step that took longer (it waited for its shape's compile, the
-        machine paused) counts as that."""
-        steady = self.median_seconds(k)
-        if entries > 0 and steady > 0:
-            self.deferred.append(min(max(0.0, seconds - steady) / entries, steady))
+        sampled = self.sampled.get(k, 0)
+        cached = self._medians.get(k)
+        if cached is None or cached[0] != sampled:  # a step asks for every arm's: recomputed once per sample
+            s = self.seconds.get(k, ())
+            cached = self._medians[k] = (sampled, statistics.median(s) if s else 0.0)
+        return cached[1]
 
 
 class AdaptiveSpeculation:
@@ -177,15 +178,12 @@ class AdaptiveSpeculation:
 
     ``arms``: the allowed draft counts per step, the largest the plugin's K (0 = a plain step)."""
 
-    def __init__(self, arms: Sequence[int], enabled: bool = True, catch_up_cap: Optional[int] = None):
-        """``catch_up_cap``: where steps of a plain bucket give up MTP entries older than this many
-        (the plugin's CATCH_UP), what plain steps defer is bounded (``_Bucket.arm_seconds``)."""
+    def __init__(self, arms: Sequence[int], enabled: bool = True):
         if not arms or min(arms) < 0:
             raise ValueError(f"adaptive speculation needs draft counts >= 0, got {list(arms)}")
         self.arms = sorted(set(arms), reverse=True)  # the most speculative first: explored first
         self.max_k = self.arms[0]
         self.enabled = enabled
-        self.catch_up_cap = catch_up_cap
         self.buckets: dict[int, _Bucket] = {}
         self.acceptance = Acceptance(self.max_k)
         self.sequences: dict[int, SequenceAcceptance] = {}
@@ -238,17 +236,20 @@ class AdaptiveSpeculation:
         timing = self._timing_arm(b)
         if timing is not None:
             return np.full(n, timing, dtype=np.int64)
-        seconds = np.array([b.arm_seconds(k, n, self.catch_up_cap) for k in self.arms])  # all > 0 once timed
+        if b.steps < b.plain_until and b.plain_batch == tuple(seq_ids):
+            return np.zeros(n, dtype=np.int64)
+        seconds = np.array([b.median_seconds(k) for k in self.arms])  # [A] all > 0 once timed
         seqs, alpha = self._alphas(seq_ids, kinds)  # [B, K]
-        tokens = expected_tokens(alpha)  # [B, K + 1]
-        useful = (np.cumprod(alpha, axis=1) >= ROW_YIELD).sum(axis=1)  # [B] drafts worth a verification row
-        rows = np.arange(len(seqs))
+        reach = np.cumprod(alpha, axis=1)  # [B, K] chance that draft j is reached and kept
+        useful = (reach >= ROW_YIELD).sum(axis=1)  # [B] drafts worth a verification row
+        tokens = expected_tokens(alpha, reach)  # [B, K + 1]
         # The step's arm: the most tokens per second over the batch, sequence b verifying
         # min(useful[b], k) of the k drafts.
-        per_arm = {k: float(tokens[rows, np.minimum(useful, k)].sum()) / t for k, t in zip(self.arms, seconds)}
-        best = max(self.arms, key=per_arm.get)
-        if best != b.choice and per_arm[best] > per_arm[b.choice] * (1 + MARGIN):
-            b.choice = best
+        verified = np.minimum(useful[:, None], self._arm_counts[None, :])  # [B, A]
+        per_arm = tokens[np.arange(n)[:, None], verified].sum(axis=0) / seconds  # [A]
+        best, now = int(per_arm.argmax()), self.arms.index(b.choice)  # ties: the most speculative
+        if best != now and per_arm[best] > per_arm[now] * (1 + MARGIN):
+            b.choice = self.arms[best]
         counts = self._floor_arm[np.minimum(useful, b.choice)]
         for seq, u in zip(seqs, useful.tolist()):
             seq.prefers_drafts = u > 0
@@ -260,6 +261,8 @@ class AdaptiveSpeculation:
         # pay, staggered retries would otherwise make every step draft).
         if retry.any() and (counts.max() > 0 or 2 * retry.sum() >= n):
             counts[retry] = min(a for a in self.arms if a)
+        if not counts.any():
+            b.plain_batch, b.plain_until = tuple(seq_ids), b.steps + PLAIN_HOLD
         return counts
 
     def step_seconds(self, batch_size: int, k: int) -> float:
@@ -276,8 +279,14 @@ class AdaptiveSpeculation:
         """The sequences' states and their per-position acceptance estimates [B, K]."""
         fallback = self.acceptance.alpha(unknown=1.0)  # nothing measured: drafts pay until shown not to
         seqs = [self._sequence(s, k) for s, k in zip(seq_ids, kinds or [None] * len(seq_ids))]
-        priors = {seq.kind: self.prior(seq.kind).alpha(fallback) for seq in seqs}
-        return seqs, np.stack([s.alpha(priors[s.kind]) for s in seqs])
+        priors = {kind: self.prior(kind).alpha(fallback) for kind in {seq.kind for seq in seqs}}
+        prior = next(iter(priors.values())) if len(priors) == 1 else np.stack([priors[s.kind] for s in seqs])
+        return seqs, sequence_alphas(seqs, prior)
+
+    @functools.cached_property
+    def _arm_counts(self) -> np.ndarray:
+        """[A] the arms as an array, in ``arms``' order."""
+        return np.array(self.arms, dtype=np.int64)
 
     @functools.cached_property
     def _floor_arm(self) -> np.ndarray:
@@ -289,10 +298,11 @@ class AdaptiveSpeculation:
     def _timing_arm(self, b: _Bucket) -> Optional[int]:
         """The arm every sequence gets this step while arms are being timed, or None."""
         fewest = min(self.arms, key=lambda k: len(b.seconds[k]))  # ties: the most speculative
-        if len(b.seconds[fewest]) < MIN_SAMPLES:
-            return fewest  # explore, round robin over the arms
+        if len(b.seconds[fewest]) < MIN_SAMPLES:  # explore: one run per arm, the most speculative first
+            running = b.run_arm in b.seconds and len(b.seconds[b.run_arm]) < MIN_SAMPLES
+            return b.run_arm if running else fewest
         t = b.last_try
-        if t is not None and b.steps < t.start + REEXPLORE_BURST:
+        if t is not None and b.steps < t.start + SETTLE + REEXPLORE_BURST:
             return t.arm
         if b.steps < b.next_try:
             return None
@@ -315,33 +325,29 @@ class AdaptiveSpeculation:
         b = self.buckets.get(batch_bucket(batch_size))
         return b.choice if self.enabled and b is not None else self.max_k
 
-    def record(self, seq_ids: Sequence[int], counts: Sequence[int], accepted: Sequence[int],
-               seconds: Optional[float], catch_up: Optional[tuple[float, int]] = None) -> None:
-        """One finished step: the drafts each sequence verified and kept, and its wall time
-        (None: a step that is no sample of its arm's cost). ``catch_up``: (its wall time, MTP
-        entries written beyond a steady step's) for a step that caught MTP caches up. Disabled,
-        it still keeps acceptance (``expected`` weighs MTP drafts against suffix drafts)."""
+    def record(self, seq_ids: Sequence[int], counts: Sequence[int], accepted: Sequence[int]) -> None:
+        """One finished step: the drafts each sequence verified and kept (its time comes later:
+        ``time_step``). Disabled, it still keeps acceptance (``expected`` weighs MTP drafts
+        against suffix drafts)."""
         counts, accepted = np.asarray(counts, dtype=np.int64), np.asarray(accepted, dtype=np.int64)
-        k = int(counts.max()) if len(counts) else 0
-        self.time_step(len(counts), k, seconds, catch_up)
+        if not counts.any():  # a plain step: no position reached
+            for seq_id in seq_ids:
+                self._sequence(seq_id).plain_step()
+            return
         reached, kept = reached_and_kept(counts, accepted, self.max_k)  # [B, K] each, for the pool and each sequence
-        if k > 0:
-            self.acceptance.record_positions(reached, kept)
+        self.acceptance.record_positions(reached, kept)
         for seq_id, r, a in zip(seq_ids, reached, kept):
             self._sequence(seq_id).record(r, a)
 
-    def time_step(self, batch_size: int, k: int, seconds: Optional[float],
-                  catch_up: Optional[tuple[float, int]] = None) -> None:
+    def time_step(self, batch_size: int, k: int, seconds: Optional[float]) -> None:
         """A step of ``batch_size`` sequences drafting k took ``seconds`` (None: no sample of its
-        arm); ``catch_up`` as in ``record``. The plugin reports a step's time when the next step
+        arm). Once per step; the plugin reports a step's time when the next step
         begins (step_clock.py), after its acceptance."""
         if not self.enabled or k not in self.arms:
             return
         b = self._bucket(batch_size)
-        if seconds is not None and seconds > 0:
+        if b.ran(k) and seconds is not None and seconds > 0:
             b.add_seconds(k, seconds)
-        if catch_up is not None:
-            b.caught_up(k, *catch_up)
 
     def finish(self, seq_ids: Sequence[int]) -> None:
         """Sequences that ended: their acceptance joins the prior of the sequences to come."""

@@ -18,10 +18,11 @@ with k drafts runs the first k draft steps over every sequence: MTP Eagle's one 
 k > 0), MTP Vanilla's modules 0..k-1, so a sequence verifying fewer still has its caches
 written. Each module it skips falls behind by the tokens the step accepts; the next step that
 uses the module writes the missed entries first (the window of decode_inputs: ``last_accepted``
-is the deepest used module's lag). Module 0, which every speculative step uses, never falls more
-than CATCH_UP entries behind: then that sequence verifies at least the fewest drafts the
-controller allows, since entries never written would lower its acceptance for the rest of its
-life. Vanilla's later modules are not forced: at a large batch,
+is the deepest used module's lag). Where the step drafts, module 0, which every speculative step
+uses, never falls more than CATCH_UP entries behind: then that sequence verifies at least the
+fewest drafts the controller allows, since entries never written would lower its acceptance for
+the rest of its life. Where no draft count pays at the batch size (a plain bucket), every module
+keeps only the entries a steady step writes, so drafting resumes without a catch-up. Vanilla's later modules are not forced: at a large batch,
 where one draft per step pays and three do not, catching them up would cost two decoder layers
 per token. A later module more than CATCH_UP entries behind gives up its oldest missed entries
 (vLLM's speculative_disable_by_batch_size leaves a disabled request's draft cache stale for good);
@@ -126,8 +127,7 @@ class MtpPlugin(Plugin):
         self.complete_prefill = False  # prefix caching: every prefill writes every MTP cache
         self.history = HiddenHistory(self.keep_hidden)
         # chains: draft counts per sequence; trees: tree or plain steps per batch size
-        self.adaptive = AdaptiveSpeculation(range(self.k + 1), self.params.adaptive_speculation and not self.trees,
-                                            catch_up_cap=CATCH_UP)
+        self.adaptive = AdaptiveSpeculation(range(self.k + 1), self.params.adaptive_speculation and not self.trees)
         self.tree_choice = TreeOrPlain(self.params.adaptive_speculation and self.trees is not None)
         self.clock = StepClock()  # what each decode step costs, for both controllers
         self.simulation_rng = np.random.default_rng(0)  # simulated_acceptance's draws: the same every run
@@ -151,7 +151,7 @@ class MtpPlugin(Plugin):
         counts = np.asarray(self.adaptive.draft_counts([s.seq_id for s in batch.seqs], kinds), dtype=np.int64)
         behind = np.array([self.states[s.seq_id].lag[0] >= CATCH_UP for s in batch.seqs])
         # A sequence left out of a drafting step would leave its entries unwritten for good; in a
-        # plain bucket every sequence gives them up, the next try catches up CATCH_UP of them.
+        # plain bucket every sequence gives them up but a steady step's (_entries_kept).
         if behind.any() and self.adaptive.planned(len(batch)) > 0:
             counts[behind] = np.maximum(counts[behind], min(a for a in self.adaptive.arms if a))
         host_drafts = self._suffix_choice(batch, inputs, kinds, counts) if self.suffix else {}
@@ -358,37 +358,35 @@ class MtpPlugin(Plugin):
                                np.array([st.hidden_end for st in states], dtype=np.int64), counts,
                                hidden, np.cumsum(rows) - rows)
         lag0 = np.array([st.lag[0] for st in states], dtype=np.int64) if speculated else None  # before this step
+        keep = self._entries_kept(len(states))
         for b, (state, count) in enumerate(zip(states, counts.tolist())):
             # The modules this step ran wrote the entries of the tokens before it; the others did not.
-            self._lag_behind(state, count, used)
+            self._lag_behind(state, count, used, keep)
             state.hidden_end += count
             self._follow_think(state, outputs.accepted[b])
         # Module 0 behind by more than a speculative step leaves it (K+1): plain steps came before.
-        # (Deeper modules behind after steps of fewer drafts: the cost of switching arms, not theirs.)
-        entries = int(np.clip(lag0 - (self.k + 1), 0, None).sum()) if speculated else 0  # beyond a steady step's
+        caught_up = speculated and bool((lag0 > self.k + 1).any())
         drafted = inputs.extra["mtp_counts"] if verified else np.zeros(len(states), dtype=np.int64)
         accepted = np.asarray(outputs.num_draft_accepted if verified else drafted, dtype=np.int64)
         arm_timed = True
         if self.suffix:
             drafted, accepted, arm_timed = self._suffix_step_done(batch, inputs, outputs, drafted, accepted)
-        self.adaptive.record([seq.seq_id for seq in batch.seqs], drafted, accepted, None)
+        self.adaptive.record([seq.seq_id for seq in batch.seqs], drafted, accepted)
         k = int(drafted.max()) if len(drafted) else 0
         suffix_step = len(states) == 1 and bool(inputs.extra.get("host_drafts"))
-        self.clock.ended(lambda seconds: self._step_timed(seconds, len(states), k, int(counts.sum()), entries,
+        self.clock.ended(lambda seconds: self._step_timed(seconds, len(states), k, int(counts.sum()), caught_up,
                                                           arm_timed, suffix_step))
 
-    def _step_timed(self, seconds: Optional[float], batch_size: int, k: int, tokens: int, entries: int,
+    def _step_timed(self, seconds: Optional[float], batch_size: int, k: int, tokens: int, caught_up: bool,
                     arm_timed: bool, suffix_step: bool) -> None:
         """A decode step's time, delivered when the next step begins (step_clock.py). A step that
-        caught up ``entries`` MTP entries is no sample of its arm; its time is charged to the
-        plain steps that deferred them (adaptive.py)."""
-        steady = None if entries else seconds
+        caught up MTP entries plain steps skipped is no sample of its arm (adaptive.py)."""
+        steady = None if caught_up else seconds
         if self.trees:  # a plain step of tree_choice.py
             self.tree_choice.record(batch_size, False, tokens, steady)
         if suffix_step and seconds is not None:
             self.suffix_seconds.append(seconds)
-        self.adaptive.time_step(batch_size, k, steady if arm_timed else None,
-                                catch_up=(seconds, entries) if entries and seconds is not None else None)
+        self.adaptive.time_step(batch_size, k, steady if arm_timed else None)
 
     def _tree_done(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs) -> None:
         """After a tree step: the accepted path's KV into place, its hidden states kept."""
@@ -415,10 +413,11 @@ class MtpPlugin(Plugin):
         prefilled = len(inputs.extra["mtp_modules"])
         ends = np.array([seq.num_cached_tokens for seq in batch.seqs], dtype=np.int64) + q_lens
         slots = np.empty(len(batch.seqs), dtype=np.int64)
+        keep = self._entries_kept(len(self.states) + len(batch.seqs))  # at the batch size _prefill_modules judged by
         for b, (seq, q, end) in enumerate(zip(batch.seqs, q_lens.tolist(), ends.tolist())):
             lag = self._fresh_lag()
-            lag[prefilled:] = min(q, CATCH_UP)  # this prefill's entries, as far as its hidden states reach
-            gave_up = prefilled < self.cache_modules and q > CATCH_UP
+            lag[prefilled:] = min(q, keep)  # this prefill's entries, as far as its hidden states reach
+            gave_up = prefilled < self.cache_modules and q > keep
             slots[b] = self.history.add(seq.seq_id, hidden)
             # A prefill after a shared prompt prefix (n > 1) starts past position 0: the hidden
             # states before it are another sequence's, and its MTP entries there are shared blocks
@@ -474,13 +473,21 @@ class MtpPlugin(Plugin):
                 np.array([state.in_think]), [accepted], self.params.think_start_token_id,
                 self.params.think_end_token_id)[0])
 
-    def _lag_behind(self, state: MtpSeqState, count: int, used: int) -> None:
-        """The modules from ``used`` on wrote none of the ``count`` new tokens' entries."""
+    def _entries_kept(self, batch_size: int) -> int:
+        """Most missed entries a module keeps to catch up. In a plain bucket (no draft count
+        pays at this batch size) every module keeps only those a steady step of K drafts writes,
+        so the step that drafts again (a try of another count) has a steady step's shape: a
+        catch-up's shape runs eagerly on cpu (15-40 ms at batch 1 against a 1 ms plain step)."""
+        return self.k + 1 if self.adaptive.planned(batch_size) == 0 else CATCH_UP
+
+    def _lag_behind(self, state: MtpSeqState, count: int, used: int, keep: int = CATCH_UP) -> None:
+        """The modules from ``used`` on wrote none of the ``count`` new tokens' entries; each
+        keeps at most ``keep`` missed entries to catch up (the oldest are given up)."""
         lag = state.lag
         missed = lag[used:] + count
-        if missed.max(initial=0) > CATCH_UP:  # the oldest missed entries are given up
+        if missed.max(initial=0) > keep:  # the oldest missed entries are given up
             state.complete_until = min(state.complete_until, state.hidden_end - 1 - int(lag.max()))
-            np.minimum(missed, CATCH_UP, out=missed)  # module 0: <= CATCH_UP anyway
+            np.minimum(missed, keep, out=missed)  # module 0: <= CATCH_UP anyway
         lag[:used] = count
         lag[used:] = missed
 

@@ -42,11 +42,29 @@ def reached_and_kept(counts: np.ndarray, accepted: np.ndarray, max_k: int) -> tu
     return reached, reached & (j < accepted)
 
 
-def expected_tokens(alpha: np.ndarray) -> np.ndarray:
-    """alpha [..., K] per-position acceptance -> [..., K + 1] tokens per step with k = 0..K drafts."""
-    reached = np.cumprod(alpha, axis=-1)
+def expected_tokens(alpha: np.ndarray, reached: Optional[np.ndarray] = None) -> np.ndarray:
+    """alpha [..., K] per-position acceptance -> [..., K + 1] tokens per step with k = 0..K drafts
+    (``reached``: alpha's cumulative product, where the caller has it)."""
+    reached = np.cumprod(alpha, axis=-1) if reached is None else reached
     zero = np.zeros(alpha.shape[:-1] + (1,))
     return 1.0 + np.concatenate([zero, np.cumsum(reached, axis=-1)], axis=-1)
+
+
+def sequence_alphas(seqs: list["SequenceAcceptance"], prior: np.ndarray) -> np.ndarray:
+    """[B, K] each sequence's estimate, its counts blended with ``prior`` ([K], or [B, K] per
+    sequence). Positions a sequence has not reached would otherwise keep the prior for good (a
+    sequence verifying one draft never learns about the second), so the prior it blends with at
+    positions past the first is scaled by how its first position compares with the prior's: text
+    easier than usual at draft 1 is easier further on too. One pass over the batch: a step asks
+    this for every sequence."""
+    verified = np.array([s.verified for s in seqs])  # [B, K]
+    accepted = np.array([s.accepted for s in seqs])
+    prior0 = prior[..., 0, None]  # [B, 1] or [1]
+    first = (verified[:, :1] > 0) & (prior0 > 0)  # [B, 1]
+    scale = np.where(first, accepted[:, :1] / np.where(first, verified[:, :1] * prior0, 1.0), 1.0)  # [B, 1]
+    scaled = np.minimum(1.0, prior * scale)
+    scaled[:, 0] = prior0[..., 0]
+    return (accepted + PRIOR_WEIGHT * scaled) / (verified + PRIOR_WEIGHT)
 
 
 class SequenceAcceptance:
@@ -60,17 +78,9 @@ class SequenceAcceptance:
         self.retry_after = RETRY_AFTER
         self.prefers_drafts = True  # the controller's last judgement: its drafts pay
 
-    def alpha(self, prior: np.ndarray) -> np.ndarray:
-        """[K] this sequence's estimate. Positions it has not reached would otherwise keep the
-        prior for good (a sequence verifying one draft never learns about the second), so the
-        prior it blends with at positions past the first is scaled by how its first position
-        compares with the prior's: text easier than usual at draft 1 is easier further on too."""
-        scale = 1.0
-        if self.verified[0] > 0 and prior[0] > 0:
-            scale = (self.accepted[0] / self.verified[0]) / prior[0]
-        scaled = np.minimum(1.0, prior * scale)
-        scaled[0] = prior[0]
-        return (self.accepted + PRIOR_WEIGHT * scaled) / (self.verified + PRIOR_WEIGHT)
+    def plain_step(self) -> None:
+        """A step in which it verified no draft."""
+        self.steps_without_drafts += 1
 
     def retry_due(self) -> bool:
         return self.steps_without_drafts >= self.retry_after
@@ -79,7 +89,7 @@ class SequenceAcceptance:
         """One step: [K] bool, the positions it reached and those it kept (reached_and_kept's row;
         none reached: a step without drafts)."""
         if not reached[0]:
-            self.steps_without_drafts += 1
+            self.plain_step()
             return
         if self.prefers_drafts:
             self.retry_after = RETRY_AFTER

@@ -35,7 +35,6 @@ class ScriptedSpeculation:
         self.counts: list[list[int]] = []  # per step: each sequence's count
         self.recorded: list[int] = []  # per timed step: its draft count
         self.seconds: list[tuple[int, float]] = []  # per timed step: (its draft count, its time)
-        self.caught_up: list[tuple[float, int]] = []  # per catch-up step: (seconds, entries)
         self.plan, self.plan_asked = k if planned is None else planned, []
 
     def planned(self, batch_size):
@@ -58,15 +57,13 @@ class ScriptedSpeculation:
     def step_seconds(self, batch_size, k):
         return 0.0  # nothing timed: suffix steps are weighed by tokens alone
 
-    def record(self, seq_ids, counts, accepted, seconds, catch_up=None):
-        self.time_step(len(counts), int(max(counts)), seconds, catch_up)
+    def record(self, seq_ids, counts, accepted):
+        pass  # acceptance: none kept (``expected`` is zero)
 
-    def time_step(self, batch_size, k, seconds, catch_up=None):
+    def time_step(self, batch_size, k, seconds):
         if seconds is not None:
             self.recorded.append(k)
             self.seconds.append((k, seconds))
-        if catch_up is not None:
-            self.caught_up.append(catch_up)
 
     def finish(self, seq_ids):
         pass

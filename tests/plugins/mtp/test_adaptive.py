@@ -7,6 +7,7 @@ import pytest
 from mindspec import LLM, SamplingParams
 from mindspec.plugins.mtp import adaptive, sequence_acceptance
 from mindspec.plugins.mtp.adaptive import AdaptiveSpeculation, batch_bucket
+from mindspec.modeling.graph_runner import STEADY_DRAFT_ROWS
 from mindspec.plugins.mtp.mtp_plugin import CATCH_UP
 from tests.support.checkpoints import make_self_predicting_checkpoint, tiny_v3_config
 from tests.support.draft_counts import ScriptedSpeculation, script_mtp_counts
@@ -28,13 +29,19 @@ def _counts(ctl: AdaptiveSpeculation, steps: int, seconds: dict[int, float], run
         if tries is not None:
             tries.append(_in_try(ctl.buckets[batch_bucket(len(ids))]))
         out.append(counts.tolist())
-        ctl.record(ids, counts, [min(r, c) for r, c in zip(runs, counts)], seconds[int(counts.max())])
+        _step(ctl, ids, counts, [min(r, c) for r, c in zip(runs, counts)], seconds[int(counts.max())])
     return out
+
+
+def _step(ctl: AdaptiveSpeculation, ids, counts, accepted, seconds):
+    """One step as the plugin reports it: what was kept, then the step's time."""
+    ctl.record(ids, counts, accepted)
+    ctl.time_step(len(ids), int(max(counts)), seconds)
 
 
 def _in_try(b) -> bool:
     t = b.last_try
-    return t is not None and t.start <= b.steps < t.start + adaptive.REEXPLORE_BURST
+    return t is not None and t.start <= b.steps < t.start + TRY
 
 
 def _feed(ctl: AdaptiveSpeculation, steps: int, seconds: dict[int, float], runs: list[int], ids=None):
@@ -42,6 +49,8 @@ def _feed(ctl: AdaptiveSpeculation, steps: int, seconds: dict[int, float], runs:
     return [max(c) for c in _counts(ctl, steps, seconds, runs, ids)]
 
 
+TIMING = adaptive.SETTLE + adaptive.MIN_SAMPLES  # steps of an arm's first run in a bucket
+TRY = adaptive.SETTLE + adaptive.REEXPLORE_BURST  # steps of a re-exploration try
 MOST = [3, 3]  # every draft kept: K=3 yields 4 tokens per sequence
 ON_WINS = {0: 1.0, 1: 1.4, 2: 1.7, 3: 2.0}  # with MOST: 3 drafts give 4 tokens in 2 s (2/s); plain 1/s
 # Accepted at position 1, 2, 3 when reached: 0.8, 0.75, 2/3 -> 1.8, 2.4, 2.8 tokens for k = 1, 2, 3.
@@ -51,9 +60,8 @@ CPU_LIKE = {0: 1.0, 1: 1.3, 2: 1.6, 3: 1.9}  # batch-1 step cost by draft count,
 
 def test_explores_every_arm_then_keeps_the_fastest():
     ctl = AdaptiveSpeculation(range(4))
-    first = _feed(ctl, 4 * adaptive.MIN_SAMPLES, ON_WINS, MOST)
-    assert first[:4] == [3, 2, 1, 0]  # round robin, the most speculative first
-    assert all(first.count(k) == adaptive.MIN_SAMPLES for k in range(4))
+    first = _feed(ctl, 4 * TIMING, ON_WINS, MOST)
+    assert first == [k for k in (3, 2, 1, 0) for _ in range(TIMING)]  # one run each, the most speculative first
     later = _counts(ctl, 40, ON_WINS, MOST)
     assert all(c == [3, 3] for c in later)
     rates = ctl.summary()[2]
@@ -77,7 +85,7 @@ def test_expected_tokens_from_acceptance_per_position():
 
 def test_a_sequence_whose_drafts_miss_stops_drafting_within_a_few_steps_and_retries():
     ctl = AdaptiveSpeculation(range(4))
-    _feed(ctl, 4 * adaptive.MIN_SAMPLES, CPU_LIKE, [3, 3], ids=[1, 9])  # every arm timed on easy sequences
+    _feed(ctl, 4 * TIMING, CPU_LIKE, [3, 3], ids=[1, 9])  # every arm timed on easy sequences
     ctl.finish([9])
     tries = []  # per step, whether it belonged to a re-exploration burst
     # sequence 1 keeps every draft (the steps draft), sequence 2 none of its own
@@ -103,7 +111,7 @@ def test_a_plain_bucket_holds_back_sequences_whose_drafts_pay_without_retries():
     slow = {0: 1.0, 1: 2.5, 2: 3.5, 3: 4.5}  # one draft kept: 2 tokens in 2.5 s against 1 in 1 s
     tries = []
     counts = [c[0] for c in _counts(ctl, 200, slow, [3], tries=tries)]
-    settled = range(4 * adaptive.MIN_SAMPLES + 4, len(counts))
+    settled = range(4 * TIMING + 4, len(counts))
     assert all(counts[i] == 0 for i in settled if not tries[i])
     assert any(tries[i] for i in settled)
 
@@ -135,9 +143,8 @@ def test_picks_the_best_step_draft_count_for_the_batch():
     drafts miss verify none inside those one-draft steps."""
     ctl = AdaptiveSpeculation(range(4))
     seconds = {0: 1.0, 1: 1.5, 2: 2.2, 3: 3.0}
-    first = _feed(ctl, 4 * adaptive.MIN_SAMPLES, seconds, RUNS)
-    assert first[:4] == [3, 2, 1, 0]  # round robin, the most speculative first
-    assert all(first.count(k) == adaptive.MIN_SAMPLES for k in range(4))
+    first = _feed(ctl, 4 * TIMING, seconds, RUNS)
+    assert first == [k for k in (3, 2, 1, 0) for _ in range(TIMING)]  # one run each, the most speculative first
     steps = _counts(ctl, 40, seconds, RUNS)
     assert {max(c) for c in steps[-20:]} == {1} and ctl.summary()[16]["k"] == 1
     assert all(c[:3] == [0, 0, 0] for c in steps[-5:])
@@ -147,7 +154,7 @@ def test_switches_off_when_speculation_loses_and_back_when_it_wins():
     ctl = AdaptiveSpeculation(range(4))
     loses = {0: 1.0, 1: 2.0, 2: 2.2, 3: 2.4}  # with one draft kept in two: 1.5 tokens in 2 s at best
     half = [0, 1] * 16
-    _feed(ctl, 4 * adaptive.MIN_SAMPLES, loses, half)
+    _feed(ctl, 4 * TIMING, loses, half)
     off = _feed(ctl, 20, loses, half)
     assert off[-5:] == [0] * 5 and sum(1 for k in off if k) <= 3  # retries aside
     # Speculation becomes cheaper and better accepted; the estimate follows as re-explored steps
@@ -166,63 +173,66 @@ def test_a_few_slow_steps_do_not_flip_the_choice():
         k = int(counts.max())
         spec_steps = sum(1 for s in steps if s == 3)
         seconds = 20.0 if k == 3 and spec_steps % 5 == 4 else ON_WINS[k]
-        ctl.record([0, 1], counts, [min(r, c) for r, c in zip(MOST, counts)], seconds)
+        _step(ctl, [0, 1], counts, [min(r, c) for r, c in zip(MOST, counts)], seconds)
         steps.append(k)
-    assert steps[-20:].count(3) >= 20 - adaptive.REEXPLORE_BURST
+    assert steps[-20:].count(3) >= 20 - TRY
     assert ctl.summary()[2]["k"] == 3
 
 
-def test_the_catch_up_plain_steps_defer_is_charged_to_them():
-    """Steady steps favour plain decoding a little: one draft, kept 2 times in 5, yields 1.4
-    tokens in 1.5 s against 1 token in 1 s. Catch-ups then show each MTP entry a plain step skips
-    costing 0.5 s later (6.5 s for a K=1 step writing 10 of them): a plain step costs 1.5 s, and
-    the draft pays."""
+def test_an_arm_is_timed_once_its_run_has_settled():
+    """The first steps of a run find the caches holding the other arm's weights (compiled cpu,
+    batch 1: a plain step 1.44, 1.24, 1.11, 1.07 ms after a speculative run, then 1.01). Timed
+    from its first step, an arm tried in short runs looks slower than the chosen arm, which runs
+    warm; timed after SETTLE steps, each arm's estimate is its warm cost."""
     ctl = AdaptiveSpeculation([1, 0])
-    times = {0: 1.0, 1: 1.5}
+    warm = {0: 1.0, 1: 1.5}  # one draft, kept 2 times in 5: 1.4 tokens in 1.5 s; plain 1 in 1 s
     step = iter(range(10**6))
+    cold = []
 
     def run(steps):
-        out = []
         for _ in range(steps):
             counts = ctl.draft_counts([0])
             k = int(counts[0])
-            ctl.record([0], counts, [min(k, int(next(step) % 5 < 2))], times[k])
-            out.append(k)
-        return out
+            b = ctl.buckets[1]
+            first = b.run_steps if k == b.run_arm else 0  # steps of this arm just before
+            seconds = warm[k] * (1.5 if first < 4 else 1.0)  # four cold steps after a switch
+            cold.append(seconds != warm[k])
+            _step(ctl, [0], counts, [min(k, int(next(step) % 5 < 2))], seconds)
 
-    run(40)
-    assert ctl.summary()[1]["k"] == 0 and run(10).count(1) <= 2  # retries aside
-    for kept in (1, 0, 1):  # the catch-ups' drafts, kept as often as before
-        ctl.record([0], [1], [kept], None, catch_up=(6.5, 10))
-    assert ctl.buckets[1].arm_seconds(0, 1) == pytest.approx(1.5)
-    assert ctl.buckets[1].arm_seconds(0, 4) == pytest.approx(3.0)  # a plain step defers one entry per sequence
-    assert ctl.summary()[1]["k"] == 0  # the choice moves at the next step
-    after = run(20)
-    assert ctl.buckets[1].choice == 1 and after[-10:].count(1) >= 10 - adaptive.REEXPLORE_BURST
-    # a catch-up that waited for a compile counts as a steady step per entry, no more
-    ctl.buckets[1].deferred.clear()
-    ctl.record([0], [1], [0], None, catch_up=(120.0, 10))
-    assert ctl.buckets[1].arm_seconds(0, 1) == pytest.approx(1.0 + ctl.buckets[1].median_seconds(1))
-
-
-def test_in_a_plain_bucket_what_plain_steps_defer_shrinks_as_tries_grow_rarer():
-    """Where the plugin gives up MTP entries beyond catch_up_cap in a plain bucket, a run of plain
-    steps until the next try defers at most that many per sequence: per plain step cap / wait."""
-    ctl = AdaptiveSpeculation([1, 0], catch_up_cap=32)
-    _feed(ctl, 2 * adaptive.MIN_SAMPLES, {0: 1.0, 1: 1.5}, [1])
-    for _ in range(3):
-        ctl.record([0], [1], [1], None, catch_up=(6.5, 10))  # 0.5 s per entry over a steady step
+    run(2 * TIMING + 4 * adaptive.REEXPLORE_EVERY)
     b = ctl.buckets[1]
-    assert b.arm_seconds(0, 1) == pytest.approx(1.5)  # every entry caught up: one per plain step
-    assert b.arm_seconds(0, 1, cap=32) == pytest.approx(1.25)  # tries every 64 steps: half
-    b.wait = adaptive.REEXPLORE_MAX
-    assert b.arm_seconds(0, 4, cap=32) == pytest.approx(1.0 + 4 * 0.5 * 32 / adaptive.REEXPLORE_MAX)
+    assert any(cold) and all(x == warm[k] for k in (0, 1) for x in b.seconds[k])  # no cold step sampled
+    assert b.choice == 0 and b.tries >= 3  # each arm tried again in runs of its own
+
+
+def test_a_plain_decision_holds_for_its_batch():
+    """Deciding costs ~0.1 ms of a ~1 ms plain step at batch 1: a decision that every sequence
+    decodes plainly holds PLAIN_HOLD steps for the same sequences; another batch decides anew,
+    and the bucket's tries keep their schedule."""
+    ctl = AdaptiveSpeculation(range(4))
+    loses = {0: 1.0, 1: 2.5, 2: 3.5, 3: 4.5}  # every draft kept, and still slower than plain steps
+    _feed(ctl, 4 * TIMING + 2, loses, [3])
+    b = ctl.buckets[1]
+    assert b.choice == 0 and b.plain_batch == (0,) and b.plain_until > b.steps
+    decided = []
+    original = ctl._alphas
+
+    def spy(*args):
+        decided.append(ctl.buckets[1].steps)
+        return original(*args)
+
+    ctl._alphas = spy
+    counts = _feed(ctl, 4 * adaptive.PLAIN_HOLD, loses, [3])
+    assert counts == [0] * len(counts) and len(decided) == 4
+    assert np.diff(decided).tolist() == [adaptive.PLAIN_HOLD] * 3
+    ctl.draft_counts([5])  # another sequence: decided at once
+    assert len(decided) == 5
 
 
 def test_margin_prevents_flip_flopping_on_noise():
     ctl = AdaptiveSpeculation(range(4))
     times = {0: 1.0, 1: 2.0, 2: 2.5, 3: 3.0}  # every draft kept: 3 drafts 4/3 tokens per s, 2 drafts 1.2
-    _feed(ctl, 4 * adaptive.MIN_SAMPLES, times, [3, 3])
+    _feed(ctl, 4 * TIMING, times, [3, 3])
     # 3 drafts become 2% slower than 2 (4 tokens in 3.4 s): inside the margin, the choice stays
     assert set(_feed(ctl, 30, {**times, 3: 3.4}, [3, 3])[:adaptive.REEXPLORE_EVERY - 20]) == {3}
 
@@ -230,10 +240,10 @@ def test_margin_prevents_flip_flopping_on_noise():
 def test_reexplores_the_other_arms_now_and_then():
     ctl = AdaptiveSpeculation(range(4))
     # tries at steps 64, 128 and 256: nothing moves, so the waits double
-    choices = _feed(ctl, 7 * adaptive.REEXPLORE_EVERY + adaptive.REEXPLORE_BURST, {k: 1.0 for k in range(4)}, [3] * 8)
-    after_warmup = choices[4 * adaptive.MIN_SAMPLES:]
+    choices = _feed(ctl, 7 * adaptive.REEXPLORE_EVERY + TRY, {k: 1.0 for k in range(4)}, [3] * 8)
+    after_warmup = choices[4 * TIMING:]
     assert {0, 1, 2} <= set(after_warmup)  # each arm not chosen is re-tried in turn
-    assert sum(1 for k in after_warmup if k != 3) == 3 * adaptive.REEXPLORE_BURST
+    assert sum(1 for k in after_warmup if k != 3) == 3 * TRY
 
 
 def test_tries_that_move_nothing_come_ever_rarer_and_one_that_moves_brings_them_back():
@@ -284,7 +294,7 @@ def test_buckets_are_independent_and_disabled_always_speculates():
 
 def test_restricted_arms_verify_counts_among_them():
     ctl = AdaptiveSpeculation((0, 3))
-    _feed(ctl, 2 * adaptive.MIN_SAMPLES, {0: 1.0, 3: 1.5}, [3, 2, 1])
+    _feed(ctl, 2 * TIMING, {0: 1.0, 3: 1.5}, [3, 2, 1])
     counts = _counts(ctl, 10, {0: 1.0, 3: 1.5}, [3, 2, 1])
     assert all(set(c) <= {0, 3} for c in counts) and counts[-1][0] == 3
 
@@ -479,34 +489,38 @@ def test_speculative_steps_catch_up_the_entries_plain_steps_skipped(case, mode, 
     torch.testing.assert_close(mixed, always[0], atol=1e-5, rtol=1e-5)
 
 
-def test_a_plain_bucket_gives_up_module_0_entries_beyond_catch_up(case):
-    """Where the controller chose plain steps for the batch size, no step drafts just to keep
-    module 0 current: it gives up its oldest missed entries like the later modules, the next
-    speculative step writes the newest CATCH_UP, and the tokens stay those of MTP off."""
+def test_a_plain_bucket_keeps_only_the_entries_a_steady_step_writes(case):
+    """Where the controller chose plain steps for the batch size, no step drafts just to keep the
+    MTP caches current, and every module keeps only the K + 1 missed entries a steady step writes
+    (the older ones are given up): the step that drafts again has a steady step's draft rows (a
+    shape compiled at start-up; a catch-up's runs eagerly), and the tokens stay those of MTP off."""
     path, prompts, expected = case
-    llm = _llm(path, {"plugin_type": "mtp", "num_speculative_tokens": 2, "mtp_mode": "vanilla"})
-    margin = 2 + 2
-    pattern = [True] + [False] * (CATCH_UP + 10) + [True] * 40
+    k, plain = 2, CATCH_UP + 10
+    llm = _llm(path, {"plugin_type": "mtp", "num_speculative_tokens": k, "mtp_mode": "vanilla"})
+    margin = k + 2
+    pattern = [True] + [False] * plain + [True] * 40
     always = _mtp_cache_rows(llm, prompts[0], [True], margin)
     plugin = llm.engine.plugin_manager.plugins[0]
-    drafted = []  # per decode step, the drafts it made
+    drafted, rows = [], []  # per decode step, the drafts it made; per drafting step, its draft rows per sequence
     original = plugin.model_inputs_update
 
     def spy(batch, inputs):
         out = original(batch, inputs)
         if not batch.is_prefill:
             drafted.append(out.extra["mtp_k"])
+            if drafted[-1]:
+                rows.append(int(out.extra["mtp_layout"].sub_q_lens.max()))
         return out
 
     plugin.model_inputs_update = spy
     mixed = _mtp_cache_rows(llm, prompts[0], pattern, margin, planned=0)
-    assert drafted[0] == 2 and drafted[1 : 1 + CATCH_UP + 10] == [0] * (CATCH_UP + 10)  # no step drafted to catch up
+    assert drafted[0] == k and drafted[1 : 1 + plain] == [0] * plain  # no step drafted to catch up
+    assert max(rows) <= STEADY_DRAFT_ROWS  # the first drafting step after the plain run too
     missed = ~torch.isclose(mixed, always, atol=1e-5, rtol=1e-5).all(dim=-1)
-    assert missed.any() and (mixed[missed] == 0).all()
+    assert int(missed.sum()) >= plain - k and (mixed[missed] == 0).all()  # all but the newest K + 1 given up
     last_missed = int(missed.nonzero().max())
-    assert len(always) - (last_missed + 1) >= CATCH_UP
     torch.testing.assert_close(mixed[last_missed + 1 :], always[last_missed + 1 :], atol=1e-5, rtol=1e-5)
-    plugin.adaptive = ScriptedSpeculation(pattern, 2, planned=0)
+    plugin.adaptive = ScriptedSpeculation(pattern, k, planned=0)
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
 
 
@@ -551,7 +565,7 @@ def test_vanilla_prefill_runs_the_modules_the_coming_steps_use(case):
             m = int(missed.sum())
             assert 0 < m <= len(prompt) - CATCH_UP and missed[:m].all() and (lean[:m] == 0).all()
     plugin = llm.engine.plugin_manager.plugins[0]
-    assert plugin.adaptive.plan_asked == [1]  # asked with the batch size the prompt joins
+    assert plugin.adaptive.plan_asked[0] == 1  # the prefill asked first, with the batch size the prompt joins
     plugin.adaptive = ScriptedSpeculation([1, 1, 3], 3, planned=1)
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
     assert plugin.adaptive.plan_asked[0] == len(prompts)  # one prefill of every prompt
@@ -559,7 +573,7 @@ def test_vanilla_prefill_runs_the_modules_the_coming_steps_use(case):
 
 def test_catch_up_steps_are_not_measured(case):
     """The first speculative step after plain ones writes the skipped MTP entries: it is no sample
-    of steady speculation, so its arm's timing never sees it (its cost goes to the plain steps)."""
+    of steady speculation, so its arm's timing never sees it."""
     path, prompts, _ = case
     llm = _llm(path, {"plugin_type": "mtp", "num_speculative_tokens": 1, "mtp_mode": "vanilla"})
     plugin = llm.engine.plugin_manager.plugins[0]
@@ -573,9 +587,6 @@ def test_catch_up_steps_are_not_measured(case):
     last = [log[-1]]
     assert plugin.adaptive.recorded.count(1) == log.count(1) - unmeasured - last.count(1)
     assert plugin.adaptive.recorded.count(0) == log.count(0) - last.count(0)
-    # each reported with its time and the entries it wrote beyond K + 1 (charged to plain steps)
-    assert len(plugin.adaptive.caught_up) == unmeasured
-    assert all(seconds > 0 and entries >= 1 for seconds, entries in plugin.adaptive.caught_up)
 
 
 def test_an_easy_sequence_after_hard_ones_goes_back_to_every_draft():
@@ -583,12 +594,12 @@ def test_an_easy_sequence_after_hard_ones_goes_back_to_every_draft():
     whose drafts are all kept must not stay at one draft because it never reaches the later
     positions (they inherit the prior scaled by its first position's rate)."""
     ctl = AdaptiveSpeculation(range(4))
-    _feed(ctl, 4 * adaptive.MIN_SAMPLES, CPU_LIKE, [3], ids=[0])
+    _feed(ctl, 4 * TIMING, CPU_LIKE, [3], ids=[0])
     ctl.finish([0])
     rng = np.random.default_rng(0)
     for seq_id in range(1, 9):  # hard text, verified at every position: each draft kept with probability 0.3
         for _ in range(40):
-            ctl.record([seq_id], [3], [int(np.argmin(rng.random(4) < 0.3))], None)
+            ctl.record([seq_id], [3], [int(np.argmin(rng.random(4) < 0.3))])
         ctl.finish([seq_id])
     assert (ctl.prior().alpha(np.ones(3)) < 0.45).all()
     easy = [c[0] for c in _counts(ctl, 30, CPU_LIKE, [3], ids=[99])]
@@ -597,7 +608,7 @@ def test_an_easy_sequence_after_hard_ones_goes_back_to_every_draft():
 
 def test_an_arm_timed_lately_needs_no_reexploration_burst():
     ctl = AdaptiveSpeculation(range(4))
-    _feed(ctl, 4 * adaptive.MIN_SAMPLES, CPU_LIKE, [3])
+    _feed(ctl, 4 * TIMING, CPU_LIKE, [3])
     b = ctl.buckets[1]
     b.steps = b.next_try - 1  # the next step opens a burst for an arm not chosen
     arm = [k for k in ctl.arms if k != b.choice][b.tries % 3]
@@ -614,7 +625,7 @@ def test_greedy_and_sampled_requests_start_from_their_own_prior():
     from the other's rates: a sampled request after greedy ones starts without drafts, a greedy
     one after sampled ones with every draft."""
     ctl = AdaptiveSpeculation(range(4))
-    _feed(ctl, 4 * adaptive.MIN_SAMPLES, CPU_LIKE, [3], ids=[0])
+    _feed(ctl, 4 * TIMING, CPU_LIKE, [3], ids=[0])
     ctl.finish([0])
     rng = np.random.default_rng(1)
     for seq_id in range(1, 13):
@@ -622,7 +633,7 @@ def test_greedy_and_sampled_requests_start_from_their_own_prior():
         for _ in range(30):
             counts = ctl.draft_counts([seq_id], [kind])
             kept = 3 if kind == "greedy" else int(np.argmin(rng.random(4) < 0.1))
-            ctl.record([seq_id], counts, [min(kept, int(counts[0]))], CPU_LIKE[int(counts.max())])
+            _step(ctl, [seq_id], counts, [min(kept, int(counts[0]))], CPU_LIKE[int(counts.max())])
         ctl.finish([seq_id])
     assert ctl.draft_counts([100], ["sampled"]).tolist() == [0]
     assert ctl.draft_counts([101], ["greedy"]).tolist() == [3]
@@ -632,7 +643,7 @@ def test_greedy_and_sampled_requests_start_from_their_own_prior():
 def test_a_sequence_first_seen_while_arms_are_timed_keeps_its_kind():
     ctl = AdaptiveSpeculation(range(4))
     assert ctl.draft_counts([7], ["sampled"]).tolist() == [3]  # a fresh bucket: timing every arm
-    ctl.record([7], [3], [0], 0.01)
+    _step(ctl, [7], [3], [0], 0.01)
     assert ctl.sequences[7].kind == "sampled"
     ctl.finish([7])
     assert set(ctl.priors) == {"sampled"}  # its acceptance joins the sampled requests' prior

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mindspec import LLM, SamplingParams
+from mindspec.plugins.mtp import adaptive
 from mindspec.text_generator import plugin_manager
 from mindspec.text_generator.sampling import step_targets
 from tests.support.checkpoints import make_self_predicting_checkpoint, tiny_v3_config
@@ -107,6 +108,7 @@ def test_plain_steps_sample_inside_with_the_host_sampler_s_tokens(checkpoint, pr
     host = _tokens(_llm(checkpoint, plugin_params), prompts, _params())
     monkeypatch.undo()
     seen = record_plain_sampling(monkeypatch)
+    monkeypatch.setattr(adaptive, "SETTLE", 0)  # arms timed in runs of MIN_SAMPLES: plain steps within 14 tokens
     llm = _llm(checkpoint, plugin_params)
     assert _tokens(llm, prompts, _params()) == host
     assert seen["in_step"] > 0 and seen["host"] == seen["undecided"] == 0
