@@ -30,9 +30,9 @@ the fewer of those and the arm's; a sequence whose own drafts do not pay retries
 and then (one held back only by a plain bucket waits for the bucket's next try). Speculative
 steps that catch up MTP cache entries skipped by plain steps inform acceptance but not their
 arm's step time (counted there, they would make speculation look worse the longer it is off).
-Plain steps defer no such work when the bucket chose them: there the plugin keeps only the
-entries a steady step writes (mtp_plugin: ``_entries_kept``), so the step that drafts again has a
-steady step's shape and cost.
+Plain steps defer no such work when the bucket chose them: there, as for any module the chosen
+count does not use, the plugin keeps only the entries a steady step writes (mtp_plugin:
+``_entries_kept``), so the step that drafts again has a steady step's shape and cost.
 
 Every choice is lossless: a sequence verifying no drafts decodes plainly, and the MTP caches it
 skipped are caught up by its next speculative step (decode_inputs: ``last_accepted`` counts the

@@ -21,8 +21,10 @@ uses the module writes the missed entries first (the window of decode_inputs: ``
 is the deepest used module's lag). Where the step drafts, module 0, which every speculative step
 uses, never falls more than CATCH_UP entries behind: then that sequence verifies at least the
 fewest drafts the controller allows, since entries never written would lower its acceptance for
-the rest of its life. Where no draft count pays at the batch size (a plain bucket), every module
-keeps only the entries a steady step writes, so drafting resumes without a catch-up. Vanilla's later modules are not forced: at a large batch,
+the rest of its life. A module the draft count chosen at the batch size does not use (every
+module where no count pays: a plain bucket) keeps only the missed entries a steady step writes,
+so a step that uses it again has a steady step's shape, not a catch-up's (_entries_kept).
+Vanilla's later modules are not forced: at a large batch,
 where one draft per step pays and three do not, catching them up would cost two decoder layers
 per token. A later module more than CATCH_UP entries behind gives up its oldest missed entries
 (vLLM's speculative_disable_by_batch_size leaves a disabled request's draft cache stale for good);
@@ -151,7 +153,7 @@ class MtpPlugin(Plugin):
         counts = np.asarray(self.adaptive.draft_counts([s.seq_id for s in batch.seqs], kinds), dtype=np.int64)
         behind = np.array([self.states[s.seq_id].lag[0] >= CATCH_UP for s in batch.seqs])
         # A sequence left out of a drafting step would leave its entries unwritten for good; in a
-        # plain bucket every sequence gives them up but a steady step's (_entries_kept).
+        # plain bucket every sequence gives up all but a steady step's (_entries_kept).
         if behind.any() and self.adaptive.planned(len(batch)) > 0:
             counts[behind] = np.maximum(counts[behind], min(a for a in self.adaptive.arms if a))
         host_drafts = self._suffix_choice(batch, inputs, kinds, counts) if self.suffix else {}
@@ -416,8 +418,8 @@ class MtpPlugin(Plugin):
         keep = self._entries_kept(len(self.states) + len(batch.seqs))  # at the batch size _prefill_modules judged by
         for b, (seq, q, end) in enumerate(zip(batch.seqs, q_lens.tolist(), ends.tolist())):
             lag = self._fresh_lag()
-            lag[prefilled:] = min(q, keep)  # this prefill's entries, as far as its hidden states reach
-            gave_up = prefilled < self.cache_modules and q > keep
+            lag[prefilled:] = np.minimum(q, keep[prefilled:])  # this prefill's entries, as far as its hidden states reach
+            gave_up = bool((q > keep[prefilled:]).any())
             slots[b] = self.history.add(seq.seq_id, hidden)
             # A prefill after a shared prompt prefix (n > 1) starts past position 0: the hidden
             # states before it are another sequence's, and its MTP entries there are shared blocks
@@ -473,21 +475,25 @@ class MtpPlugin(Plugin):
                 np.array([state.in_think]), [accepted], self.params.think_start_token_id,
                 self.params.think_end_token_id)[0])
 
-    def _entries_kept(self, batch_size: int) -> int:
-        """Most missed entries a module keeps to catch up. In a plain bucket (no draft count
-        pays at this batch size) every module keeps only those a steady step of K drafts writes,
-        so the step that drafts again (a try of another count) has a steady step's shape: a
-        catch-up's shape runs eagerly on cpu (15-40 ms at batch 1 against a 1 ms plain step)."""
-        return self.k + 1 if self.adaptive.planned(batch_size) == 0 else CATCH_UP
+    def _entries_kept(self, batch_size: int) -> np.ndarray:
+        """[modules] most missed entries each module keeps to catch up. A module the draft count
+        chosen at this batch size does not use (every module in a plain bucket, where no count
+        pays) keeps only those a steady step of K drafts writes, so a step that uses it again (a
+        try of another count) has a steady step's shape: a catch-up's shape runs eagerly on cpu
+        (15-40 ms at batch 1 against a ~1 ms plain step)."""
+        keep = np.full(self.cache_modules, self.k + 1, dtype=np.int64)
+        keep[: self._modules_used(self.adaptive.planned(batch_size))] = CATCH_UP
+        return keep
 
-    def _lag_behind(self, state: MtpSeqState, count: int, used: int, keep: int = CATCH_UP) -> None:
-        """The modules from ``used`` on wrote none of the ``count`` new tokens' entries; each
-        keeps at most ``keep`` missed entries to catch up (the oldest are given up)."""
+    def _lag_behind(self, state: MtpSeqState, count: int, used: int, keep=CATCH_UP) -> None:
+        """The modules from ``used`` on wrote none of the ``count`` new tokens' entries; module m
+        keeps at most ``keep`` (or keep[m]) missed entries to catch up (the oldest are given up)."""
         lag = state.lag
         missed = lag[used:] + count
-        if missed.max(initial=0) > keep:  # the oldest missed entries are given up
+        cap = keep if np.isscalar(keep) else keep[used:]
+        if (missed > cap).any():  # the oldest missed entries are given up
             state.complete_until = min(state.complete_until, state.hidden_end - 1 - int(lag.max()))
-            np.minimum(missed, keep, out=missed)  # module 0: <= CATCH_UP anyway
+            np.minimum(missed, cap, out=missed)
         lag[:used] = count
         lag[used:] = missed
 

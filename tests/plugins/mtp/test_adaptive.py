@@ -6,6 +6,7 @@ import pytest
 
 from mindspec import LLM, SamplingParams
 from mindspec.plugins.mtp import adaptive, sequence_acceptance
+from mindspec.plugins.mtp.sequence_acceptance import SequenceAcceptance, sequence_alphas
 from mindspec.plugins.mtp.adaptive import AdaptiveSpeculation, batch_bucket
 from mindspec.modeling.graph_runner import STEADY_DRAFT_ROWS
 from mindspec.plugins.mtp.mtp_plugin import CATCH_UP
@@ -66,6 +67,18 @@ def test_explores_every_arm_then_keeps_the_fastest():
     assert all(c == [3, 3] for c in later)
     rates = ctl.summary()[2]
     assert rates["k"] == 3 and rates["tokens_per_s"][3] > rates["tokens_per_s"][0] == 1.0
+
+
+def test_each_sequence_blends_its_counts_with_its_prior_scaled_by_its_first_position():
+    """sequence_alphas, one pass over the batch, by hand: a sequence that kept 3 of 4 first drafts
+    against a prior of 0.5 has the prior's later positions scaled by 1.5; one that verified
+    nothing has its own prior."""
+    a, b = SequenceAcceptance(3), SequenceAcceptance(3)
+    a.verified[:], a.accepted[:] = [4, 2, 0], [3, 1, 0]
+    prior = np.array([[0.5, 0.5, 0.5], [0.9, 0.8, 0.7]])  # one row per sequence (their kinds differ)
+    want = np.array([[(3 + 2 * 0.5) / 6, (1 + 2 * 0.75) / 4, (0 + 2 * 0.75) / 2], [0.9, 0.8, 0.7]])
+    np.testing.assert_allclose(sequence_alphas([a, b], prior), want)
+    np.testing.assert_allclose(sequence_alphas([a], prior[0]), want[:1])  # one prior for all
 
 
 def test_expected_tokens_from_acceptance_per_position():
@@ -547,10 +560,39 @@ def test_vanilla_later_modules_give_up_entries_beyond_catch_up(case):
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
 
 
+def test_modules_the_chosen_count_does_not_use_keep_only_a_steady_steps_entries(case):
+    """Where the controller chose one draft for the batch size, module 1 keeps only the K + 1
+    missed entries a steady step writes: a step of two drafts (a try) after a run of one-draft
+    steps has a steady step's draft rows instead of a catch-up's, and the tokens stay MTP off's."""
+    path, prompts, expected = case
+    k, run = 2, CATCH_UP + 10
+    llm = _llm(path, {"plugin_type": "mtp", "num_speculative_tokens": k, "mtp_mode": "vanilla"})
+    pattern = [2] + [1] * run + [2] * 40
+    always = _mtp_cache_rows(llm, prompts[0], [True], k + 2, module=1)
+    plugin = llm.engine.plugin_manager.plugins[0]
+    rows = []  # per step of two drafts, its draft rows per sequence
+    original = plugin.model_inputs_update
+
+    def spy(batch, inputs):
+        out = original(batch, inputs)
+        if not batch.is_prefill and out.extra["mtp_k"] == 2:
+            rows.append(int(out.extra["mtp_layout"].sub_q_lens.max()))
+        return out
+
+    plugin.model_inputs_update = spy
+    mixed = _mtp_cache_rows(llm, prompts[0], pattern, k + 2, module=1, planned=1)
+    assert rows and max(rows) <= STEADY_DRAFT_ROWS
+    missed = ~torch.isclose(mixed, always, atol=1e-5, rtol=1e-5).all(dim=-1)
+    assert int(missed.sum()) >= run - 2 * k and (mixed[missed] == 0).all()
+    plugin.adaptive = ScriptedSpeculation(pattern, k, planned=1)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+
+
 def test_vanilla_prefill_runs_the_modules_the_coming_steps_use(case):
     """Where the controller runs one-draft steps at the coming batch size, a vanilla prefill writes
-    only module 0's cache: the later modules start behind by the prompt, catch up its newest
-    CATCH_UP entries when next used, and the tokens stay those of MTP off."""
+    only module 0's cache: the later modules, which that count does not use, start behind by the
+    prompt, keep only its newest K + 1 entries to catch up (a steady step's), write them when next
+    used, and the tokens stay those of MTP off."""
     path, prompts, expected = case
     llm = _llm(path, {"plugin_type": "mtp", "num_speculative_tokens": 3, "mtp_mode": "vanilla"})
     prompt = list(range(2, 2 + CATCH_UP + 8))  # longer than CATCH_UP: its oldest entries are given up
@@ -561,9 +603,10 @@ def test_vanilla_prefill_runs_the_modules_the_coming_steps_use(case):
         missed = ~torch.isclose(lean, full, atol=1e-5, rtol=1e-5).all(dim=-1)
         if module == 0:
             assert not missed.any()
-        else:  # the oldest prompt entries (at most 8) were never written; the rest were caught up
-            m = int(missed.sum())
-            assert 0 < m <= len(prompt) - CATCH_UP and missed[:m].all() and (lean[:m] == 0).all()
+        else:  # the oldest prompt entries were never written; the newest K + 1 were caught up
+            m = int(missed.sum())  # (and the K - 1 before them, which vanilla's window rewrites)
+            assert len(prompt) - 2 * 3 <= m <= len(prompt) - (3 + 1)
+            assert missed[:m].all() and (lean[:m] == 0).all()
     plugin = llm.engine.plugin_manager.plugins[0]
     assert plugin.adaptive.plan_asked[0] == 1  # the prefill asked first, with the batch size the prompt joins
     plugin.adaptive = ScriptedSpeculation([1, 1, 3], 3, planned=1)
