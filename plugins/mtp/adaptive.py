@@ -225,7 +225,8 @@ class AdaptiveSpeculation:
         drafts, those it reaches and keeps with probability >= ROW_YIELD by its own estimate (a
         row below that costs more than it yields), and the step drafts the arm k with the most
         tokens per second over the batch, sequence b verifying min(useful[b], k). A sequence
-        with no useful draft retries one when due."""
+        with no useful draft retries one when due. A decision that drafts nothing holds for the
+        same sequences PLAIN_HOLD steps."""
         n = len(seq_ids)
         for seq_id, kind in zip(seq_ids, kinds or [None] * n):  # a new sequence starts from its kind's prior
             self._sequence(seq_id, kind)
