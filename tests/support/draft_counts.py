@@ -58,7 +58,7 @@ class ScriptedSpeculation:
         return 0.0  # nothing timed: suffix steps are weighed by tokens alone
 
     def record(self, seq_ids, counts, accepted):
-        pass  # acceptance: none kept (``expected`` is zero)
+        """A scripted controller learns nothing from acceptance (``expected`` is zero)."""
 
     def time_step(self, batch_size, k, seconds):
         if seconds is not None:

@@ -502,6 +502,23 @@ def test_speculative_steps_catch_up_the_entries_plain_steps_skipped(case, mode, 
     torch.testing.assert_close(mixed, always[0], atol=1e-5, rtol=1e-5)
 
 
+def _decode_steps(plugin) -> list[tuple[int, int]]:
+    """From now on, per decode step of ``plugin``: the drafts it made and its draft rows per
+    sequence (0 for a plain step)."""
+    steps = []
+    original = plugin.model_inputs_update
+
+    def spy(batch, inputs):
+        out = original(batch, inputs)
+        if not batch.is_prefill:
+            k = out.extra["mtp_k"]
+            steps.append((k, int(out.extra["mtp_layout"].sub_q_lens.max()) if k else 0))
+        return out
+
+    plugin.model_inputs_update = spy
+    return steps
+
+
 def test_a_plain_bucket_keeps_only_the_entries_a_steady_step_writes(case):
     """Where the controller chose plain steps for the batch size, no step drafts just to keep the
     MTP caches current, and every module keeps only the K + 1 missed entries a steady step writes
@@ -514,19 +531,9 @@ def test_a_plain_bucket_keeps_only_the_entries_a_steady_step_writes(case):
     pattern = [True] + [False] * plain + [True] * 40
     always = _mtp_cache_rows(llm, prompts[0], [True], margin)
     plugin = llm.engine.plugin_manager.plugins[0]
-    drafted, rows = [], []  # per decode step, the drafts it made; per drafting step, its draft rows per sequence
-    original = plugin.model_inputs_update
-
-    def spy(batch, inputs):
-        out = original(batch, inputs)
-        if not batch.is_prefill:
-            drafted.append(out.extra["mtp_k"])
-            if drafted[-1]:
-                rows.append(int(out.extra["mtp_layout"].sub_q_lens.max()))
-        return out
-
-    plugin.model_inputs_update = spy
+    steps = _decode_steps(plugin)
     mixed = _mtp_cache_rows(llm, prompts[0], pattern, margin, planned=0)
+    drafted, rows = [d for d, _ in steps], [r for d, r in steps if d]
     assert drafted[0] == k and drafted[1 : 1 + plain] == [0] * plain  # no step drafted to catch up
     assert max(rows) <= STEADY_DRAFT_ROWS  # the first drafting step after the plain run too
     missed = ~torch.isclose(mixed, always, atol=1e-5, rtol=1e-5).all(dim=-1)
@@ -570,17 +577,9 @@ def test_modules_the_chosen_count_does_not_use_keep_only_a_steady_steps_entries(
     pattern = [2] + [1] * run + [2] * 40
     always = _mtp_cache_rows(llm, prompts[0], [True], k + 2, module=1)
     plugin = llm.engine.plugin_manager.plugins[0]
-    rows = []  # per step of two drafts, its draft rows per sequence
-    original = plugin.model_inputs_update
-
-    def spy(batch, inputs):
-        out = original(batch, inputs)
-        if not batch.is_prefill and out.extra["mtp_k"] == 2:
-            rows.append(int(out.extra["mtp_layout"].sub_q_lens.max()))
-        return out
-
-    plugin.model_inputs_update = spy
+    steps = _decode_steps(plugin)
     mixed = _mtp_cache_rows(llm, prompts[0], pattern, k + 2, module=1, planned=1)
+    rows = [r for d, r in steps if d == 2]  # the steps of two drafts
     assert rows and max(rows) <= STEADY_DRAFT_ROWS
     missed = ~torch.isclose(mixed, always, atol=1e-5, rtol=1e-5).all(dim=-1)
     assert int(missed.sum()) >= run - 2 * k and (mixed[missed] == 0).all()
