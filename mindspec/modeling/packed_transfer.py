@@ -124,9 +124,10 @@ def to_device_packed(arrays: Sequence[np.ndarray], device: torch.device | str,
     """The arrays as device tensors (views of one buffer), moved in one copy, through
     ``staging`` when the caller keeps one. On cpu nothing moves: the tensors share the arrays'
     memory."""
-    device = torch.device(device)
-    if device.type == "cpu":
-        return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    if device.type == "cpu":  # (several calls a step: no new objects where none are needed)
+        return [torch.from_numpy(a if a.flags.c_contiguous else np.ascontiguousarray(a)) for a in arrays]
     layout = PackedLayout.of(arrays)
     if staging is None:
         return layout.views(layout.stage(arrays, pinned=pinned_staging(device)).to(device, non_blocking=True))

@@ -67,6 +67,14 @@ class HiddenHistory:
             kept = hidden.index_select(0, src)
         self.buf.index_copy_(0, dst, kept if kept.dtype == self.buf.dtype else kept.to(self.buf.dtype))
 
+    def write_rows(self, slots: list[int], positions: list[int], hidden: torch.Tensor) -> None:
+        """One row per sequence (a plain step's): hidden row b [B, hidden] is the state of
+        position positions[b] of the sequence in slot slots[b]. ``rows`` in Python ints: at a few
+        sequences numpy's per-call cost would be most of the write."""
+        rows = np.array([1 + s * self.keep + p % self.keep for s, p in zip(slots, positions)], dtype=np.int64)
+        (dst,) = to_device_packed([rows], self.buf.device, self._write_staging)
+        self.buf.index_copy_(0, dst, hidden if hidden.dtype == self.buf.dtype else hidden.to(self.buf.dtype))
+
     def read(self, slots: np.ndarray, positions: np.ndarray, valid: Optional[np.ndarray] = None) -> torch.Tensor:
         """[R, hidden]: position positions[r] of the sequence in slots[r], which must be one of
         its last ``keep`` written positions (an older one has been overwritten); zeros where

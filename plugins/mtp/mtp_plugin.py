@@ -132,6 +132,7 @@ class MtpPlugin(Plugin):
         self.adaptive = AdaptiveSpeculation(range(self.k + 1), self.params.adaptive_speculation and not self.trees)
         self.tree_choice = TreeOrPlain(self.params.adaptive_speculation and self.trees is not None)
         self.clock = StepClock()  # what each decode step costs, for both controllers
+        self._kept: dict[int, np.ndarray] = {}  # _entries_kept per modules used
         self.simulation_rng = np.random.default_rng(0)  # simulated_acceptance's draws: the same every run
         # relaxed and typical acceptance read the target probabilities; strict needs the sampled tokens only
         self.needs_sampling_metadata = self.params.decoding_policy != "strict" and self.params.simulated_acceptance is None
@@ -151,12 +152,16 @@ class MtpPlugin(Plugin):
             return inputs
         kinds = _kinds(batch)
         counts = np.asarray(self.adaptive.draft_counts([s.seq_id for s in batch.seqs], kinds), dtype=np.int64)
-        behind = np.array([self.states[s.seq_id].lag[0] >= CATCH_UP for s in batch.seqs])
         # A sequence left out of a drafting step would leave its entries unwritten for good; in a
         # plain bucket every sequence gives up all but a steady step's (_entries_kept).
-        if behind.any() and self.adaptive.planned(len(batch)) > 0:
-            counts[behind] = np.maximum(counts[behind], min(a for a in self.adaptive.arms if a))
+        if self.adaptive.planned(len(batch)) > 0:
+            behind = np.array([self.states[s.seq_id].lag[0] >= CATCH_UP for s in batch.seqs])
+            if behind.any():
+                counts[behind] = np.maximum(counts[behind], min(a for a in self.adaptive.arms if a))
         host_drafts = self._suffix_choice(batch, inputs, kinds, counts) if self.suffix else {}
+        if not host_drafts and not counts.any():  # a plain decode step: the base inputs as composed
+            inputs.extra["mtp_k"] = 0
+            return inputs
         mtp = np.ones(len(counts), dtype=bool)
         for b, drafts in host_drafts.items():
             counts[b], mtp[b] = len(drafts), False
@@ -164,8 +169,6 @@ class MtpPlugin(Plugin):
         # drafts are, while module 0 may fall behind by the step: _suffix_draft_steps).
         k = max(int(counts[mtp].max()) if mtp.any() else 0, self._suffix_draft_steps(batch, counts, host_drafts))
         inputs.extra["mtp_k"] = k
-        if k == 0 and not host_drafts:  # a plain decode step: the base inputs as composed
-            return inputs
         if k == 0:
             return self._suffix_inputs(batch, inputs, counts, host_drafts)
         inputs = self._speculative_inputs(batch, inputs, self._window(batch.seqs, k), k, counts, host_drafts)
@@ -349,8 +352,12 @@ class MtpPlugin(Plugin):
             return
         k = self._drafts(batch, inputs)
         speculated, verified = k > 0, self._verifying(batch, inputs)
+        lens = [len(a) for a in outputs.accepted]
+        if not speculated and not verified and lens.count(1) == len(lens):
+            self._plain_done(batch, outputs)
+            return
         used = self._modules_used(k)
-        counts = np.array([len(a) for a in outputs.accepted], dtype=np.int64)
+        counts = np.array(lens, dtype=np.int64)
         states = [self.states[seq.seq_id] for seq in batch.seqs]
         rows = inputs.extra["mtp_counts"] + 1 if verified else np.ones(len(states), dtype=np.int64)
         # Sequence b's accepted rows first_row[b] + 0..count-1 hold positions n-1 .. n-2+count
@@ -378,6 +385,23 @@ class MtpPlugin(Plugin):
         suffix_step = len(states) == 1 and bool(inputs.extra.get("host_drafts"))
         self.clock.ended(lambda seconds: self._step_timed(seconds, len(states), k, int(counts.sum()), caught_up,
                                                           arm_timed, suffix_step))
+
+    def _plain_done(self, batch: StepBatch, outputs: StepOutputs) -> None:
+        """After a decode step without drafts, each sequence's one row: the hidden state of its
+        newest position into the history, and every module one entry further behind. The general
+        path's per-step arrays (rows, counts, catch-ups) are all ones or zeros here, and a plain
+        step runs at ~1 ms at batch 1 (compiled, cpu): what it adds is what MTP costs over MTP off
+        where no draft count pays."""
+        states = [self.states[seq.seq_id] for seq in batch.seqs]
+        self.history.write_rows([st.slot for st in states], [st.hidden_end for st in states], outputs.hidden_states)
+        keep = self._entries_kept(len(states))
+        for state, accepted in zip(states, outputs.accepted):
+            self._lag_behind(state, 1, 0, keep)
+            state.hidden_end += 1
+            self._follow_think(state, accepted)
+        none = np.zeros(len(states), dtype=np.int64)
+        self.adaptive.record([seq.seq_id for seq in batch.seqs], none, none)
+        self.clock.ended(lambda seconds: self._step_timed(seconds, len(states), 0, len(states), False, True, False))
 
     def _step_timed(self, seconds: Optional[float], batch_size: int, k: int, tokens: int, caught_up: bool,
                     arm_timed: bool, suffix_step: bool) -> None:
@@ -481,21 +505,25 @@ class MtpPlugin(Plugin):
         pays) keeps only those a steady step of K drafts writes, so a step that uses it again (a
         try of another count) has a steady step's shape: a catch-up's shape runs eagerly on cpu
         (15-40 ms at batch 1 against a ~1 ms plain step)."""
-        keep = np.full(self.cache_modules, self.k + 1, dtype=np.int64)
-        keep[: self._modules_used(self.adaptive.planned(batch_size))] = CATCH_UP
+        used = self._modules_used(self.adaptive.planned(batch_size))
+        keep = self._kept.get(used)
+        if keep is None:  # read-only: shared by every step that plans this count
+            keep = self._kept[used] = np.full(self.cache_modules, self.k + 1, dtype=np.int64)
+            keep[:used] = CATCH_UP
+            keep.setflags(write=False)
         return keep
 
     def _lag_behind(self, state: MtpSeqState, count: int, used: int, keep=CATCH_UP) -> None:
         """The modules from ``used`` on wrote none of the ``count`` new tokens' entries; module m
-        keeps at most ``keep`` (or keep[m]) missed entries to catch up (the oldest are given up)."""
-        lag = state.lag
-        missed = lag[used:] + count
-        cap = keep if np.isscalar(keep) else keep[used:]
-        if (missed > cap).any():  # the oldest missed entries are given up
-            state.complete_until = min(state.complete_until, state.hidden_end - 1 - int(lag.max()))
-            np.minimum(missed, cap, out=missed)
-        lag[:used] = count
-        lag[used:] = missed
+        keeps at most ``keep`` (or keep[m]) missed entries to catch up (the oldest are given up).
+        In Python ints: a lag has one entry per module, and every decode step updates every
+        sequence's (numpy's per-call cost is most of a plain step's bookkeeping at batch 1)."""
+        lag = state.lag.tolist()
+        caps = keep.tolist()[used:] if isinstance(keep, np.ndarray) else [keep] * (len(lag) - used)
+        missed = [x + count for x in lag[used:]]
+        if any(m > c for m, c in zip(missed, caps)):  # the oldest missed entries are given up
+            state.complete_until = min(state.complete_until, state.hidden_end - 1 - max(lag))
+        state.lag[:] = [count] * used + [min(m, c) for m, c in zip(missed, caps)]
 
     def adopt_prefilled(self, seq, hidden_size: int, dtype: torch.dtype, device) -> None:
         """A sequence prefilled on another node (PD disaggregation): its KV arrived, its hidden
