@@ -61,10 +61,11 @@ REEXPLORE_EVERY = 64  # steps in a bucket between two tries of an arm not chosen
 REEXPLORE_MAX = 1024  # ... doubling after each try that moved nothing, up to this
 REEXPLORE_BURST = 3  # timed steps per try (after SETTLE untimed ones)
 DRIFT = 0.1  # a try whose steps' median is this much below its arm's estimate moved it
-# Steps a decision that every sequence decodes plainly holds for the same batch: its inputs move
-# only with the plain arm's median and the sequences' retry schedules (>= 8 steps), and deciding
-# costs ~0.1 ms of a ~1 ms plain step at batch 1 (compiled, cpu).
-PLAIN_HOLD = 8
+# Steps a decision that every sequence decodes plainly holds for the same batch (tries keep their
+# schedule): plain steps move no acceptance estimate, only the plain arm's median, and deciding
+# costs ~0.1 ms of a ~1 ms plain step at batch 1 (compiled, cpu); a sequence whose own drafts do
+# not pay retries one after at most RETRY_MAX (32) steps anyway.
+PLAIN_HOLD = 32
 MARGIN = 0.03  # switch only when another arm is this much faster (no flip-flopping on noise)
 DECAY = 0.98  # weight kept by past acceptance counts per speculative step (~50 steps remembered)
 # A verification row is worth it when its draft is reached and kept with at least this probability.
@@ -138,6 +139,7 @@ class _Bucket:
     _medians: dict[int, tuple[int, float]] = field(default_factory=dict)  # arm -> (sampled then, median)
     plain_batch: tuple = ()  # the sequences of the last decision that drafted nothing ...
     plain_until: int = 0  # ... and the step count until which it holds
+    timed: bool = False  # every arm has been timed MIN_SAMPLES times
 
     def ran(self, k: int) -> bool:
         """A step of arm k ran; whether its time is a sample (its run has settled)."""
@@ -298,10 +300,12 @@ class AdaptiveSpeculation:
 
     def _timing_arm(self, b: _Bucket) -> Optional[int]:
         """The arm every sequence gets this step while arms are being timed, or None."""
-        fewest = min(self.arms, key=lambda k: len(b.seconds[k]))  # ties: the most speculative
-        if len(b.seconds[fewest]) < MIN_SAMPLES:  # explore: one run per arm, the most speculative first
-            running = b.run_arm in b.seconds and len(b.seconds[b.run_arm]) < MIN_SAMPLES
-            return b.run_arm if running else fewest
+        if not b.timed:  # every arm has MIN_SAMPLES for good once (windows only grow)
+            fewest = min(self.arms, key=lambda k: len(b.seconds[k]))  # ties: the most speculative
+            if len(b.seconds[fewest]) < MIN_SAMPLES:  # explore: one run per arm, the most speculative first
+                running = b.run_arm in b.seconds and len(b.seconds[b.run_arm]) < MIN_SAMPLES
+                return b.run_arm if running else fewest
+            b.timed = True
         t = b.last_try
         if t is not None and b.steps < t.start + SETTLE + REEXPLORE_BURST:
             return t.arm
