@@ -235,9 +235,12 @@ def test_a_plain_decision_holds_for_its_batch():
         return original(*args)
 
     ctl._alphas = spy
+    b.next_try = b.steps + 4 * adaptive.PLAIN_HOLD + 1  # no try within these holds
     counts = _feed(ctl, 4 * adaptive.PLAIN_HOLD, loses, [3])
     assert counts == [0] * len(counts) and len(decided) == 4
     assert np.diff(decided).tolist() == [adaptive.PLAIN_HOLD] * 3
+    b.next_try = b.steps + 2  # a try falls due within a hold: it runs on schedule
+    assert _feed(ctl, TRY + 1, loses, [3]) == [0] + [3] * TRY and len(decided) == 4
     ctl.draft_counts([5])  # another sequence: decided at once
     assert len(decided) == 5
 
