@@ -104,6 +104,27 @@ def build_model_inputs(
     )
 
 
+def build_decode_inputs(last_tokens: Sequence[int], num_cached: Sequence[int],
+                        block_tables: Sequence[Sequence[int]], block_size: int) -> ModelInputs:
+    """``build_model_inputs`` for one new token per sequence (``last_tokens[b]`` at position
+    ``num_cached[b]``): the same inputs from a few array ops, every decode step's."""
+    positions = np.array(num_cached, dtype=np.int64)
+    tables = pad_block_tables(block_tables)
+    n = len(positions)
+    rows = np.arange(n, dtype=np.int64)
+    return ModelInputs(
+        input_ids=np.array(last_tokens, dtype=np.int64),
+        positions=positions,
+        slots=slots_for(tables, rows, positions, block_size),
+        block_tables=tables,
+        seq_lens=(positions + 1).astype(np.int32),
+        q_lens=np.ones(n, dtype=np.int32),
+        lm_head_indices=rows,
+        is_prefill=bool((positions == 0).all()),
+        block_size=block_size,
+    )
+
+
 @dataclass
 class DeviceInputs:
     input_ids: torch.Tensor  # [T] int64

@@ -17,7 +17,7 @@ from typing import Optional, Sequence as Seq
 
 import numpy as np
 
-from mindspec.modeling.forward_metadata import build_model_inputs, token_positions
+from mindspec.modeling.forward_metadata import build_decode_inputs, build_model_inputs, token_positions
 from mindspec.plugins.plugin import Plugin, PluginError
 from mindspec.text_generator import prompt_logprobs
 from mindspec.text_generator.generator import Generator, GeneratorOutput
@@ -144,12 +144,15 @@ class PluginManager:
         decode feeds the last token; a mixed step both, a chunk at a time. Logits are taken at
         each sequence's last fed token."""
         seqs = batch.seqs
-        tokens = [s.tokens_from(s.num_cached_tokens) for s in seqs]
-        if batch.is_mixed:  # a chunk: the next ``chunk`` uncached tokens; a decode row: the last
-            tokens = [t[:c] if c else t for t, c in zip(tokens, batch.chunks)]
-        model_inputs = build_model_inputs(
-            tokens, [s.num_cached_tokens for s in seqs], [s.block_table for s in seqs], batch.block_size
-        )
+        cached = [s.num_cached_tokens for s in seqs]
+        if not batch.is_prefill and not batch.is_mixed and all(s.num_tokens == c + 1 for s, c in zip(seqs, cached)):
+            model_inputs = build_decode_inputs([s.last_token_id for s in seqs], cached, [s.block_table for s in seqs],
+                                               batch.block_size)
+        else:
+            tokens = [s.tokens_from(c) for s, c in zip(seqs, cached)]
+            if batch.is_mixed:  # a chunk: the next ``chunk`` uncached tokens; a decode row: the last
+                tokens = [t[:c] if c else t for t, c in zip(tokens, batch.chunks)]
+            model_inputs = build_model_inputs(tokens, cached, [s.block_table for s in seqs], batch.block_size)
         n = len(seqs)
         return StepInputs(
             model_inputs=model_inputs,

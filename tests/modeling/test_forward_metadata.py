@@ -1,0 +1,26 @@
+import dataclasses
+
+import numpy as np
+import pytest
+
+from mindspec.modeling.forward_metadata import build_decode_inputs, build_model_inputs
+
+
+@pytest.mark.parametrize("num_cached", [[5], [1, 17, 4, 33], [16, 16, 15]])
+def test_decode_inputs_are_the_general_builders_for_one_token_each(num_cached):
+    """Every decode step builds its inputs with ``build_decode_inputs``: field for field, values
+    and dtypes, what ``build_model_inputs`` gives for one new token per sequence."""
+    block_size = 16
+    rng = np.random.default_rng(len(num_cached))
+    tables = [rng.choice(100, size=c // block_size + 1, replace=False).tolist() for c in num_cached]
+    tokens = rng.integers(0, 4096, size=len(num_cached)).tolist()
+    fast = build_decode_inputs(tokens, num_cached, tables, block_size)
+    general = build_model_inputs([[t] for t in tokens], num_cached, tables, block_size)
+    for f in dataclasses.fields(general):
+        a, b = getattr(fast, f.name), getattr(general, f.name)
+        if isinstance(b, np.ndarray):
+            assert a.dtype == b.dtype and np.array_equal(a, b), f.name
+        else:
+            assert a == b, f.name
+    # the slot of each new token: its position's block in its table
+    assert fast.slots.tolist() == [t[c // block_size] * block_size + c % block_size for t, c in zip(tables, num_cached)]
