@@ -354,7 +354,7 @@ class MtpPlugin(Plugin):
         speculated, verified = k > 0, self._verifying(batch, inputs)
         lens = [len(a) for a in outputs.accepted]
         if not speculated and not verified and lens.count(1) == len(lens):
-            self._plain_done(batch, outputs)
+            self._plain_done(batch, inputs, outputs)
             return
         used = self._modules_used(k)
         counts = np.array(lens, dtype=np.int64)
@@ -386,7 +386,7 @@ class MtpPlugin(Plugin):
         self.clock.ended(lambda seconds: self._step_timed(seconds, len(states), k, int(counts.sum()), caught_up,
                                                           arm_timed, suffix_step))
 
-    def _plain_done(self, batch: StepBatch, outputs: StepOutputs) -> None:
+    def _plain_done(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs) -> None:
         """After a decode step without drafts, each sequence's one row: the hidden state of its
         newest position into the history, and every module one entry further behind. The general
         path's per-step arrays (rows, counts, catch-ups) are all ones or zeros here, and a plain
@@ -399,6 +399,8 @@ class MtpPlugin(Plugin):
             self._lag_behind(state, 1, 0, keep)
             state.hidden_end += 1
             self._follow_think(state, accepted)
+        if self.suffix:  # proposals not verified are scored against the tokens emitted
+            self._record_suffix(batch, inputs.extra.get("suffix_proposals", {}), {}, outputs)
         none = np.zeros(len(states), dtype=np.int64)
         self.adaptive.record([seq.seq_id for seq in batch.seqs], none, none)
         self.clock.ended(lambda seconds: self._step_timed(seconds, len(states), 0, len(states), False, True, False))

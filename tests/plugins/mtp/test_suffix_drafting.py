@@ -179,3 +179,18 @@ def test_a_step_with_suffix_drafts_times_the_mtp_arm_it_ran():
     _, _, timed = plugin._suffix_step_done(batch, SimpleNamespace(extra=extra), outputs,
                                            np.array([0, 5]), np.array([0, 5]))
     assert not timed
+
+
+def test_plain_steps_score_the_suffix_proposals_they_did_not_verify(monkeypatch):
+    """A decode step without drafts (a plain step's own short path after the forward) still
+    scores each sequence's suffix proposal against the token it emitted, so a sequence whose
+    text starts repeating is seen to while no drafts pay."""
+    llm = _llm(_mtp_suffix())
+    script_mtp_counts(llm, [0])
+    monkeypatch.setattr(SuffixDrafts, "useful", lambda self, seq_id, drafts, row_yield: 0)  # never verified
+    scored = []
+    monkeypatch.setattr(SuffixDrafts, "record", lambda self, seq_id, verified, accepted: scored.append((verified, accepted)))
+    out = llm.generate(PROMPTS[:1], GREEDY)[0].token_ids
+    assert len(out) == GREEDY.max_tokens
+    assert scored and all(v == 1 for v, _ in scored)  # one emitted token judges one draft each
+    assert any(a == 1 for _, a in scored)  # the output copies the prompt: proposals that hold
