@@ -57,6 +57,7 @@ MIN_SAMPLES = 3  # steps of each arm measured in a bucket before choosing by thr
 # slower than the arm chosen, which runs warm, and is never chosen.
 SETTLE = 4
 WINDOW = 16  # recent steps per arm that the estimate uses
+NEIGHBOURS = 8  # sampled steps of two neighbouring runs (of two arms) that compare them
 REEXPLORE_EVERY = 64  # steps in a bucket between two tries of an arm not chosen, at first
 REEXPLORE_MAX = 1024  # ... doubling after each try that moved nothing, up to this
 REEXPLORE_BURST = 3  # timed steps per try (after SETTLE untimed ones)
@@ -140,9 +141,16 @@ class _Bucket:
     plain_batch: tuple = ()  # the sequences of the last decision that drafted nothing ...
     plain_until: int = 0  # ... and the step count until which it holds
     timed: bool = False  # every arm has been timed MIN_SAMPLES times
+    # Step times relative to one another, from runs next to each other in time (arm -> its time
+    # against a common base; compared_seconds), and the runs they come from.
+    ratio: dict[int, float] = field(default_factory=dict)
+    run_samples: list = field(default_factory=list)  # the current run's sampled times
+    last_run: Optional[tuple[int, list]] = None  # (arm, sampled times) of the run before it
 
     def ran(self, k: int) -> bool:
         """A step of arm k ran; whether its time is a sample (its run has settled)."""
+        if k != self.run_arm:
+            self._run_ended()
         self.run_steps = self.run_steps + 1 if k == self.run_arm else 1
         self.run_arm = k
         return self.run_steps > SETTLE
@@ -151,6 +159,36 @@ class _Bucket:
         self.seconds[k].append(seconds)
         self.sampled[k] = self.sampled.get(k, 0) + 1
         self.timed_at[k] = self.steps
+        self.run_samples.append(seconds)
+        if len(self.run_samples) > 2 * NEIGHBOURS:  # a run's first and last samples are all it compares
+            del self.run_samples[NEIGHBOURS]
+
+    def _run_ended(self) -> None:
+        """The run of ``run_arm`` ended: its first sampled steps against the last ones of the run
+        right before it (another arm's) give its time relative to that arm's, both measured at the
+        same context lengths on the same machine state."""
+        if not self.run_samples:
+            self.last_run = None  # a run too short to sample: no neighbour for the next one
+            return
+        run, before = (self.run_arm, self.run_samples), self.last_run
+        if before is not None and before[0] != run[0]:
+            if not self.ratio:
+                self.ratio[before[0]] = 1.0
+            base = self.ratio.get(before[0])
+            if base is not None:
+                self.ratio[run[0]] = base * statistics.median(run[1][:NEIGHBOURS]) / statistics.median(before[1][-NEIGHBOURS:])
+        self.last_run, self.run_samples = run, []
+
+    def compared_seconds(self, arms: Sequence[int]) -> np.ndarray:
+        """[A] the arms' step times in the units the choice compares them in: relative to one
+        another as they last ran next to each other, once every arm has such a ratio; else
+        their medians. Arms timed at different moments are not comparable: within a request
+        the context grows (64 -> 192 tokens on the benchmarks' prompts) and a noisy neighbour
+        comes and goes, and their medians drift by more than the arms differ at batch 16 on a
+        cpu; the arm chosen runs for hundreds of steps, an arm tried for a few."""
+        if all(k in self.ratio for k in arms):
+            return np.array([self.ratio[k] for k in arms])
+        return np.array([self.median_seconds(k) for k in arms])
 
     def judge_last_try(self) -> None:
         """The wait before the next try: doubled when the last one moved nothing, else reset."""
@@ -241,7 +279,7 @@ class AdaptiveSpeculation:
             return np.full(n, timing, dtype=np.int64)
         if b.steps < b.plain_until and b.plain_batch == tuple(seq_ids):
             return np.zeros(n, dtype=np.int64)
-        seconds = np.array([b.median_seconds(k) for k in self.arms])  # [A] all > 0 once timed
+        seconds = b.compared_seconds(self.arms)  # [A] all > 0 once timed
         seqs, alpha = self._alphas(seq_ids, kinds)  # [B, K]
         reach = np.cumprod(alpha, axis=1)  # [B, K] chance that draft j is reached and kept
         useful = (reach >= ROW_YIELD).sum(axis=1)  # [B] drafts worth a verification row

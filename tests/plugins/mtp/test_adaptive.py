@@ -218,6 +218,25 @@ def test_an_arm_is_timed_once_its_run_has_settled():
     assert b.choice == 0 and b.tries >= 3  # each arm tried again in runs of its own
 
 
+def test_arms_are_compared_as_they_ran_next_to_each_other():
+    """Step times grow with the context within a request (and move with the machine's load): an
+    arm tried a while ago has a median from shorter contexts than the arm chosen, which runs
+    now. The choice compares arms by their times relative to one another from runs next to each
+    other; by medians taken at different moments, one draft (always kept: 2 tokens in 2.2 plain
+    steps' time, a loss at any context) looks cheaper after every try, and is chosen (232 steps
+    drafting after the first 200, 23 tries, against 28 and 8)."""
+    ctl = AdaptiveSpeculation(range(2))
+    drafted = []
+    for step in range(2000):
+        counts = ctl.draft_counts([0])
+        k = int(counts.max())
+        _step(ctl, [0], counts, [k], (1.0 if k == 0 else 2.2) * (1 + step / 50))  # every arm slower as it goes
+        drafted.append(k)
+    b = ctl.buckets[1]
+    assert b.choice == 0 and b.ratio[1] / b.ratio[0] == pytest.approx(2.2, rel=0.1)
+    assert sum(drafted[200:]) <= b.tries * TRY  # only the tries draft
+
+
 def test_a_plain_decision_holds_for_its_batch():
     """Deciding costs ~0.1 ms of a ~1 ms plain step at batch 1: a decision that every sequence
     decodes plainly holds PLAIN_HOLD steps for the same sequences; another batch decides anew,
@@ -281,13 +300,15 @@ def test_tries_that_move_nothing_come_ever_rarer_and_one_that_moves_brings_them_
     assert b.choice == 3 and b.wait == adaptive.REEXPLORE_MAX
     assert np.diff(starts).tolist()[:6] == [64, 128, 256, 512, 1024, 1024]  # each judged at the next try
     times[2] = 0.8  # two drafts become much cheaper: 3 tokens in 0.8 s against 4 in 1.9 s
-    waits = []
     for _ in range(8 * adaptive.REEXPLORE_MAX):
         run(1)
-        waits.append(b.wait)
         if b.choice == 2:
             break
-    assert adaptive.REEXPLORE_EVERY in waits and b.choice == 2
+    assert b.choice == 2  # chosen right after its try: timed next to the choice's run
+    tries = b.tries
+    while b.tries == tries:  # the next try judges that one: it moved the choice
+        run(1)
+    assert b.wait == adaptive.REEXPLORE_EVERY and b.choice == 2
 
 
 def test_buckets_are_independent_and_disabled_always_speculates():
