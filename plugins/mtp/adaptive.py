@@ -16,7 +16,11 @@ in runs: the first SETTLE steps after a switch find the caches holding the other
 and are no samples (timed cold, an arm tried in short bursts looks slower than the arm chosen,
 which runs warm, and would never be chosen). Each arm is timed in one run first, and the arms not
 chosen are re-tried now and then (a run each, one arm at a time), so the estimate follows the
-context length as it changes. A try costs (the tried arm is usually the slower one), so the wait
+context length as it changes. The choice compares arms by their times relative to one another,
+measured where two runs meet (a try's first steps against the chosen arm's last ones before it,
+and the chosen arm's first steps after it): medians taken at different moments differ by the
+context grown in between and the machine's load, by more than the arms differ at batch 16 on a
+cpu. A try costs (the tried arm is usually the slower one), so the wait
 between tries doubles after each try that moved nothing (its arm no faster than estimated by
 DRIFT, the choice unchanged), up to REEXPLORE_MAX steps, and drops back to REEXPLORE_EVERY when
 a try moves either (bandit exploration with backoff).
