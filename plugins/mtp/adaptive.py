@@ -175,7 +175,7 @@ class _Bucket:
             self.last_run = None  # a run too short to sample: no neighbour for the next one
             return
         run, before = (self.run_arm, self.run_samples), self.last_run
-        if before is not None and before[0] != run[0]:
+        if before is not None:  # another arm's: a run ends where the arm changes
             if not self.ratio:
                 self.ratio[before[0]] = 1.0
             base = self.ratio.get(before[0])

@@ -65,7 +65,7 @@ class HiddenHistory:
         else:
             dst, src = to_device_packed([dst, src], self.buf.device, self._write_staging)
             kept = hidden.index_select(0, src)
-        self.buf.index_copy_(0, dst, kept if kept.dtype == self.buf.dtype else kept.to(self.buf.dtype))
+        self._put(dst, kept)
 
     def write_rows(self, slots: list[int], positions: list[int], hidden: torch.Tensor) -> None:
         """One row per sequence (a plain step's): hidden row b [B, hidden] is the state of
@@ -73,7 +73,11 @@ class HiddenHistory:
         sequences numpy's per-call cost would be most of the write."""
         rows = np.array([1 + s * self.keep + p % self.keep for s, p in zip(slots, positions)], dtype=np.int64)
         (dst,) = to_device_packed([rows], self.buf.device, self._write_staging)
-        self.buf.index_copy_(0, dst, hidden if hidden.dtype == self.buf.dtype else hidden.to(self.buf.dtype))
+        self._put(dst, hidden)
+
+    def _put(self, dst: torch.Tensor, rows: torch.Tensor) -> None:
+        """rows [R, hidden] into buffer rows dst [R] (on the buffer's device), in its dtype."""
+        self.buf.index_copy_(0, dst, rows if rows.dtype == self.buf.dtype else rows.to(self.buf.dtype))
 
     def read(self, slots: np.ndarray, positions: np.ndarray, valid: Optional[np.ndarray] = None) -> torch.Tensor:
         """[R, hidden]: position positions[r] of the sequence in slots[r], which must be one of

@@ -367,12 +367,7 @@ class MtpPlugin(Plugin):
                                np.array([st.hidden_end for st in states], dtype=np.int64), counts,
                                hidden, np.cumsum(rows) - rows)
         lag0 = np.array([st.lag[0] for st in states], dtype=np.int64) if speculated else None  # before this step
-        keep = self._entries_kept(len(states))
-        for b, (state, count) in enumerate(zip(states, counts.tolist())):
-            # The modules this step ran wrote the entries of the tokens before it; the others did not.
-            self._lag_behind(state, count, used, keep)
-            state.hidden_end += count
-            self._follow_think(state, outputs.accepted[b])
+        self._advance(states, counts.tolist(), used, outputs.accepted)
         # Module 0 behind by more than a speculative step leaves it (K+1): plain steps came before.
         caught_up = speculated and bool((lag0 > self.k + 1).any())
         drafted = inputs.extra["mtp_counts"] if verified else np.zeros(len(states), dtype=np.int64)
@@ -394,16 +389,22 @@ class MtpPlugin(Plugin):
         where no draft count pays."""
         states = [self.states[seq.seq_id] for seq in batch.seqs]
         self.history.write_rows([st.slot for st in states], [st.hidden_end for st in states], outputs.hidden_states)
-        keep = self._entries_kept(len(states))
-        for state, accepted in zip(states, outputs.accepted):
-            self._lag_behind(state, 1, 0, keep)
-            state.hidden_end += 1
-            self._follow_think(state, accepted)
+        self._advance(states, [1] * len(states), 0, outputs.accepted)
         if self.suffix:  # proposals not verified are scored against the tokens emitted
             self._record_suffix(batch, inputs.extra.get("suffix_proposals", {}), {}, outputs)
         none = np.zeros(len(states), dtype=np.int64)
         self.adaptive.record([seq.seq_id for seq in batch.seqs], none, none)
         self.clock.ended(lambda seconds: self._step_timed(seconds, len(states), 0, len(states), False, True, False))
+
+    def _advance(self, states: list[MtpSeqState], counts: list[int], used: int, accepted: list[list[int]]) -> None:
+        """Each sequence's state after a decode step that accepted counts[b] tokens (accepted[b]):
+        the modules this step ran (the first ``used``) wrote the entries of the tokens before
+        them, the others fell behind by them."""
+        keep = self._entries_kept(len(states))
+        for state, count, tokens in zip(states, counts, accepted):
+            self._lag_behind(state, count, used, keep)
+            state.hidden_end += count
+            self._follow_think(state, tokens)
 
     def _step_timed(self, seconds: Optional[float], batch_size: int, k: int, tokens: int, caught_up: bool,
                     arm_timed: bool, suffix_step: bool) -> None:
@@ -426,10 +427,7 @@ class MtpPlugin(Plugin):
         self.history.write(np.array([st.slot for st in states], dtype=np.int64),
                            np.array([st.hidden_end for st in states], dtype=np.int64), counts,
                            hidden, np.cumsum(counts) - counts)
-        for b, (state, count) in enumerate(zip(states, counts.tolist())):
-            self._lag_behind(state, count, self.cache_modules)  # every module ran
-            state.hidden_end += count
-            self._follow_think(state, outputs.accepted[b])
+        self._advance(states, counts.tolist(), self.cache_modules, outputs.accepted)  # every module ran
         caught_up = int(inputs.extra["mtp_layout"].last_accepted.max()) > self.k + 1  # plain steps came before
         tokens = int(counts.sum())
         self.clock.ended(lambda seconds: self.tree_choice.record(len(states), True, tokens, None if caught_up else seconds))
