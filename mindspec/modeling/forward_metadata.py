@@ -6,6 +6,7 @@ AttentionMetadata the model consumes.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
@@ -59,12 +60,27 @@ def pad_block_tables(block_tables: Sequence[Sequence[int]], min_width: int = 1) 
 
 
 def token_positions(start: np.ndarray, q_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(seq index [T], position [T]) of tokens start[b] .. start[b] + q_lens[b] - 1 per sequence."""
-    q_lens = q_lens.astype(np.int64)
+    """(seq index [T], position [T]) of tokens start[b] .. start[b] + q_lens[b] - 1 per sequence
+    (the seq index shared and read-only: ``row_grid``)."""
+    seq_idx, offsets = row_grid(q_lens)
+    return seq_idx, np.asarray(start, dtype=np.int64)[seq_idx] + offsets
+
+
+def row_grid(q_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(seq index [T], row within its sequence [T]) of a flat batch of q_lens[b] rows per
+    sequence. Decode steps repeat a few row counts, so both are kept per q_lens and shared,
+    read-only: a step's host work is mostly numpy's per-call cost at these sizes."""
+    return _row_grid(np.asarray(q_lens, dtype=np.int64).tobytes())
+
+
+@functools.lru_cache(maxsize=256)
+def _row_grid(q_key: bytes) -> tuple[np.ndarray, np.ndarray]:
+    q_lens = np.frombuffer(q_key, dtype=np.int64)
     seq_idx = np.repeat(np.arange(len(q_lens)), q_lens)
-    q_start = np.cumsum(q_lens) - q_lens
-    offsets = np.arange(int(q_lens.sum())) - np.repeat(q_start, q_lens)
-    return seq_idx, np.repeat(start.astype(np.int64), q_lens) + offsets
+    offsets = np.arange(len(seq_idx)) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
+    seq_idx.setflags(write=False)
+    offsets.setflags(write=False)
+    return seq_idx, offsets
 
 
 def slots_for(block_tables: np.ndarray, seq_idx: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:

@@ -175,6 +175,9 @@ def _pad_draft_steps(steps: list[ModelInputs], rows_per_seq: Optional[int],
     row_map = real_rows = None
     for i, step in enumerate(steps):
         if i and _same_rows(step, steps[i - 1]):
+            if step.input_ids is steps[i - 1].input_ids:  # the same inputs (Vanilla's later steps): the same padding
+                padded.append(padded[-1])
+                continue
             ids = np.zeros(padded[-1].num_tokens, dtype=np.int64)
             ids[real_rows] = step.input_ids
             padded.append(padded[-1].with_(input_ids=ids))
@@ -190,12 +193,14 @@ def _pad_draft_steps(steps: list[ModelInputs], rows_per_seq: Optional[int],
 
 def _same_rows(a: ModelInputs, b: ModelInputs) -> bool:
     """Every field but the tokens the same (arrays: the same objects)."""
-    for f in fields(ModelInputs):
-        if f.name != "input_ids":
-            x, y = getattr(a, f.name), getattr(b, f.name)
-            if x is not y and (isinstance(x, np.ndarray) or isinstance(y, np.ndarray) or x != y):
-                return False
+    for name in _ROW_FIELDS:
+        x, y = getattr(a, name), getattr(b, name)
+        if x is not y and (isinstance(x, np.ndarray) or isinstance(y, np.ndarray) or x != y):
+            return False
     return True
+
+
+_ROW_FIELDS = tuple(f.name for f in fields(ModelInputs) if f.name != "input_ids")
 
 
 def host_verify_rows(rows: int, mtp_rows: int) -> int:
@@ -285,7 +290,10 @@ class StaticInputs:
 
     @staticmethod
     def _arrays(inputs: list[ModelInputs], extras: list[np.ndarray]) -> list[np.ndarray]:
-        return [a for x in inputs for a in input_arrays(x)] + [_extra(e) for e in extras]
+        arrays: list[np.ndarray] = []
+        for i, x in enumerate(inputs):  # a step given twice (Vanilla's later draft steps): its arrays again
+            arrays += arrays[-NUM_INPUT_ARRAYS:] if i and x is inputs[i - 1] else input_arrays(x)
+        return arrays + [_extra(e) for e in extras]
 
     def load(self, padded: list[ModelInputs], extras: list[np.ndarray]) -> None:
         arrays = self._arrays(padded, extras)
@@ -407,10 +415,9 @@ class DecodeGraphRunner:
             return all(self._fits(s, num_seqs) and len(s.lm_head_indices) == num_seqs for s in sub_steps)
         return True
 
-    def _spec(self, inputs: ModelInputs, rows_per_seq: Optional[int] = None) -> PadSpec:
+    def _spec(self, inputs: ModelInputs) -> PadSpec:
         seqs, q = self.bucket(inputs.num_seqs), int(inputs.q_lens[0])
-        rows = seqs * (rows_per_seq or q)
-        return PadSpec(seqs, q, rows, self.width, self.dummy_block, self.block_size, slack_seq=rows_per_seq is not None)
+        return PadSpec(seqs, q, seqs * q, self.width, self.dummy_block, self.block_size)
 
     def _entry(self, key: tuple, padded: list[ModelInputs], extras: list[np.ndarray], make_fn) -> _Entry:
         entry = self._entries.get(key)
@@ -488,9 +495,10 @@ class DecodeGraphRunner:
         # with uniform rows any count fits (draft_rows_bucket).
         per_seq = draft_rows_bucket(sub_q) if self.uniform_draft_rows else -(-sub_q // q) * q
         lm_per_seq = len(inputs.lm_head_indices) // num_seqs
-        main_spec, sub_spec = self._spec(inputs), self._spec(inputs, per_seq)
-        if self.uniform_draft_rows:
-            sub_spec = replace(sub_spec, q=per_seq, slack_seq=False)
+        main_spec = self._spec(inputs)
+        # uniform rows: every sequence per_seq rows; else q rows per padding sequence and the slack sequence
+        sub_spec = PadSpec(main_spec.num_seqs, per_seq if self.uniform_draft_rows else q, main_spec.num_seqs * per_seq,
+                           self.width, self.dummy_block, self.block_size, slack_seq=not self.uniform_draft_rows)
         sub_padded, row_map = _pad_draft_steps(sub_steps, per_seq if self.uniform_draft_rows else None, sub_spec)
         if row_map is not None:
             lm_head_local_dp = row_map[lm_head_local_dp]

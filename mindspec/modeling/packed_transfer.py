@@ -33,7 +33,7 @@ class PackedLayout:
 
     def fits(self, arrays: Sequence[np.ndarray]) -> bool:
         return len(arrays) == len(self.fields) and all(
-            a.dtype == dt and tuple(a.shape) == shape for a, (dt, shape, _) in zip(arrays, self.fields)
+            a.shape == shape and (a.dtype is dt or a.dtype == dt) for a, (dt, shape, _) in zip(arrays, self.fields)
         )
 
     def stage(self, arrays: Sequence[np.ndarray], pinned: bool = False) -> torch.Tensor:

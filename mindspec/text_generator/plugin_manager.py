@@ -17,7 +17,7 @@ from typing import Optional, Sequence as Seq
 
 import numpy as np
 
-from mindspec.modeling.forward_metadata import build_decode_inputs, build_model_inputs, token_positions
+from mindspec.modeling.forward_metadata import build_decode_inputs, build_model_inputs, row_grid
 from mindspec.plugins.plugin import Plugin, PluginError
 from mindspec.text_generator import prompt_logprobs
 from mindspec.text_generator.generator import Generator, GeneratorOutput
@@ -221,7 +221,7 @@ class PluginManager:
         cache = inputs.extra.get("hidden_cache")
         if cache is not None:
             if cache.accepts_in_step:
-                row_seq, row_offset = token_positions(np.zeros_like(cache.counts), cache.counts + 1)
+                row_seq, row_offset = row_grid(cache.counts + 1)
                 cache.targets = self._target_rows(batch, row_seq, row_offset)
             return
         if self._plain_step(batch, inputs) and all(samples_in_step(s.sampling_params) for s in batch.seqs):

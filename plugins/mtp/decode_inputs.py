@@ -20,12 +20,14 @@ last step accepted: 1 after prefill; more after steps that ran without speculati
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from itertools import chain
 from typing import Optional
 
 import numpy as np
 
-from mindspec.modeling.forward_metadata import ModelInputs, pad_block_tables, slots_for, token_positions
+from mindspec.modeling.forward_metadata import ModelInputs, pad_block_tables, row_grid, slots_for, token_positions
 
 
 @dataclass
@@ -39,6 +41,15 @@ class DecodeLayout:
     sub_q_lens: np.ndarray  # [B] h + max(a, K + 1)
     sub_lm_rows: np.ndarray  # [B] flat row of each sequence's lm_head entry (n-2)
 
+    @functools.cached_property
+    def window_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(seq index, MTP entry, valid) per sub row [sum(sub_q_lens)]: row i of sequence b's
+        window is entry start[b] + i, valid for its first h + a rows (the sub inputs' rows and
+        the hidden states they read)."""
+        seq_idx, offsets = row_grid(self.sub_q_lens)
+        valid = offsets < (self.history + self.last_accepted)[seq_idx]
+        return seq_idx, self.start[seq_idx] + offsets, valid
+
 
 def decode_layout(
     num_tokens: np.ndarray, last_accepted: np.ndarray, k: int, mode: str, hidden_from: np.ndarray | None = None
@@ -47,7 +58,7 @@ def decode_layout(
     point of a sequence prefilled on another node); history never reaches before it."""
     base = num_tokens - last_accepted - 1  # entry of the first newly valid row
     floor = np.zeros_like(base) if hidden_from is None else hidden_from
-    history = np.clip(np.minimum(k - 1, base - floor), 0, None) if mode == "vanilla" else np.zeros_like(base)
+    history = np.maximum(np.minimum(k - 1, base - floor), 0) if mode == "vanilla" else np.zeros_like(base)
     sub_q = history + np.maximum(last_accepted, k + 1)
     offsets = np.cumsum(sub_q) - sub_q
     return DecodeLayout(
@@ -66,7 +77,8 @@ def main_inputs(last_tokens: np.ndarray, num_tokens: np.ndarray, tables: np.ndar
     (ragged q_lens when the counts differ; the model places each MTP draft by
     ``draft_rows.verify_source``). ``host_drafts`` {b: drafts}: sequences that verify drafts made
     on the host instead (counts[b] = len(drafts)), written into their rows here."""
-    q_lens = (np.broadcast_to(np.asarray(counts, dtype=np.int64), (len(num_tokens),)) + 1).astype(np.int32)
+    q_lens = np.empty(len(num_tokens), dtype=np.int32)
+    q_lens[:] = np.asarray(counts) + 1
     seq_idx, positions = token_positions(num_tokens - 1, q_lens)
     ids = np.zeros(len(positions), dtype=np.int64)
     first = np.cumsum(q_lens) - q_lens
@@ -93,10 +105,18 @@ def main_inputs(last_tokens: np.ndarray, num_tokens: np.ndarray, tables: np.ndar
 
 def verify_grid(counts: np.ndarray, k: int) -> np.ndarray:
     """[B, k + 1] flat verification row of each sequence's position j, for j past its counts[b]
-    its last row (so [B, k + 1] views of targets and probabilities hold only real rows)."""
-    rows = np.asarray(counts, dtype=np.int64) + 1
+    its last row (so [B, k + 1] views of targets and probabilities hold only real rows).
+    Shared and read-only: kept per counts, which steps repeat."""
+    return _verify_grid(np.asarray(counts, dtype=np.int64).tobytes(), k)
+
+
+@functools.lru_cache(maxsize=256)
+def _verify_grid(counts_key: bytes, k: int) -> np.ndarray:
+    rows = np.frombuffer(counts_key, dtype=np.int64) + 1
     first = np.cumsum(rows) - rows
-    return first[:, None] + np.minimum(np.arange(k + 1)[None, :], rows[:, None] - 1)
+    grid = first[:, None] + np.minimum(np.arange(k + 1)[None, :], rows[:, None] - 1)
+    grid.setflags(write=False)
+    return grid
 
 
 def window_tokens(seqs, layout: DecodeLayout) -> list[list[int]]:
@@ -128,26 +148,25 @@ def sub_inputs(
     decode of a sequence prefilled on another node, fed zeros) write to the dummy block, so the MTP
     KV received from the prefill node is not overwritten (seed 000, PD disaggregation)."""
     q_lens = layout.sub_q_lens
-    seq_idx, positions = token_positions(layout.start, q_lens)
-    row_in_seq = positions - np.repeat(layout.start, q_lens)
-    valid_rows = layout.history + layout.last_accepted
-    valid = row_in_seq < np.repeat(valid_rows, q_lens)
+    seq_idx, positions, valid = layout.window_rows
+    valid_rows = (layout.history + layout.last_accepted).tolist()
     ids = np.zeros(len(positions), dtype=np.int64)
-    for b, toks in enumerate(token_ids):  # entry i carries token i + 1: the last h + a tokens
-        rows = np.flatnonzero((seq_idx == b) & valid)
-        ids[rows] = toks[len(toks) - len(rows):]
+    # entry i carries token i + 1: each sequence's valid rows (its first) take its last h + a tokens
+    ids[valid] = np.fromiter(chain.from_iterable(t[len(t) - v:] for t, v in zip(token_ids, valid_rows)),
+                             dtype=np.int64, count=sum(valid_rows))
     slots = np.where(valid, slots_for(tables, seq_idx, np.maximum(positions, 0), block_size), -1)
-    if hidden_from is not None and dummy_block_id is not None:
-        blind = valid & (positions < np.repeat(hidden_from, q_lens))
+    if hidden_from is not None and dummy_block_id is not None and hidden_from.any():
+        blind = valid & (positions < hidden_from[seq_idx])
         slots = np.where(blind, dummy_block_id * block_size + positions % block_size, slots)
     seq_lens = (layout.start + q_lens).astype(np.int32)
     # Eagle's later steps see up to K-1 positions past the main model's last one, on padding rows
     # only (causal: the lm_head rows never look there); widen the table so every op can index them.
     tables = _widen(tables, int(seq_lens.max()) + (k - 1 if mode == "eagle" else 0), block_size)
     steps = []
+    later_ids = np.zeros_like(ids)  # vanilla's later steps: their tokens are rolled in on the device
     for s in range(k):
-        if mode != "eagle" and s > 0:  # vanilla: every step has step 0's rows (shared arrays), its tokens rolled in
-            steps.append(steps[0].with_(input_ids=np.zeros_like(ids)))
+        if mode != "eagle" and s > 0:  # vanilla: every step has step 0's rows (shared arrays)
+            steps.append(steps[0].with_(input_ids=later_ids))
             continue
         shift = s if mode == "eagle" else 0
         step_slots = slots
@@ -180,10 +199,7 @@ def _widen(tables: np.ndarray, max_len: int, block_size: int) -> np.ndarray:
 
 def hidden_rows(layout: DecodeLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(seq index, hidden position, valid) per sub row: row i of the window needs h(start + i)."""
-    seq_idx, positions = token_positions(layout.start, layout.sub_q_lens)
-    row_in_seq = positions - np.repeat(layout.start, layout.sub_q_lens)
-    valid = row_in_seq < np.repeat(layout.history + layout.last_accepted, layout.sub_q_lens)
-    return seq_idx, positions, valid
+    return layout.window_rows
 
 
 def block_tables(tables: list[list[int]]) -> np.ndarray:

@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from mindspec.config.plugin_params import PluginParamsError
-from mindspec.modeling.forward_metadata import token_positions
+from mindspec.modeling.forward_metadata import row_grid
 from mindspec.modeling.hidden_cache import HiddenCacheRows
 from mindspec.modeling.loader import checkpoint_keys
 from mindspec.models.deepseekv2.config import DeepseekV2Config
@@ -315,7 +315,7 @@ class MtpPlugin(Plugin):
             return self.trees.sample_rows(inputs, batch, history)
         if self._verifying(batch, inputs):  # one sampling row per verified position
             counts = inputs.extra["mtp_counts"]
-            inputs.row_seq, inputs.row_offset = token_positions(np.zeros_like(counts), counts + 1)
+            inputs.row_seq, inputs.row_offset = row_grid(counts + 1)
         return inputs
 
     def plugin_verify(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs) -> StepOutputs:
@@ -743,7 +743,7 @@ class MtpPlugin(Plugin):
 
 def _on_grid(probs: torch.Tensor, grid: np.ndarray) -> torch.Tensor:
     """[rows, V] -> [B, k + 1, V] on the host: the rows of each sequence's verified positions."""
-    index = torch.from_numpy(grid.reshape(-1)).to(probs.device)
+    index = torch.tensor(grid.reshape(-1), device=probs.device)  # (grid: shared, read-only)
     return probs.index_select(0, index).view(*grid.shape, -1).cpu()
 
 

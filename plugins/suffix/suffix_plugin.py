@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from mindspec.config.plugin_params import PluginParamsError
-from mindspec.modeling.forward_metadata import build_model_inputs, token_positions
+from mindspec.modeling.forward_metadata import build_model_inputs, row_grid
 from mindspec.plugins.plugin import Plugin
 from mindspec.text_generator.step import StepBatch, StepInputs, StepOutputs, draft_grid
 
@@ -82,7 +82,7 @@ class SuffixPlugin(Plugin):
             self.block_size, lm_head_indices=np.arange(int(counts.sum()) + len(rows), dtype=np.int64),
         )
         inputs.q_lens = inputs.model_inputs.q_lens
-        inputs.row_seq, inputs.row_offset = token_positions(np.zeros_like(counts), counts + 1)
+        inputs.row_seq, inputs.row_offset = row_grid(counts + 1)
         inputs.extra["suffix_drafts"] = drafts
         inputs.extra["draft_prefix"] = draft_grid(drafts)  # row k's penalty history: the drafts before it
         return inputs
