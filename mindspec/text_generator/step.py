@@ -86,6 +86,7 @@ class StepOutputs:
     _drafts_host: Optional[np.ndarray] = field(default=None, repr=False)
     _read_drafts: Optional[np.ndarray] = field(default=None, repr=False)  # came with greedy_host's copy
     _read_accepted: Optional[np.ndarray] = field(default=None, repr=False)  # so did these
+    _all_decided: Optional[bool] = field(default=None, repr=False)  # accepted_in_step's reading of them
 
     def greedy_host(self) -> np.ndarray:
         """[N] the argmax of each logits row on the host (``greedy_tokens`` where the step computed
@@ -132,8 +133,11 @@ def accepted_in_step(inputs: StepInputs, outputs: StepOutputs) -> bool:
     it had rows to keep and decided every target (accepted -1: a sampled step whose top-p sets
     it could not decide; the host samples and accepts it instead)."""
     cache = inputs.extra.get("hidden_cache")
-    return (cache is not None and cache.accepts_in_step and outputs.accepted_drafts is not None
-            and bool((outputs.accepted_host() >= 0).all()))
+    if cache is None or not cache.accepts_in_step or outputs.accepted_drafts is None:
+        return False
+    if outputs._all_decided is None:  # asked by sampling, verification and the cache update
+        outputs._all_decided = bool((outputs.accepted_host() >= 0).all())
+    return outputs._all_decided
 
 
 def _packed_span(first: torch.Tensor, *rest: torch.Tensor) -> Optional[torch.Tensor]:

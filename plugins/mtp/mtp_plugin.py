@@ -244,7 +244,7 @@ class MtpPlugin(Plugin):
         or, in ``host_drafts``, its counts[b] suffix drafts."""
         seqs = batch.seqs
         num_tokens = np.array([s.num_tokens for s in seqs], dtype=np.int64)
-        tables = di.block_tables([s.block_table for s in seqs])
+        tables = inputs.model_inputs.block_tables  # as composed: every sequence's blocks
         # A sequence whose prefill is still running has no state yet: it was prefilled here.
         hidden_from = np.array([getattr(self.states.get(s.seq_id), "hidden_from", 0) for s in seqs], dtype=np.int64)
         layout = di.decode_layout(num_tokens, last_accepted, k, self.mode, hidden_from)
