@@ -125,9 +125,9 @@ def pad_inputs(inputs: ModelInputs, spec: PadSpec, lm_rows_per_seq: int) -> Mode
         positions=np.concatenate([inputs.positions, pad.positions]),
         slots=np.concatenate([inputs.slots, pad.slots]),
         block_tables=tables,
-        seq_lens=np.concatenate([inputs.seq_lens, pad.seq_lens]).astype(np.int32),
-        q_lens=np.concatenate([inputs.q_lens, pad.q_lens]).astype(np.int32),
-        lm_head_indices=np.concatenate([inputs.lm_head_indices, pad.lm_rows]).astype(np.int64),
+        seq_lens=np.concatenate([inputs.seq_lens, pad.seq_lens], dtype=np.int32),
+        q_lens=np.concatenate([inputs.q_lens, pad.q_lens], dtype=np.int32),
+        lm_head_indices=np.concatenate([inputs.lm_head_indices, pad.lm_rows], dtype=np.int64),
         is_prefill=False,
         block_size=inputs.block_size,
     )
@@ -291,8 +291,13 @@ class StaticInputs:
     @staticmethod
     def _arrays(inputs: list[ModelInputs], extras: list[np.ndarray]) -> list[np.ndarray]:
         arrays: list[np.ndarray] = []
-        for i, x in enumerate(inputs):  # a step given twice (Vanilla's later draft steps): its arrays again
-            arrays += arrays[-NUM_INPUT_ARRAYS:] if i and x is inputs[i - 1] else input_arrays(x)
+        for i, x in enumerate(inputs):
+            if i and x is inputs[i - 1]:  # a step given twice (Vanilla's later draft steps): its arrays again
+                arrays += arrays[-NUM_INPUT_ARRAYS:]
+            elif i and _same_rows(x, inputs[i - 1]):  # its own tokens (input_arrays' first), the other's rows
+                arrays += [x.input_ids.astype(np.int64, copy=False)] + arrays[1 - NUM_INPUT_ARRAYS:]
+            else:
+                arrays += input_arrays(x)
         return arrays + [_extra(e) for e in extras]
 
     def load(self, padded: list[ModelInputs], extras: list[np.ndarray]) -> None:
@@ -303,9 +308,12 @@ class StaticInputs:
         else:
             self.staging.send(self.layout, arrays, into=self.buffer)
         # Eager backends read the host lists; a captured graph never looks at them again.
+        lists = {}
         for static, x in zip(self.inputs, padded):
-            static.meta.seq_lens_host = x.seq_lens.tolist()
-            static.meta.q_lens_host = x.q_lens.tolist()
+            key = (id(x.seq_lens), id(x.q_lens))  # (draft steps share their lengths)
+            if key not in lists:
+                lists[key] = (x.seq_lens.tolist(), x.q_lens.tolist())
+            static.meta.seq_lens_host, static.meta.q_lens_host = lists[key]
 
     def reset_scratch(self) -> None:
         # Per-forward memos must be recomputed from the new values (and, during a capture, be
