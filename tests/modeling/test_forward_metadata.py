@@ -3,7 +3,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from mindspec.modeling.forward_metadata import build_decode_inputs, build_model_inputs
+from mindspec.modeling.forward_metadata import build_decode_inputs, build_model_inputs, row_grid, token_positions
 
 
 @pytest.mark.parametrize("num_cached", [[5], [1, 17, 4, 33], [16, 16, 15]])
@@ -24,3 +24,19 @@ def test_decode_inputs_are_the_general_builders_for_one_token_each(num_cached):
             assert a == b, f.name
     # the slot of each new token: its position's block in its table
     assert fast.slots.tolist() == [t[c // block_size] * block_size + c % block_size for t, c in zip(tables, num_cached)]
+
+
+@pytest.mark.parametrize("q_lens", [[1], [4, 4, 4], [3, 0, 5, 1], []])
+def test_row_grid_gives_each_rows_sequence_and_place_once_per_row_counts(q_lens):
+    """Each row's sequence and place within it; kept per row counts (whatever their dtype) and
+    shared read-only, while token_positions' positions are the caller's own array."""
+    seq_idx, offsets = row_grid(np.array(q_lens, dtype=np.int32))
+    assert seq_idx.tolist() == [b for b, q in enumerate(q_lens) for _ in range(q)]
+    assert offsets.tolist() == [j for q in q_lens for j in range(q)]
+    again = row_grid(np.array(q_lens, dtype=np.int64))
+    assert again[0] is seq_idx and again[1] is offsets
+    assert not seq_idx.flags.writeable and not offsets.flags.writeable
+    start = np.arange(len(q_lens), dtype=np.int64) * 10 + 3
+    seq, positions = token_positions(start, np.array(q_lens))
+    assert seq is seq_idx and positions.flags.writeable
+    assert positions.tolist() == [int(s) + j for s, q in zip(start, q_lens) for j in range(q)]

@@ -491,3 +491,36 @@ def test_verification_with_a_draft_count_per_sequence_equals_unpadded(wrapper, c
     # a prompt's tail (only its last row feeds the lm_head) and more rows than a graph holds run eagerly
     assert not runner.accepts(host.with_(lm_head_indices=np.cumsum(host.q_lens) - 1))
     assert not DecodeGraphRunner(wrapper, buckets=(4,), capture=False, max_verify_rows=2).accepts(host)
+
+
+def test_static_inputs_load_steps_that_share_rows_with_their_own_tokens(wrapper):
+    """Draft steps with the rows of the step before them (MTP Vanilla's, whose later steps are
+    one ModelInputs given twice) are loaded from that step's arrays, each with its own tokens."""
+    main = build_model_inputs([[1], [2]], [3, 4], [[1], [2, 3]], BLOCK_SIZE)
+    d0 = build_model_inputs([[5, 6], [7]], [2, 3], [[1], [2, 3]], BLOCK_SIZE)
+    d1 = d0.with_(input_ids=np.zeros(3, dtype=np.int64))
+    padded = [main, d0, d1, d1]
+    statics = StaticInputs([main, d0, d0, d0], [np.array([0, 1])], torch.device("cpu"))
+    statics.load(padded, [np.array([1, 0])])
+    for static, x in zip(statics.inputs, padded):
+        want = input_arrays(x)
+        got = [static.input_ids, static.positions, static.meta.slots, static.meta.block_tables, static.meta.seq_lens,
+               static.meta.q_lens, static.meta.q_start_loc, static.lm_head_indices]
+        for g, w in zip(got, want):
+            assert g.numpy().dtype == w.dtype and np.array_equal(g.numpy(), w)
+        assert static.meta.seq_lens_host == x.seq_lens.tolist() and static.meta.q_lens_host == x.q_lens.tolist()
+    assert statics.inputs[1].input_ids.tolist() == [5, 6, 7] and statics.inputs[3].input_ids.tolist() == [0, 0, 0]
+
+
+def test_vanilla_later_draft_steps_are_one_padded_step(checkpoint):
+    """MTP Vanilla's steps after the first share their rows and their (zero) tokens: padded
+    once, given to the static buffers as one step repeated."""
+    _, cfg = checkpoint
+    k, num_tokens = 3, np.array(SEQ_LENS)
+    tokens = [list(range(2, 2 + n)) for n in SEQ_LENS]
+    layout = di.decode_layout(num_tokens, np.array(LAST_ACCEPTED), k, "vanilla")
+    subs = di.sub_inputs(tokens, layout, di.block_tables(_tables(SEQ_LENS, k + 1)), BLOCK_SIZE, k, "vanilla")
+    assert all(s.input_ids is subs[1].input_ids for s in subs[1:]) and not subs[1].input_ids.any()
+    spec = PadSpec(4, int(subs[0].q_lens[0]), 4 * 8, 8, NUM_BLOCKS - 1, BLOCK_SIZE, slack_seq=True)
+    got, _ = _pad_draft_steps(subs, None, spec)
+    assert got[2] is got[1] and got[1] is not got[0] and got[1].positions is got[0].positions
