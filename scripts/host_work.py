@@ -6,12 +6,13 @@ is everything the engine, the plugins, the graph runner and the package glue do 
 package: the work a GPU's host does per step while the device computes (there it decides
 whether speculation pays at batch 1). The host's caches stay warm here, as on a GPU's host;
 on cpu a real package evicts them, and the same work takes longer in place. Each replayed request
-must give the recorded tokens (checked). Batch 1, 1 thread, greedy, 12 held-out mixed prompts.
+must give the recorded tokens (checked). 1 thread, greedy, 12 held-out mixed prompts one at a
+time, or with ``--batch B`` 6 x B prompts, B at a time.
 
-    python scripts/host_work.py [--configs off,plain,k3] [--new-tokens 128] [--replays 3] [--out DIR]
+    python scripts/host_work.py [--configs off,plain,k3] [--batch 1] [--new-tokens 128] [--replays 3] [--out DIR]
 
 ``plain``: the MTP engine (vanilla K=3) with every step plain; ``kN``: every step N drafts.
-Writes DIR/host_work.json and DIR/host_work.png (default benchmarks/out).
+Writes DIR/host_work.json and .png (host_work_bB.* for a batch B > 1; DIR: benchmarks/out).
 """
 from __future__ import annotations
 
@@ -78,8 +79,8 @@ class Tape:
         plugin_manager.PluginManager.generate_token = noting_prefill
 
 
-def engine(config: str, model: str) -> LLM:
-    llm = LLM(model=model, cpu_threads=1, max_batch_size=1, decode_graphs=True, progress=False,
+def engine(config: str, model: str, batch: int) -> LLM:
+    llm = LLM(model=model, cpu_threads=1, max_batch_size=batch, decode_graphs=True, progress=False,
               plugin_params=None if config == "off" else speed.mtp(K, "vanilla", adaptive=False))
     llm.engine.model_wrapper.compiled.prefill_max_rows = 0  # prefills eager: only decode steps are packages
     if config != "off":
@@ -88,24 +89,26 @@ def engine(config: str, model: str) -> LLM:
     return llm
 
 
-def measure(config: str, model: str, prompts, params: SamplingParams, replays: int) -> dict:
+def measure(config: str, model: str, prompts, params: SamplingParams, replays: int, batch: int) -> dict:
     tape = TAPE
     tape.mode, tape.calls, tape.step_seconds = "off", [], []
-    llm = engine(config, model)
-    llm.generate(prompts[:2], params)  # every shape's package loaded (or compiled) first
+    llm = engine(config, model, batch)
+    warm, prompts = prompts[: max(2, batch)], prompts[max(2, batch):]
+    groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+    llm.generate(warm, params)  # every shape's package loaded (or compiled) first
     tape.mode = "record"
-    want = [llm.generate([p], params)[0].token_ids for p in prompts[2:]]
+    want = [[o.token_ids for o in llm.generate(g, params)] for g in groups]
     tape.mode = "replay"
     for _ in range(replays):
         tape.at = 0
-        for p, tokens in zip(prompts[2:], want):
-            if llm.generate([p], params)[0].token_ids != tokens:
+        for g, tokens in zip(groups, want):
+            if [o.token_ids for o in llm.generate(g, params)] != tokens:
                 raise RuntimeError(f"{config}: a replayed request gave other tokens than recorded")
     ms = sorted(1e3 * s for s in tape.step_seconds)
     tape.mode = "off"
     llm.engine.close()
-    tokens = sum(len(t) for t in want) * replays
-    return {"config": config, "decode_steps": len(ms), "tokens_per_step": tokens / len(ms),
+    tokens = sum(len(t) for g in want for t in g) * replays
+    return {"config": config, "batch": batch, "decode_steps": len(ms), "tokens_per_step": tokens / len(ms),
             "host_ms_median": statistics.median(ms), "host_ms_p10": ms[len(ms) // 10], "host_ms_p90": ms[9 * len(ms) // 10],
             "host_ms_mean": statistics.mean(ms)}
 
@@ -133,6 +136,7 @@ TAPE = Tape()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="off,plain,k3")
+    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--replays", type=int, default=3)
     ap.add_argument("--out", default="benchmarks/out")
@@ -141,18 +145,20 @@ def main() -> None:
     TAPE.install()
     model = str(default_model_dir())
     from transformers import AutoTokenizer
-    prompts = workloads.prompts_for("mixed", AutoTokenizer.from_pretrained(model), 14, 64)
+    groups = 12 if args.batch == 1 else 6  # (the held-out set has ~190 prompts)
+    prompts = workloads.prompts_for("mixed", AutoTokenizer.from_pretrained(model), groups * args.batch + max(2, args.batch), 64)
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     rows = []
     for config in args.configs.split(","):
-        rows.append(measure(config, model, prompts, params, args.replays))
+        rows.append(measure(config, model, prompts, params, args.replays, args.batch))
         r = rows[-1]
         print(f"{config:6s} {r['decode_steps']:5d} decode steps, {r['tokens_per_step']:.2f} tokens each: host "
               f"{r['host_ms_median']:.3f} ms per step (p10 {r['host_ms_p10']:.3f}, p90 {r['host_ms_p90']:.3f})")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "host_work.json").write_text(json.dumps({"torch": torch.__version__, "rows": rows}, indent=2))
-    plot(rows, out / "host_work.png")
+    name = "host_work" if args.batch == 1 else f"host_work_b{args.batch}"
+    (out / f"{name}.json").write_text(json.dumps({"torch": torch.__version__, "rows": rows}, indent=2))
+    plot(rows, out / f"{name}.png")
 
 
 if __name__ == "__main__":

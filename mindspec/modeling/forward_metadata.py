@@ -68,14 +68,24 @@ def token_positions(start: np.ndarray, q_lens: np.ndarray) -> tuple[np.ndarray, 
 
 def row_grid(q_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(seq index [T], row within its sequence [T]) of a flat batch of q_lens[b] rows per
-    sequence. Decode steps repeat a few row counts, so both are kept per q_lens and shared,
-    read-only: a step's host work is mostly numpy's per-call cost at these sizes."""
-    return _row_grid(np.asarray(q_lens, dtype=np.int64).tobytes())
+    sequence, read-only. Decode steps repeat a few row counts, so theirs are kept per q_lens and
+    shared: a step's host work is mostly numpy's per-call cost at these sizes. Prefills (many
+    rows, lengths seldom repeated) are computed each time."""
+    q_lens = np.asarray(q_lens, dtype=np.int64)
+    if q_lens.size > GRID_CACHED_SEQS or (q_lens.size and q_lens.max() > GRID_CACHED_ROWS):
+        return _row_grid(q_lens)
+    return _cached_row_grid(q_lens.tobytes())
+
+
+GRID_CACHED_SEQS, GRID_CACHED_ROWS = 256, 64  # at most 16K rows a grid, 256 grids
 
 
 @functools.lru_cache(maxsize=256)
-def _row_grid(q_key: bytes) -> tuple[np.ndarray, np.ndarray]:
-    q_lens = np.frombuffer(q_key, dtype=np.int64)
+def _cached_row_grid(q_key: bytes) -> tuple[np.ndarray, np.ndarray]:
+    return _row_grid(np.frombuffer(q_key, dtype=np.int64))
+
+
+def _row_grid(q_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     seq_idx = np.repeat(np.arange(len(q_lens)), q_lens)
     offsets = np.arange(len(seq_idx)) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
     seq_idx.setflags(write=False)

@@ -3,7 +3,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from mindspec.modeling.forward_metadata import build_decode_inputs, build_model_inputs, row_grid, token_positions
+from mindspec.modeling.forward_metadata import (
+    GRID_CACHED_ROWS, build_decode_inputs, build_model_inputs, row_grid, token_positions,
+)
 
 
 @pytest.mark.parametrize("num_cached", [[5], [1, 17, 4, 33], [16, 16, 15]])
@@ -40,3 +42,12 @@ def test_row_grid_gives_each_rows_sequence_and_place_once_per_row_counts(q_lens)
     seq, positions = token_positions(start, np.array(q_lens))
     assert seq is seq_idx and positions.flags.writeable
     assert positions.tolist() == [int(s) + j for s, q in zip(start, q_lens) for j in range(q)]
+
+
+def test_row_grids_of_prefills_are_not_kept():
+    """A prefill's rows (a sequence of more than GRID_CACHED_ROWS) are computed each time:
+    prompt lengths seldom repeat, and their grids would fill memory."""
+    q_lens = np.array([GRID_CACHED_ROWS + 1, 2])
+    first, again = row_grid(q_lens), row_grid(q_lens)
+    assert first[0] is not again[0] and np.array_equal(first[0], again[0]) and np.array_equal(first[1], again[1])
+    assert first[1].tolist() == list(range(GRID_CACHED_ROWS + 1)) + [0, 1]
