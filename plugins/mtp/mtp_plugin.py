@@ -88,7 +88,7 @@ SUFFIX_MAX_BATCH = 8
 class MtpSeqState:
     slot: int  # the sequence's row of the hidden history
     hidden_end: int  # main hidden states are kept for the positions before this one (the last ``keep``)
-    lag: np.ndarray  # [modules] int64: tokens without an entry in each MTP module's cache (1 after prefill)
+    lag: list[int]  # [modules] tokens without an entry in each MTP module's cache (1 after prefill)
     in_think: bool = False
     hidden_from: int = 0  # first position with a real hidden state (> 0 after a PD hand-off or a shared prefix)
     # Every module's entries before this position were written (or came final from elsewhere):
@@ -132,7 +132,7 @@ class MtpPlugin(Plugin):
         self.adaptive = AdaptiveSpeculation(range(self.k + 1), self.params.adaptive_speculation and not self.trees)
         self.tree_choice = TreeOrPlain(self.params.adaptive_speculation and self.trees is not None)
         self.clock = StepClock()  # what each decode step costs, for both controllers
-        self._kept: dict[int, np.ndarray] = {}  # _entries_kept per modules used
+        self._kept: dict[int, tuple[int, ...]] = {}  # _entries_kept per modules used
         self.simulation_rng = np.random.default_rng(0)  # simulated_acceptance's draws: the same every run
         # relaxed and typical acceptance read the target probabilities; strict needs the sampled tokens only
         self.needs_sampling_metadata = self.params.decoding_policy != "strict" and self.params.simulated_acceptance is None
@@ -442,8 +442,8 @@ class MtpPlugin(Plugin):
         keep = self._entries_kept(len(self.states) + len(batch.seqs))  # at the batch size _prefill_modules judged by
         for b, (seq, q, end) in enumerate(zip(batch.seqs, q_lens.tolist(), ends.tolist())):
             lag = self._fresh_lag()
-            lag[prefilled:] = np.minimum(q, keep[prefilled:])  # this prefill's entries, as far as its hidden states reach
-            gave_up = bool((q > keep[prefilled:]).any())
+            lag[prefilled:] = [min(q, c) for c in keep[prefilled:]]  # this prefill's entries, as far as its hidden states reach
+            gave_up = any(q > c for c in keep[prefilled:])
             slots[b] = self.history.add(seq.seq_id, hidden)
             # A prefill after a shared prompt prefix (n > 1) starts past position 0: the hidden
             # states before it are another sequence's, and its MTP entries there are shared blocks
@@ -486,7 +486,7 @@ class MtpPlugin(Plugin):
             first_rows[b] += chunk - keep
             state.hidden_end = seq.num_cached_tokens + chunk
             # every module ran over the chunk: entries are missing only where a draft stood in
-            state.lag = self._fresh_lag() if ends[b] else np.zeros(self.cache_modules, dtype=np.int64)
+            state.lag = self._fresh_lag() if ends[b] else [0] * self.cache_modules
             if ends[b]:
                 state.in_think = self._prompt_in_think(seq.token_ids)
         self.history.write(np.array(slots, dtype=np.int64), np.array(starts, dtype=np.int64),
@@ -499,7 +499,7 @@ class MtpPlugin(Plugin):
                 np.array([state.in_think]), [accepted], self.params.think_start_token_id,
                 self.params.think_end_token_id)[0])
 
-    def _entries_kept(self, batch_size: int) -> np.ndarray:
+    def _entries_kept(self, batch_size: int) -> tuple[int, ...]:
         """[modules] most missed entries each module keeps to catch up. A module the draft count
         chosen at this batch size does not use (every module in a plain bucket, where no count
         pays) keeps only those a steady step of K drafts writes, so a step that uses it again (a
@@ -507,23 +507,21 @@ class MtpPlugin(Plugin):
         (15-40 ms at batch 1 against a ~1 ms plain step)."""
         used = self._modules_used(self.adaptive.planned(batch_size))
         keep = self._kept.get(used)
-        if keep is None:  # read-only: shared by every step that plans this count
-            keep = self._kept[used] = np.full(self.cache_modules, self.k + 1, dtype=np.int64)
-            keep[:used] = CATCH_UP
-            keep.setflags(write=False)
+        if keep is None:
+            keep = self._kept[used] = (CATCH_UP,) * used + (self.k + 1,) * (self.cache_modules - used)
         return keep
 
     def _lag_behind(self, state: MtpSeqState, count: int, used: int, keep=CATCH_UP) -> None:
         """The modules from ``used`` on wrote none of the ``count`` new tokens' entries; module m
         keeps at most ``keep`` (or keep[m]) missed entries to catch up (the oldest are given up).
-        In Python ints: a lag has one entry per module, and every decode step updates every
-        sequence's (numpy's per-call cost is most of a plain step's bookkeeping at batch 1)."""
-        lag = state.lag.tolist()
-        caps = keep.tolist()[used:] if isinstance(keep, np.ndarray) else [keep] * (len(lag) - used)
+        Python lists: a lag has one entry per module, and every decode step updates every
+        sequence's (numpy's per-call cost would be most of a plain step's bookkeeping)."""
+        lag = state.lag
+        caps = keep[used:] if isinstance(keep, tuple) else (keep,) * (len(lag) - used)
         missed = [x + count for x in lag[used:]]
         if any(m > c for m, c in zip(missed, caps)):  # the oldest missed entries are given up
             state.complete_until = min(state.complete_until, state.hidden_end - 1 - max(lag))
-        state.lag[:] = [count] * used + [min(m, c) for m, c in zip(missed, caps)]
+        state.lag = [count] * used + [min(m, c) for m, c in zip(missed, caps)]
 
     def adopt_prefilled(self, seq, hidden_size: int, dtype: torch.dtype, device) -> None:
         """A sequence prefilled on another node (PD disaggregation): its KV arrived, its hidden
@@ -676,10 +674,10 @@ class MtpPlugin(Plugin):
         end = state.hidden_end - 3 * (self.k + 1)
         if finished:
             return max(0, end)
-        return max(0, int(min(end - int(state.lag.max()), state.complete_until)))
+        return max(0, int(min(end - max(state.lag), state.complete_until)))
 
-    def _fresh_lag(self) -> np.ndarray:
-        return np.ones(self.cache_modules, dtype=np.int64)  # the prompt's entries; the new token's is missing
+    def _fresh_lag(self) -> list[int]:
+        return [1] * self.cache_modules  # the prompt's entries; the new token's is missing
 
     def _window(self, seqs, k: int) -> np.ndarray:
         """[B] entries a step with k drafts writes per sequence: the lag of the deepest module it
