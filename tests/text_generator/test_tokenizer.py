@@ -89,3 +89,33 @@ def test_missing_tokenizer_raises(tmp_path):
     with pytest.raises(TokenizerError, match="does not exist"):
         load_tokenizer(tmp_path / "nope")
     assert issubclass(TokenizerError, ValueError)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decode_through_the_backend_equals_transformers_decode(skip_special_tokens):
+    """The shipped model's fast tokenizer decodes through its ``tokenizers`` backend (what
+    transformers' decode forwards to): the same text for any ids, special tokens included."""
+    import random
+
+    from mindspec.config.defaults import default_model_dir
+
+    tok = load_tokenizer(default_model_dir())
+    hf = tok.hf_tokenizer
+    assert tok._backend_decode is not None  # the path this test is about
+    rng = random.Random(0)
+    special = sorted(hf.all_special_ids)
+    for n in (0, 1, 2, 5, 40):
+        for _ in range(25):
+            ids = [rng.choice(special) if rng.random() < 0.1 else rng.randrange(hf.vocab_size) for _ in range(n)]
+            want = hf.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+            assert tok.decode(ids, skip_special_tokens=skip_special_tokens) == want
+
+
+def test_a_tokenizer_whose_decode_is_its_own_keeps_it(tok_dir):
+    """A tokenizer class that overrides decode (custom code) is called as it is."""
+    from transformers import AutoTokenizer
+
+    base = type(AutoTokenizer.from_pretrained(str(tok_dir)))
+    custom = type("Custom", (base,), {"decode": lambda self, ids, **kw: "custom"})
+    tok = Tokenizer(custom.from_pretrained(str(tok_dir)))
+    assert tok._backend_decode is None and tok.decode([2, 3]) == "custom"
