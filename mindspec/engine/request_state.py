@@ -31,6 +31,8 @@ class RequestState:
     export_kv: bool = False  # PD prefill node: capture the prompt KV after prefill
     handoff: Optional[object] = None  # the PrefillHandoff once captured
     metrics: RequestMetrics = field(init=False)
+    # the prompt ids every output carries: copied once (not at every step: long prompts)
+    _prompt_ids: tuple = field(default=(None, None), init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.seq.arrival_time)
@@ -86,10 +88,13 @@ class RequestState:
 
     def output(self, new_token_ids: list[int]) -> RequestOutput:
         seq = self.seq
+        source, prompt_ids = self._prompt_ids
+        if source is not seq.prompt_token_ids:  # (admission may truncate the prompt: a new list)
+            self._prompt_ids = source, prompt_ids = seq.prompt_token_ids, list(seq.prompt_token_ids)
         out = RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
-            prompt_token_ids=list(seq.prompt_token_ids),
+            prompt_token_ids=prompt_ids,
             token_ids=list(seq.output_token_ids),
             text=self.text,
             finished=seq.is_finished,
