@@ -26,7 +26,7 @@ import triton.language as tl
 from mindspec.backend import AttentionMetadata, LatentCache
 from mindspec.backends.cuda.availability import interpreting
 from mindspec.backends.cuda.launch import dot_pow2, dot_precision, pow2
-from mindspec.backends.cuda.tiles import check_token_count, tile_plan
+from mindspec.backends.cuda.tiles import check_token_count, num_tile_programs, seq_block, tile_of
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
@@ -36,21 +36,20 @@ MIN_KEYS_PER_SPLIT = 256
 @triton.jit
 def _mla_decode_kernel(
     q_ptr, qpe_ptr, cache_c_ptr, cache_pe_ptr, bt_ptr, seq_lens_ptr, q_lens_ptr, q_start_ptr,
-    tile_seq_ptr, tile_first_ptr, tree_ptr, out_ptr, part_ptr, lse_ptr,
-    heads, rank, rope_dim, block_size, bt_width, qk_scale,
+    tree_ptr, out_ptr, part_ptr, lse_ptr,
+    num_seqs, heads, rank, rope_dim, block_size, bt_width, qk_scale,
     stride_qt, stride_qh, stride_pt, stride_ph,
     stride_cc_blk, stride_cc_row, stride_cp_blk, stride_cp_row, stride_bt,
     stride_tree_b, stride_tree_i, tree_q,
     stride_ot, stride_oh, stride_part_t, stride_part_h, stride_part_s, stride_lse_t, stride_lse_h,
     NUM_SPLITS: tl.constexpr, TQ: tl.constexpr, BH: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, HAS_TREE: tl.constexpr, PRECISION: tl.constexpr,
+    SEQ_BLOCK: tl.constexpr,
 ):
-    pid_tile = tl.program_id(0)
     pid_s = tl.program_id(2)
-    b = tl.load(tile_seq_ptr + pid_tile)
+    b, i0 = tile_of(q_lens_ptr, num_seqs, tl.program_id(0), TQ, SEQ_BLOCK)
     if b < 0:
         return
-    i0 = tl.load(tile_first_ptr + pid_tile)
     q_len = tl.load(q_lens_ptr + b)
     seq_len = tl.load(seq_lens_ptr + b)
     tok0 = tl.load(q_start_ptr + b)
@@ -203,11 +202,12 @@ def mla_decode(
     q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
     q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
     tq, bh = _decode_tiling(meta.max_q_len or 1, heads)
-    plan = tile_plan(meta, num_tokens, tq)
+    num_seqs = meta.q_lens.shape[0]
+    programs = num_tile_programs(num_tokens, num_seqs, tq)
     head_blocks = triton.cdiv(heads, bh)
     tables = meta.block_tables
     if num_splits is None:
-        num_splits = choose_num_splits(plan.num_programs * head_blocks, tables.shape[1] * cache.block_size, q_lat.device)
+        num_splits = choose_num_splits(programs * head_blocks, tables.shape[1] * cache.block_size, q_lat.device)
     tree = _tree_bytes(meta)
     if num_splits > 1:
         part = torch.empty((num_tokens, heads, num_splits, rank), dtype=torch.float32, device=q_lat.device)
@@ -216,10 +216,10 @@ def mla_decode(
         part, lse = out, out  # unused
     tree_arg = tree if tree is not None else meta.q_lens
     interp = interpreting()
-    _mla_decode_kernel[(plan.num_programs, head_blocks, num_splits)](
+    _mla_decode_kernel[(programs, head_blocks, num_splits)](
         q_lat, q_pe, cache.c_kv, cache.k_pe, tables, meta.seq_lens, meta.q_lens, meta.q_start_loc,
-        plan.tile_seq, plan.tile_first, tree_arg, out, part, lse,
-        heads, rank, rope_dim, cache.block_size, tables.shape[1], scale * LOG2E,
+        tree_arg, out, part, lse,
+        num_seqs, heads, rank, rope_dim, cache.block_size, tables.shape[1], scale * LOG2E,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
         cache.c_kv.stride(0), cache.c_kv.stride(1), cache.k_pe.stride(0), cache.k_pe.stride(1), tables.stride(0),
         tree.stride(0) if tree is not None else 0, tree.stride(1) if tree is not None else 0,
@@ -230,7 +230,7 @@ def mla_decode(
         lse.stride(1) if num_splits > 1 else 0,
         NUM_SPLITS=num_splits, TQ=tq, BH=bh, BLOCK_N=64 if interp else 32,
         BLOCK_R=dot_pow2(rank), BLOCK_P=dot_pow2(rope_dim), HAS_TREE=tree is not None,
-        PRECISION=dot_precision(q_lat.dtype), num_warps=4, num_stages=2,
+        PRECISION=dot_precision(q_lat.dtype), SEQ_BLOCK=seq_block(num_seqs), num_warps=4, num_stages=2,
     )
     if num_splits > 1:
         merge_bh = pow2(heads) if interp else min(pow2(heads), 16)
@@ -244,18 +244,17 @@ def mla_decode(
 
 @triton.jit
 def _mla_prefill_kernel(
-    qn_ptr, qp_ptr, kn_ptr, kp_ptr, v_ptr, out_ptr, q_lens_ptr, q_start_ptr, tile_seq_ptr, tile_first_ptr,
-    dn, dp, dv, qk_scale,
+    qn_ptr, qp_ptr, kn_ptr, kp_ptr, v_ptr, out_ptr, q_lens_ptr, q_start_ptr,
+    num_seqs, dn, dp, dv, qk_scale,
     stride_qnt, stride_qnh, stride_qpt, stride_qph, stride_knt, stride_knh, stride_kpt,
     stride_vt, stride_vh, stride_ot, stride_oh,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DN: tl.constexpr, BLOCK_DP: tl.constexpr,
-    BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, SEQ_BLOCK: tl.constexpr,
 ):
-    b = tl.load(tile_seq_ptr + tl.program_id(0))
+    b, i0 = tile_of(q_lens_ptr, num_seqs, tl.program_id(0), BLOCK_M, SEQ_BLOCK)
     if b < 0:
         return
     h = tl.program_id(1).to(tl.int64)
-    i0 = tl.load(tile_first_ptr + tl.program_id(0))
     q_len = tl.load(q_lens_ptr + b)
     tok0 = tl.load(q_start_ptr + b).to(tl.int64)
     i = i0 + tl.arange(0, BLOCK_M)
@@ -317,14 +316,15 @@ def mla_prefill(
     q_nope, q_pe, k_nope, k_pe, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_nope, q_pe, k_nope, k_pe, v))
     interp = interpreting()
     block_m = min(pow2(meta.max_q_len or 1, 16), 64)
-    plan = tile_plan(meta, num_tokens, block_m)
-    _mla_prefill_kernel[(plan.num_programs, heads)](
-        q_nope, q_pe, k_nope, k_pe, v, out, meta.q_lens, meta.q_start_loc, plan.tile_seq, plan.tile_first,
-        dn, dp, dv, scale * LOG2E,
+    num_seqs = meta.q_lens.shape[0]
+    _mla_prefill_kernel[(num_tile_programs(num_tokens, num_seqs, block_m), heads)](
+        q_nope, q_pe, k_nope, k_pe, v, out, meta.q_lens, meta.q_start_loc,
+        num_seqs, dn, dp, dv, scale * LOG2E,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), k_nope.stride(0), k_nope.stride(1),
         k_pe.stride(0), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         BLOCK_M=block_m, BLOCK_N=64 if interp else 32, BLOCK_DN=dot_pow2(dn), BLOCK_DP=dot_pow2(dp),
-        BLOCK_DV=dot_pow2(dv), PRECISION=dot_precision(q_nope.dtype), num_warps=4, num_stages=2,
+        BLOCK_DV=dot_pow2(dv), PRECISION=dot_precision(q_nope.dtype), SEQ_BLOCK=seq_block(num_seqs),
+        num_warps=4, num_stages=2,
     )
     return out
 
