@@ -9,7 +9,9 @@
 2. ``_gate_up_silu_kernel``: per M-block and N-tile of the intermediate size, x[token] @ w13[e]^T
    for the gate and the up rows at once, then silu(gate) * up -> act [T*k, I].
 3. ``_down_kernel``: act @ w2[e]^T, times the pair's routing weight (float32, then cast as the
-   reference does) -> per-pair rows [T*k, H]; the k rows of a token are summed in float32.
+   reference does) -> per-pair rows [T*k, H].
+4. ``_combine_kernel``: each token's k rows summed in float32 and rounded once (one launch where a
+   zero fill, a torch sum and a cast took three), skipped pairs left out.
 Each expert's weights are read once per M-block of its rows: in decode (few tokens per expert)
 that is once per step, which is what the bandwidth benchmark measures.
 """
@@ -221,6 +223,26 @@ def _down_kernel(
     tl.store(out_ptr + pair[:, None] * stride_out + n[None, :], out.to(dtype), mask=row_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _combine_kernel(
+    pair_out_ptr, ids_ptr, out_ptr, num_experts, hidden,
+    stride_pair, stride_it, stride_ik, stride_out,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """out[t] = sum over k of token t's pair rows, in float32 and in k order, rounded once to the
+    output dtype; a pair whose expert id lies outside [0, E) was skipped and adds nothing."""
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < hidden
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for k in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + t * stride_it + k * stride_ik + tl.zeros([BLOCK_N], tl.int64))  # [N], all one id
+        routed = n_ok & (e >= 0) & (e < num_experts)
+        row = tl.load(pair_out_ptr + (t * TOP_K + k) * stride_pair + n, mask=routed, other=0.0)
+        acc += row.to(tl.float32)
+    tl.store(out_ptr + t * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
 def _tiles(num_pairs: int, hidden: int, inter: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K)."""
     if interpreting():
@@ -255,7 +277,7 @@ def moe_experts(
     block_m, block_n, block_k = _tiles(num_pairs, hidden, inter)
     plan = align_routes(topk_ids, num_experts, block_m)
     act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
-    pair_out = torch.zeros((num_pairs, hidden), dtype=x.dtype, device=x.device)  # skipped pairs stay 0
+    pair_out = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)  # skipped pairs: never read
     route_w = topk_weights.to(torch.float32).reshape(-1).contiguous()
     precision = dot_precision(x.dtype)
     _gate_up_silu_kernel[(plan.max_blocks, triton.cdiv(inter, block_n))](
@@ -268,4 +290,11 @@ def moe_experts(
         num_pairs, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
     )
-    return pair_out.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    out = torch.empty_like(x)
+    combine_n = min(pow2(hidden), 1024)
+    _combine_kernel[(num_tokens, triton.cdiv(hidden, combine_n))](
+        pair_out, topk_ids, out, num_experts, hidden,
+        pair_out.stride(0), topk_ids.stride(0), topk_ids.stride(1), out.stride(0),
+        TOP_K=top_k, BLOCK_N=combine_n,
+    )
+    return out

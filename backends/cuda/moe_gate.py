@@ -1,7 +1,10 @@
 """DeepSeekMoE routers: logits -> (topk_weights [T, k] float32, topk_ids [T, k] int64).
 
-The gate GEMM runs in torch (float32, as transformers: cuBLAS is as fast as a hand-written GEMM
-for [T, H] x [H, E]); one Triton program per tile of tokens then does the routing in float32:
+The gate GEMM runs in float32, as transformers'. A small gate (E * H <= FUSED_GATE_MAX: the
+shipped model's 6 x 192) is multiplied inside the router kernel, which then routes from the
+logits it wrote: one launch where widening the activations, cuBLAS's GEMM and the router took
+three or four. A larger one runs in torch (cuBLAS, spread over the GPU) first. One Triton program
+per tile of tokens then does the routing in float32:
 - V2 ("softmax"): softmax; "greedy" top-k, or "group_limited_greedy": groups scored by their max,
   the top ``topk_group`` groups kept, the rest set to 0, then top-k;
 - V3 ("sigmoid", "noaux_tc"): sigmoid; for choosing only, + e_score_correction_bias; groups scored
@@ -26,18 +29,36 @@ from mindspec.backends.cuda.linear import project
 SCORINGS = {"softmax": 0, "sigmoid": 1}
 
 
+FUSED_GATE_MAX = 1 << 14  # gate weights (experts x hidden) the router kernel multiplies itself
+
+
 @triton.jit
 def _router_kernel(
-    logits_ptr, bias_ptr, w_out_ptr, id_out_ptr,
-    num_tokens, num_experts, per_group, n_group, stride_l, stride_w, stride_id, scaling,
+    x_ptr, gate_ptr, logits_ptr, bias_ptr, w_out_ptr, id_out_ptr,
+    num_tokens, num_experts, hidden, per_group, n_group, stride_x, stride_g, stride_l, stride_w, stride_id, scaling,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, GROUPED: tl.constexpr,
     HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_EPG: tl.constexpr,
+    GATE_INSIDE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     NEG: tl.constexpr = float("-inf")
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < num_tokens
     rows64 = rows.to(tl.int64)
+    if GATE_INSIDE:  # logits = x @ gate.T in float32 into this tile's rows of logits_ptr, read back below
+        e_all = tl.arange(0, BLOCK_E)
+        acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+        for h0 in range(0, hidden, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            h_ok = h < hidden
+            xv = tl.load(x_ptr + rows64[:, None] * stride_x + h[None, :], mask=row_ok[:, None] & h_ok[None, :],
+                         other=0.0).to(tl.float32)  # [BT, BH]
+            gv = tl.load(gate_ptr + e_all[:, None] * stride_g + h[None, :],
+                         mask=(e_all[:, None] < num_experts) & h_ok[None, :], other=0.0).to(tl.float32)  # [BE, BH]
+            acc += tl.sum(xv[:, None, :] * gv[None, :, :], 2)
+        tl.store(logits_ptr + rows64[:, None] * stride_l + e_all[None, :], acc,
+                 mask=row_ok[:, None] & (e_all[None, :] < num_experts))
+        tl.debug_barrier()  # the program's own writes, visible to all its threads
     g = tl.arange(0, BLOCK_G)
     j = tl.arange(0, BLOCK_EPG)
     expert = g[:, None] * per_group + j[None, :]  # [G, EPG] expert id of each lane
@@ -127,10 +148,14 @@ def moe_gate(
     correction_bias: Optional[torch.Tensor],  # [E] float32 (V3)
     router: RouterConfig,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    num_experts = gate_weight.shape[0]
+    num_experts, hidden = gate_weight.shape
     grouped, n_group = _check_router(router, num_experts)
-    logits = project(x.to(torch.float32), gate_weight.to(torch.float32))  # [T, E] in fp32
-    num_tokens = logits.shape[0]
+    num_tokens = x.shape[0]
+    inside = num_experts * hidden <= FUSED_GATE_MAX and x.stride(-1) == 1 and gate_weight.stride(-1) == 1
+    if inside:
+        logits = torch.empty((num_tokens, num_experts), dtype=torch.float32, device=x.device)  # [T, E]
+    else:
+        logits = project(x.to(torch.float32), gate_weight.to(torch.float32))  # [T, E] in fp32
     k = router.top_k
     weights = torch.empty((num_tokens, k), dtype=torch.float32, device=x.device)
     ids = torch.empty((num_tokens, k), dtype=torch.int64, device=x.device)
@@ -142,12 +167,14 @@ def moe_gate(
     block_g, block_epg = pow2(n_group), pow2(per_group)
     lanes = block_g * block_epg
     block_t = pow2(min(num_tokens, 64)) if interpreting() else max(1, min(16, 4096 // lanes))
+    block_e = pow2(num_experts)
+    block_h = min(pow2(hidden), max(1, 8192 // (block_t * block_e)))  # a [BT, BE, BH] product per step
     _router_kernel[(triton.cdiv(num_tokens, block_t),)](
-        logits, bias, weights, ids,
-        num_tokens, num_experts, per_group, n_group, logits.stride(0), weights.stride(0), ids.stride(0),
-        float(router.routed_scaling_factor),
+        x, gate_weight, logits, bias, weights, ids,
+        num_tokens, num_experts, hidden, per_group, n_group, x.stride(0), gate_weight.stride(0), logits.stride(0),
+        weights.stride(0), ids.stride(0), float(router.routed_scaling_factor),
         TOP_K=k, BLOCK_K=pow2(k), TOPK_GROUP=router.topk_group if grouped else 1, SIGMOID=router.scoring == "sigmoid",
         GROUPED=grouped, HAS_BIAS=has_bias, NORMALIZE=bool(router.norm_topk_prob),
-        BLOCK_T=block_t, BLOCK_G=block_g, BLOCK_EPG=block_epg,
+        BLOCK_T=block_t, BLOCK_G=block_g, BLOCK_EPG=block_epg, GATE_INSIDE=inside, BLOCK_E=block_e, BLOCK_H=block_h,
     )
     return weights, ids

@@ -42,7 +42,9 @@ class DeepseekMoe:
     def __init__(self, w: TensorBag, backend: Backend, router: RouterConfig, num_experts: int, has_shared: bool):
         self.backend = backend
         self.router = router
-        self.gate_weight = w.take("gate.weight")  # [E, hidden]
+        # [E, hidden] float32: every backend's router GEMM runs in float32 (as transformers'), and
+        # a copy in the model dtype would be widened again at every call (a launch per layer).
+        self.gate_weight = w.take("gate.weight").float()
         bias = w.take_optional("gate.e_score_correction_bias")
         self.correction_bias: Optional[torch.Tensor] = None if bias is None else bias.float()  # [E]
         self.ep = ExpertParallel.for_current_process(num_experts)  # None: every expert lives here

@@ -5,6 +5,7 @@ import torch
 
 from cuda_support import DTYPES, assert_close
 from mindspec.backend import ExpertWeights, RouterConfig
+from mindspec.backends.cuda import moe_gate
 from mindspec.backends.cuda.fused_moe import align_routes_fused, align_routes_torch
 
 HIDDEN = 40
@@ -30,7 +31,10 @@ def _sorted_routes(weights, ids):
 
 @pytest.mark.parametrize("name", list(ROUTERS))
 @pytest.mark.parametrize("num_experts", [12, 16])
-def test_router_matches_cpu(cuda_backend, cpu_backend, device, name, num_experts):
+@pytest.mark.parametrize("gate_inside", [True, False])
+def test_router_matches_cpu(cuda_backend, cpu_backend, device, name, num_experts, gate_inside, monkeypatch):
+    """The gate GEMM inside the router kernel (a small gate) or in torch before it (a large one)."""
+    monkeypatch.setattr(moe_gate, "FUSED_GATE_MAX", 1 << 14 if gate_inside else 0)
     router = ROUTERS[name]
     g = torch.Generator().manual_seed(num_experts)
     x = torch.randn(37, HIDDEN, generator=g)
