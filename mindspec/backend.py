@@ -365,8 +365,11 @@ class Backend(ABC):
         topk_weights: torch.Tensor,  # [T, k] float32
         topk_ids: torch.Tensor,  # [T, k] int64
         experts: ExpertWeights,
+        shared: Optional[torch.Tensor] = None,  # [T, H] the shared experts' output
     ) -> torch.Tensor:
-        """sum_k w[t, k] * down(silu(gate(x)) * up(x)) over the chosen experts -> [T, H]."""
+        """sum_k w[t, k] * down(silu(gate(x)) * up(x)) over the chosen experts -> [T, H], plus
+        ``shared`` where given (added to the rounded sum, as ``out + shared``: one launch less
+        where the backend fuses it)."""
 
     # ---- sampling (optional; Ascend fuses it as npu_top_k_top_p) --------------------------------
     def top_k_top_p(self, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -383,6 +386,45 @@ class Backend(ABC):
         p_thr = sorted_l.gather(1, keep.sum(dim=-1, keepdim=True) - 1)
         thr = torch.where(top_p[:, None] < 1.0, torch.maximum(kth, p_thr), kth)
         return logits.masked_fill(logits < thr, float("-inf"))
+
+
+    # ---- speculative acceptance (optional; cuda runs it as one kernel) -------------------------
+    def accept_drafts(
+        self,
+        buffer: torch.Tensor,  # [R, hidden] the drafter's hidden cache, written in place; row 0 zero
+        targets: torch.Tensor,  # [N] each verification row's target token
+        exact: Optional[torch.Tensor],  # [] bool: the targets are the sampler's (None: greedy, always)
+        hidden: torch.Tensor,  # [N, hidden] the main model's hidden states of the same rows
+        drafts: torch.Tensor,  # [B, K]
+        starts: torch.Tensor,  # [B] int64 each sequence's first verification row
+        counts: torch.Tensor,  # [B] int64 drafts each sequence verifies (<= K)
+        keep_rows: torch.Tensor,  # [B, K + 1] int64 cache row of each verification row (0: none)
+    ) -> torch.Tensor:
+        """Strict acceptance -> accepted drafts [B]: draft j + 1 is kept while it equals the
+        target at the sequence's row j, at most its count; the hidden states of the accepted rows
+        (the first accepted + 1) go to their cache rows. Where ``exact`` is False nothing is kept
+        and every sequence accepts -1 (the host decides)."""
+        return accept_drafts(buffer, targets, exact, hidden, drafts, starts, counts, keep_rows)
+
+
+def accept_drafts(buffer, targets, exact, hidden, drafts, starts, counts, keep_rows) -> torch.Tensor:
+    """``Backend.accept_drafts`` as tensor ops (what cpu packages trace; rows not kept write
+    zeros to row 0, which stays zero)."""
+    k = drafts.shape[1]
+    j = torch.arange(k + 1, device=drafts.device)  # [K + 1]
+    rows = starts[:, None] + torch.minimum(j[None, :], counts[:, None])  # [B, K + 1]; past a count: its last row
+    grid = targets[rows]  # [B, K + 1]
+    matched = (drafts == grid[:, :k]).to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
+    accepted = torch.minimum(matched, counts)
+    keep = (j[None, :] <= accepted[:, None]) & (keep_rows > 0)  # [B, K + 1]
+    if exact is not None:
+        keep = keep & exact
+        accepted = torch.where(exact, accepted, torch.full_like(accepted, -1))
+    dst = torch.where(keep, keep_rows, torch.zeros_like(keep_rows)).reshape(-1)
+    src = hidden[rows.reshape(-1)].to(buffer.dtype)  # [B * (K + 1), hidden]
+    src = torch.where(keep.reshape(-1, 1), src, torch.zeros_like(src))
+    buffer.index_copy_(0, dst, src)
+    return accepted
 
 
 # --------------------------------------------------------------------------------------------

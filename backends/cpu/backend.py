@@ -513,5 +513,7 @@ class CpuBackend(Backend):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
         experts: ExpertWeights,
+        shared: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        return moe.moe_experts(x, topk_weights, topk_ids, experts)
+        out = moe.moe_experts(x, topk_weights, topk_ids, experts)
+        return out if shared is None else out + shared

@@ -43,12 +43,13 @@ class CudaBackend(Backend):
             torch.cuda.set_device(chosen)
         # Imported here, not at module top: choosing another backend never imports triton.
         from mindspec.backends.cuda import (
-            activation, fp8_linear, fused_moe, latent_cache, linear, mla_attention, moe_gate, norm, rope,
+            acceptance, activation, fp8_linear, fused_moe, latent_cache, linear, mla_attention, moe_gate, norm, rope,
         )
 
         self._k = SimpleNamespace(
-            activation=activation, fp8_linear=fp8_linear, fused_moe=fused_moe, latent_cache=latent_cache,
-            linear=linear, mla_attention=mla_attention, moe_gate=moe_gate, norm=norm, rope=rope,
+            acceptance=acceptance, activation=activation, fp8_linear=fp8_linear, fused_moe=fused_moe,
+            latent_cache=latent_cache, linear=linear, mla_attention=mla_attention, moe_gate=moe_gate, norm=norm,
+            rope=rope,
         )
         self.num_kv_splits = num_kv_splits  # None: chosen per launch from the device (tests force > 1)
 
@@ -124,6 +125,9 @@ class CudaBackend(Backend):
     def moe_gate(self, x, gate_weight, correction_bias, router: RouterConfig):
         return self._k.moe_gate.moe_gate(x, gate_weight, correction_bias, router)
 
-    def moe_experts(self, x, topk_weights, topk_ids, experts: ExpertWeights) -> torch.Tensor:
-        return self._k.fused_moe.moe_experts(x, topk_weights, topk_ids, experts)
+    def moe_experts(self, x, topk_weights, topk_ids, experts: ExpertWeights, shared=None) -> torch.Tensor:
+        return self._k.fused_moe.moe_experts(x, topk_weights, topk_ids, experts, shared)
 
+    # ---- speculative acceptance --------------------------------------------------------------
+    def accept_drafts(self, buffer, targets, exact, hidden, drafts, starts, counts, keep_rows) -> torch.Tensor:
+        return self._k.acceptance.accept_drafts(buffer, targets, exact, hidden, drafts, starts, counts, keep_rows)

@@ -10,8 +10,9 @@
    for the gate and the up rows at once, then silu(gate) * up -> act [T*k, I].
 3. ``_down_kernel``: act @ w2[e]^T, times the pair's routing weight (float32, then cast as the
    reference does) -> per-pair rows [T*k, H].
-4. ``_combine_kernel``: each token's k rows summed in float32 and rounded once (one launch where a
-   zero fill, a torch sum and a cast took three), skipped pairs left out.
+4. ``_combine_kernel``: each token's k rows summed in float32 and rounded, skipped pairs left out,
+   plus the shared experts' output where given (one launch where a zero fill, a torch sum, a cast
+   and the shared add took four).
 Each expert's weights are read once per M-block of its rows: in decode (few tokens per expert)
 that is once per step, which is what the bandwidth benchmark measures.
 """
@@ -26,7 +27,7 @@ import triton.language as tl
 from mindspec.backend import ExpertWeights
 from mindspec.backends.cuda.activation import _silu_f32
 from mindspec.backends.cuda.availability import interpreting
-from mindspec.backends.cuda.launch import MIN_DOT, dot_precision, pow2
+from mindspec.backends.cuda.launch import MIN_DOT, dot_precision, pow2, unit_last_stride
 
 
 @dataclass
@@ -225,12 +226,13 @@ def _down_kernel(
 
 @triton.jit
 def _combine_kernel(
-    pair_out_ptr, ids_ptr, out_ptr, num_experts, hidden,
-    stride_pair, stride_it, stride_ik, stride_out,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    pair_out_ptr, ids_ptr, shared_ptr, out_ptr, num_experts, hidden,
+    stride_pair, stride_it, stride_ik, stride_shared, stride_out,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SHARED: tl.constexpr,
 ):
-    """out[t] = sum over k of token t's pair rows, in float32 and in k order, rounded once to the
-    output dtype; a pair whose expert id lies outside [0, E) was skipped and adds nothing."""
+    """out[t] = sum over k of token t's pair rows, in float32 and in k order, rounded to the
+    output dtype (a pair whose expert id lies outside [0, E) was skipped and adds nothing); then
+    plus the shared experts' row, rounded again (as ``out + shared``)."""
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
@@ -240,7 +242,11 @@ def _combine_kernel(
         routed = n_ok & (e >= 0) & (e < num_experts)
         row = tl.load(pair_out_ptr + (t * TOP_K + k) * stride_pair + n, mask=routed, other=0.0)
         acc += row.to(tl.float32)
-    tl.store(out_ptr + t * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+    out = acc.to(out_ptr.dtype.element_ty)
+    if HAS_SHARED:
+        shared = tl.load(shared_ptr + t * stride_shared + n, mask=n_ok, other=0.0)
+        out = (out.to(tl.float32) + shared.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * stride_out + n, out, mask=n_ok)
 
 
 def _tiles(num_pairs: int, hidden: int, inter: int) -> tuple[int, int, int]:
@@ -256,8 +262,9 @@ def moe_experts(
     topk_weights: torch.Tensor,  # [T, k] float32
     topk_ids: torch.Tensor,  # [T, k]
     experts: ExpertWeights,
+    shared: torch.Tensor | None = None,  # [T, H] added to the sum (the shared experts' output)
 ) -> torch.Tensor:
-    """sum_k w[t, k] * down(silu(gate(x)) * up(x)) over the chosen experts -> [T, H]."""
+    """sum_k w[t, k] * down(silu(gate(x)) * up(x)) over the chosen experts (+ shared) -> [T, H]."""
     num_tokens, hidden = x.shape
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != num_tokens:
         raise ValueError(f"moe_experts: topk_ids {tuple(topk_ids.shape)} / topk_weights {tuple(topk_weights.shape)} "
@@ -267,6 +274,8 @@ def moe_experts(
     inter = two_inter // 2
     if w13.shape[2] != hidden or w2.shape != (num_experts, hidden, inter):
         raise ValueError(f"moe_experts: w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit hidden {hidden}")
+    if shared is not None and shared.shape != x.shape:
+        raise ValueError(f"moe_experts: shared {tuple(shared.shape)} does not match x {tuple(x.shape)}")
     if num_tokens == 0:
         return torch.zeros_like(x)
     x = x.contiguous()
@@ -292,9 +301,10 @@ def moe_experts(
     )
     out = torch.empty_like(x)
     combine_n = min(pow2(hidden), 1024)
+    shared = None if shared is None else unit_last_stride(shared)
     _combine_kernel[(num_tokens, triton.cdiv(hidden, combine_n))](
-        pair_out, topk_ids, out, num_experts, hidden,
-        pair_out.stride(0), topk_ids.stride(0), topk_ids.stride(1), out.stride(0),
-        TOP_K=top_k, BLOCK_N=combine_n,
+        pair_out, topk_ids, out if shared is None else shared, out, num_experts, hidden,
+        pair_out.stride(0), topk_ids.stride(0), topk_ids.stride(1), 0 if shared is None else shared.stride(0),
+        out.stride(0), TOP_K=top_k, BLOCK_N=combine_n, HAS_SHARED=shared is not None,
     )
     return out

@@ -101,8 +101,9 @@ class NpuBackend(Backend):
     def moe_gate(self, x, gate_weight, correction_bias, router):
         return self.moe.moe_gate(x, gate_weight, correction_bias, router)
 
-    def moe_experts(self, x, topk_weights, topk_ids, experts):
-        return self.moe.moe_experts(x, topk_weights, topk_ids, experts)
+    def moe_experts(self, x, topk_weights, topk_ids, experts, shared=None):
+        out = self.moe.moe_experts(x, topk_weights, topk_ids, experts)
+        return out if shared is None else out + shared
 
     # ---- sampling -----------------------------------------------------------------------------
     def top_k_top_p(self, logits, top_k, top_p):

@@ -255,7 +255,7 @@ class ExportedSteps:
 
             if hidden_cache is None:
                 return self.eagerly(lambda: run(sub_hidden_states))
-            return self.eagerly(lambda: speculative_step(run, hidden_cache, self.backend.steps_branch))
+            return self.eagerly(lambda: speculative_step(run, hidden_cache, self.backend.steps_branch, self.backend))
         accepted = {} if len(outputs) == 3 else {"greedy_tokens": outputs[3], "accepted_drafts": outputs[4]}
         return ModelOutput(logits=outputs[0], hidden_states=outputs[1], draft_tokens=outputs[2], **accepted)
 

@@ -27,6 +27,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from mindspec.backend import Backend, accept_drafts
 from mindspec.text_generator.sampling.step_targets import TargetRows, sample_targets
 
 
@@ -78,15 +79,17 @@ class DeviceHiddenCache:
         return [self.buffer, self.read_rows, self.starts, self.counts, self.keep_rows.reshape(-1), *(self.targets or [])]
 
 
-def speculative_step(forward: Callable, cache: DeviceHiddenCache, whole_rows: bool = False):
+def speculative_step(forward: Callable, cache: DeviceHiddenCache, whole_rows: bool = False,
+                     backend: Optional[Backend] = None):
     """``forward(first-stage hidden states)`` -> ModelOutput of a speculative step, its hidden
     states read from ``cache``, its targets and accepted drafts computed and the accepted rows'
     hidden states kept (``greedy_tokens``: the targets, ``accepted_drafts``; with keep rows all 0
-    nothing is kept and the host accepts). ``whole_rows``: as step_targets.sample_targets'."""
+    nothing is kept and the host accepts). ``whole_rows``: as step_targets.sample_targets'.
+    ``backend``: whose ``accept_drafts`` runs (None: the tensor ops)."""
     out = forward(read_hidden(cache.buffer, cache.read_rows))
     out.greedy_tokens, out.accepted_drafts = accept_and_keep(
         cache.buffer, out.logits, out.hidden_states, out.draft_tokens, cache.starts, cache.counts, cache.keep_rows,
-        cache.targets, whole_rows)
+        cache.targets, whole_rows, backend)
     return out
 
 
@@ -105,31 +108,19 @@ def accept_and_keep(
     keep_rows: torch.Tensor,  # [B, K + 1] int64 cache row of each verification row's position (0: none)
     sampling: Optional[list[torch.Tensor]] = None,  # TargetRows.arrays() on the device; None: greedy
     whole_rows: bool = False,  # as step_targets.sample_targets'
+    backend: Optional[Backend] = None,  # whose accept_drafts runs (None: the tensor ops)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Strict acceptance -> (targets [N]: each row's argmax, or its sample with ``sampling``;
     accepted drafts [B]); the hidden states of each sequence's accepted rows (its first accepted
-    + 1) go to their cache rows. Rows not kept write zeros to row 0, which stays zero. A sampled
-    step whose targets are not the sampler's (step_targets.sample_targets' ``exact``) keeps
-    nothing and accepts -1 drafts for every sequence."""
+    + 1) go to their cache rows (Backend.accept_drafts). A sampled step whose targets are not
+    the sampler's (step_targets.sample_targets' ``exact``) keeps nothing and accepts -1 drafts
+    for every sequence."""
     if sampling is None:
         targets, exact = logits.argmax(dim=-1), None  # [N]
     else:
         targets, exact = sample_targets(logits, *sampling, whole_rows=whole_rows)
-    k = drafts.shape[1]
-    j = torch.arange(k + 1, device=drafts.device)  # [K + 1]
-    rows = starts[:, None] + torch.minimum(j[None, :], counts[:, None])  # [B, K + 1]; past a count: its last row
-    grid = targets[rows]  # [B, K + 1]
-    matched = (drafts == grid[:, :k]).to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
-    accepted = torch.minimum(matched, counts)
-    keep = (j[None, :] <= accepted[:, None]) & (keep_rows > 0)  # [B, K + 1]
-    if exact is not None:
-        keep = keep & exact
-        accepted = torch.where(exact, accepted, torch.full_like(accepted, -1))
-    dst = torch.where(keep, keep_rows, torch.zeros_like(keep_rows)).reshape(-1)
-    src = hidden[rows.reshape(-1)].to(buffer.dtype)  # [B * (K + 1), hidden]
-    src = torch.where(keep.reshape(-1, 1), src, torch.zeros_like(src))
-    buffer.index_copy_(0, dst, src)
-    return targets, accepted
+    accept = accept_drafts if backend is None else backend.accept_drafts
+    return targets, accept(buffer, targets, exact, hidden, drafts, starts, counts, keep_rows)
 
 
 def device_rows(cache: HiddenCacheRows, starts: np.ndarray) -> list[np.ndarray]:

@@ -239,7 +239,8 @@ class ModelWrapper:
                 inputs.input_ids, inputs.positions, inputs.meta, inputs.lm_head_indices, first.input_ids, hidden_states,
                 lm_head_local_dp, steps, self.caches, verify_source=verify_source, hidden_cache=hidden_cache)
         self.launch.fire()
-        return run(hidden_states) if hidden_cache is None else speculative_step(run, hidden_cache, self.whole_rows)
+        return run(hidden_states) if hidden_cache is None else speculative_step(run, hidden_cache, self.whole_rows,
+                                                                                 self.backend)
 
     def forward_speculative_host(
         self,

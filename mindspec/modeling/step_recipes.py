@@ -129,7 +129,7 @@ def _speculative(model, b, caches, meta: AttentionMetadata, steps: list[tuple], 
         if not hidden_cache:
             out = forward(first[0])
             return out.logits, out.hidden_states, out.draft_tokens
-        out = speculative_step(forward, DeviceHiddenCache.of(first[0], list(first[1:])), b.steps_branch)
+        out = speculative_step(forward, DeviceHiddenCache.of(first[0], list(first[1:])), b.steps_branch, b)
         return out.logits, out.hidden_states, out.draft_tokens, out.greedy_tokens, out.accepted_drafts
 
     return run

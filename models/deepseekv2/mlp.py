@@ -61,11 +61,10 @@ class DeepseekMoe:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.backend.moe_gate(x, self.gate_weight, self.correction_bias, self.router)
+        shared = None if self.shared is None else self.shared.forward(x)
         if self.ep is None:
-            out = self.backend.moe_experts(x, weights, ids, self.experts)
-        else:  # every rank's tokens through this rank's experts, partial sums reduced back
-            x_all, weights_all, local_ids = self.ep.dispatch(x, weights, ids)
-            out = self.ep.combine(self.backend.moe_experts(x_all, weights_all, local_ids, self.experts))
-        if self.shared is not None:
-            out = out + self.shared.forward(x)
-        return out
+            return self.backend.moe_experts(x, weights, ids, self.experts, shared)
+        # every rank's tokens through this rank's experts, partial sums reduced back
+        x_all, weights_all, local_ids = self.ep.dispatch(x, weights, ids)
+        out = self.ep.combine(self.backend.moe_experts(x_all, weights_all, local_ids, self.experts))
+        return out if shared is None else out + shared

@@ -84,15 +84,21 @@ def _on(device, experts):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens,top_k,num_experts,inter", [(1, 2, 8, 16), (13, 3, 8, 24), (40, 6, 12, 32)])
-def test_experts_match_cpu(cuda_backend, cpu_backend, device, dtype, num_tokens, top_k, num_experts, inter):
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_experts_match_cpu(cuda_backend, cpu_backend, device, dtype, num_tokens, top_k, num_experts, inter, with_shared):
     g = torch.Generator().manual_seed(num_tokens)
     x = torch.randn(num_tokens, HIDDEN, generator=g).to(dtype)
     ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(num_tokens)])
     w = torch.rand(num_tokens, top_k, generator=g) * 2
     experts = _experts(g, num_experts, inter, dtype)
-    out = cuda_backend.moe_experts(x.to(device), w.to(device), ids.to(device), _on(device, experts))
+    shared = torch.randn(num_tokens, HIDDEN, generator=g).to(dtype) if with_shared else None
+    out = cuda_backend.moe_experts(x.to(device), w.to(device), ids.to(device), _on(device, experts),
+                                   None if shared is None else shared.to(device))
     assert out.shape == x.shape and out.dtype == dtype
-    assert_close(out, cpu_backend.moe_experts(x, w, ids, experts), dtype)
+    expected = cpu_backend.moe_experts(x, w, ids, experts, shared)
+    assert_close(out, expected, dtype)
+    if with_shared:  # the shared experts' output is added to the routed sum, not instead of it
+        assert not torch.allclose(expected, cpu_backend.moe_experts(x, w, ids, experts))
 
 
 def test_ids_outside_the_local_experts_are_skipped(cuda_backend, cpu_backend, device):

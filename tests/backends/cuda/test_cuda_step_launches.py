@@ -1,0 +1,75 @@
+"""What a captured cuda decode step launches, counted under the interpreter (tests/support/step_launches.py).
+
+A kernel in a CUDA graph costs the device ~1-2 us however little it computes: at batch 1 a small
+model's step time follows its launch count. These tests pin the launches a plain and a
+speculative step hold beside their decoder layers (the embedding, final norm and heads, the MTP
+stages' glue, acceptance) and per layer, so that per-forward work (an attention plan built of
+torch ops was 14 launches a forward) does not creep back in."""
+import pytest
+
+from cuda_support import ON_GPU
+from mindspec import LLM, SamplingParams
+from tests.support.checkpoints import make_checkpoint, tiny_v3_config
+from tests.support.step_launches import LaunchCensus
+
+pytestmark = pytest.mark.skipif(ON_GPU, reason="counts the interpreter's launches (a GPU's: scripts/gpu_step_profile.py)")
+
+K = 2
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    cfg = tiny_v3_config(num_nextn_predict_layers=K)
+    return make_checkpoint(tmp_path_factory.mktemp("v3"), cfg, seed=4), cfg
+
+
+def _launches(checkpoint, monkeypatch, plugin_params, dtype="float16"):
+    path, cfg = checkpoint
+    census = LaunchCensus()
+    with census.installed(monkeypatch):
+        llm = LLM(model=str(path), backend="cuda", device="cpu", dtype=dtype, cache_block_size=4, num_blocks=64,
+                  progress=False, plugin_params=plugin_params, max_batch_size=1)
+        llm.generate([[3, 17, 42, 9, 5]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    return census, cfg
+
+
+def _layer_launches(cfg) -> int:
+    """Launches of one decode step's decoder layers. Attention: input norm, the fused q_a/kv_a
+    projection, q_a norm, q_b, the two absorbed matmuls, rope, latent norm + rope + cache write,
+    attention, o_proj (10); the residual add + norm (1); a MoE MLP: router (with its gate GEMM),
+    route alignment, gate/up + SwiGLU, down, the shared expert's gate/up, SwiGLU and down, the
+    combine (routed pairs summed, the shared output added) (8); a dense MLP: gate/up, SwiGLU,
+    down (3)."""
+    moe_layers = sum(1 for i in range(cfg.num_hidden_layers) if i >= cfg.first_k_dense_replace)
+    return 11 * cfg.num_hidden_layers + 8 * moe_layers + 3 * (cfg.num_hidden_layers - moe_layers)
+
+
+# Beside the layers of a forward: the embedding, the final norm, the lm_head rows, the lm_head,
+# its float32 copy, and the argmax of the greedy token.
+FORWARD_GLUE = 6
+
+
+def test_plain_step_launches_little_beside_its_layers(checkpoint, monkeypatch):
+    census, cfg = _launches(checkpoint, monkeypatch, None)
+    step = census.last("decode")
+    assert step.in_layers == _layer_launches(cfg), step.by_name
+    assert step.outside_layers <= FORWARD_GLUE, step.by_name
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "eagle"])
+def test_speculative_step_launches_little_beside_its_layers(checkpoint, monkeypatch, mode):
+    params = {"plugin_type": "mtp", "num_speculative_tokens": K, "mtp_mode": mode, "adaptive_speculation": False}
+    census, cfg = _launches(checkpoint, monkeypatch, params)
+    step = census.last("speculative")
+    # the verification's layers, then each draft stage's MoE block (its attention, norm and MLP);
+    # the last stage runs o_proj and its MLP on its lm_head rows alone (two row gathers)
+    assert step.in_layers == _layer_launches(cfg) + K * 19 + 2, step.by_name
+    # per draft stage: embedding, two norms, concat, eh_proj, the block's residual add, its lm_head
+    # rows, head norm, lm_head, its float32 copy, argmax, and the next stage's tokens (a roll and
+    # a scatter, or the drafts as they are); then the drafts put into the verification rows, the
+    # first stage's hidden states read from the cache, and strict acceptance with the accepted
+    # rows' hidden states kept (the targets' argmax, then one kernel: backends/cuda/acceptance.py),
+    # the outputs packed for one copy to the host
+    stage_glue = 12
+    acceptance = 5
+    assert step.outside_layers <= FORWARD_GLUE + K * stage_glue + acceptance, step.by_name
