@@ -226,27 +226,38 @@ def _down_kernel(
 
 @triton.jit
 def _combine_kernel(
-    pair_out_ptr, ids_ptr, shared_ptr, out_ptr, num_experts, hidden,
+    pair_out_ptr, ids_ptr, shared_ptr, out_ptr, num_tokens, num_experts, hidden,
     stride_pair, stride_it, stride_ik, stride_shared, stride_out,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SHARED: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SHARED: tl.constexpr,
 ):
     """out[t] = sum over k of token t's pair rows, in float32 and in k order, rounded to the
     output dtype (a pair whose expert id lies outside [0, E) was skipped and adds nothing); then
     plus the shared experts' row, rounded again (as ``out + shared``)."""
-    t = tl.program_id(0).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < hidden
-    acc = tl.zeros([BLOCK_N], tl.float32)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [T]
+    t_ok = t < num_tokens
+    t = t.to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N]
+    ok = t_ok[:, None] & (n[None, :] < hidden)
+    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     for k in tl.static_range(TOP_K):
-        e = tl.load(ids_ptr + t * stride_it + k * stride_ik + tl.zeros([BLOCK_N], tl.int64))  # [N], all one id
-        routed = n_ok & (e >= 0) & (e < num_experts)
-        row = tl.load(pair_out_ptr + (t * TOP_K + k) * stride_pair + n, mask=routed, other=0.0)
+        e = tl.load(ids_ptr + t * stride_it + k * stride_ik, mask=t_ok, other=-1)  # [T]
+        routed = ok & ((e >= 0) & (e < num_experts))[:, None]
+        row = tl.load(pair_out_ptr + (t * TOP_K + k)[:, None] * stride_pair + n[None, :], mask=routed, other=0.0)
         acc += row.to(tl.float32)
     out = acc.to(out_ptr.dtype.element_ty)
     if HAS_SHARED:
-        shared = tl.load(shared_ptr + t * stride_shared + n, mask=n_ok, other=0.0)
+        shared = tl.load(shared_ptr + t[:, None] * stride_shared + n[None, :], mask=ok, other=0.0)
         out = (out.to(tl.float32) + shared.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + t * stride_out + n, out, mask=n_ok)
+    tl.store(out_ptr + t[:, None] * stride_out + n[None, :], out, mask=ok)
+
+
+def _combine_tiles(num_tokens: int, hidden: int) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_N) of the combine: under the interpreter whole rows for many tokens (its
+    cost is per program); on a GPU a few tokens per program, 4096 elements."""
+    block_n = min(pow2(hidden), 1024)
+    if interpreting():
+        return min(pow2(num_tokens), max(1, 16384 // block_n)), block_n
+    return min(pow2(num_tokens), max(1, 4096 // block_n)), block_n
 
 
 def _tiles(num_pairs: int, hidden: int, inter: int) -> tuple[int, int, int]:
@@ -300,11 +311,11 @@ def moe_experts(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
     )
     out = torch.empty_like(x)
-    combine_n = min(pow2(hidden), 1024)
+    combine_t, combine_n = _combine_tiles(num_tokens, hidden)
     shared = None if shared is None else unit_last_stride(shared)
-    _combine_kernel[(num_tokens, triton.cdiv(hidden, combine_n))](
-        pair_out, topk_ids, out if shared is None else shared, out, num_experts, hidden,
+    _combine_kernel[(triton.cdiv(num_tokens, combine_t), triton.cdiv(hidden, combine_n))](
+        pair_out, topk_ids, out if shared is None else shared, out, num_tokens, num_experts, hidden,
         pair_out.stride(0), topk_ids.stride(0), topk_ids.stride(1), 0 if shared is None else shared.stride(0),
-        out.stride(0), TOP_K=top_k, BLOCK_N=combine_n, HAS_SHARED=shared is not None,
+        out.stride(0), TOP_K=top_k, BLOCK_T=combine_t, BLOCK_N=combine_n, HAS_SHARED=shared is not None,
     )
     return out
