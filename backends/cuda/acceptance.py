@@ -26,14 +26,14 @@ def _accept_kernel(
     b = tl.program_id(0).to(tl.int64)
     start = tl.load(starts_ptr + b)
     count = tl.load(counts_ptr + b)
-    matched = 0
-    going = 1
+    matched = tl.full((), 0, tl.int64)  # drafts equal to their targets, up to the first that is not
+    going = tl.full((), 1, tl.int64)
     for j in tl.static_range(K):
         target = tl.load(targets_ptr + start + tl.minimum(j, count))  # past its count: its last row
         draft = tl.load(drafts_ptr + b * stride_d + j)
-        going = going * (draft == target).to(tl.int32)
+        going = going * (draft == target).to(tl.int64)
         matched += going
-    accepted = tl.minimum(matched.to(tl.int64), count)
+    accepted = tl.minimum(matched, count)
     if HAS_EXACT:  # targets the sampler would not have drawn: the host accepts instead
         accepted = tl.where(tl.load(exact_ptr) != 0, accepted, -1)
     tl.store(accepted_ptr + b, accepted)

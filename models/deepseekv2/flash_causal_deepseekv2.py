@@ -175,17 +175,19 @@ class FlashCausalDeepseekV2:
         meta: AttentionMetadata,
         lm_head_indices: Optional[torch.Tensor],  # [N]; None: every row
         lm_rows_out: bool = False,
+        float_logits: bool = True,
     ) -> ModelOutput:
         """-> logits [N, vocab] and the block output [T, hidden] for the next stage. With
         ``lm_rows_out`` (the last stage, or one whose next stage takes only its lm_head rows) only
-        those rows run past attention (hidden_states [N, hidden])."""
+        those rows run past attention (hidden_states [N, hidden]). Logits are float32 unless
+        ``float_logits`` is False (the model dtype: what a draft's argmax needs)."""
         module = self.mtp_modules[module_idx]
         cache = caches[self.cfg.num_hidden_layers + module_idx]
-        if lm_rows_out or lm_head_indices is None:
-            block_out = module.forward(input_ids, hidden_states, positions, cache, meta, lm_head_indices)
-            return ModelOutput(logits=module.logits(block_out), hidden_states=block_out)
-        block_out = module.forward(input_ids, hidden_states, positions, cache, meta)
-        return ModelOutput(logits=module.logits(block_out[lm_head_indices]), hidden_states=block_out)
+        rows_only = lm_rows_out or lm_head_indices is None
+        block_out, normed = module.forward(input_ids, hidden_states, positions, cache, meta,
+                                           lm_head_indices if rows_only else None)
+        head_rows = normed if rows_only else normed[lm_head_indices]
+        return ModelOutput(logits=module.head_logits(head_rows, float_logits), hidden_states=block_out)
 
     def draft(
         self,
@@ -207,7 +209,8 @@ class FlashCausalDeepseekV2:
             following = steps[k + 1] if k + 1 < len(steps) else None
             lm = None if step.lm_rows_only else lm_head_indices
             lm_rows_out = following is None or following.lm_rows_only  # only lm_head rows feed on
-            out = self.forward_mtp(step.module_idx, ids, hidden, step.positions, caches, step.meta, lm, lm_rows_out)
+            out = self.forward_mtp(step.module_idx, ids, hidden, step.positions, caches, step.meta, lm, lm_rows_out,
+                                   float_logits=draft_logits is not None)
             logits = out.logits if draft_logits is None else draft_logits(out.logits, drafts)
             draft = logits.argmax(dim=-1)  # [B]
             drafts.append(draft)

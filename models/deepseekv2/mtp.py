@@ -59,12 +59,15 @@ class MtpModule:
         positions: torch.Tensor,  # [T]
         cache: LatentCache,
         meta: AttentionMetadata,
-        rows: torch.Tensor | None = None,  # [N]: the only rows whose output is needed
-    ) -> torch.Tensor:
-        """-> block_out [T, hidden] (or [N, hidden] for ``rows``), before the shared-head norm."""
+        rows: torch.Tensor | None = None,  # [N]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (block_out, its shared-head norm), both [T, hidden] (or [N, hidden] for ``rows``: the
+        only rows whose output is needed); block_out is before the norm (what a further MTP step
+        takes), the residual add and the norm one op. ``head_logits`` takes the normed rows."""
         x = self._block_input(input_ids, hidden_states)
         out, residual = self.block.forward(x, None, positions, cache, meta, rows)
-        return out + residual
+        normed, block_out = self.backend.add_rms_norm(out, residual, self.head_norm, self.eps)
+        return block_out, normed
 
     def write_cache(
         self, input_ids: torch.Tensor, hidden_states: torch.Tensor, positions: torch.Tensor, cache: LatentCache,
@@ -78,6 +81,8 @@ class MtpModule:
         h = self.backend.rms_norm(hidden_states, self.hnorm, self.eps)
         return self.backend.linear(torch.cat([e, h], dim=-1), self.eh_proj)  # [T, hidden]
 
-    def logits(self, block_out: torch.Tensor) -> torch.Tensor:
-        """block_out [N, hidden] -> logits [N, vocab] float32."""
-        return self.backend.linear(self.backend.rms_norm(block_out, self.head_norm, self.eps), self.head).float()
+    def head_logits(self, normed: torch.Tensor, as_float: bool = True) -> torch.Tensor:
+        """normed block outputs [N, hidden] -> logits [N, vocab], float32 unless ``as_float`` is
+        False (the model dtype: enough for an argmax, one conversion less)."""
+        logits = self.backend.linear(normed, self.head)
+        return logits.float() if as_float else logits
