@@ -387,7 +387,6 @@ class Backend(ABC):
         thr = torch.where(top_p[:, None] < 1.0, torch.maximum(kth, p_thr), kth)
         return logits.masked_fill(logits < thr, float("-inf"))
 
-
     # ---- speculative acceptance (optional; cuda runs it as one kernel) -------------------------
     def accept_drafts(
         self,

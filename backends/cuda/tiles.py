@@ -2,9 +2,9 @@
 
 Attention programs own a tile of up to ``tile_q`` new tokens of one sequence; sequence b owns
 ceil(q_len_b / tile_q) consecutive tiles. Each program finds its own tile from ``q_lens`` on the
-device (``tile_of``, a running sum over the sequences), so a forward launches no plan of its
-own (a plan built with torch ops took 18 launches a forward, 72 in a speculative step of four
-forwards) and no host list is read: valid inside a captured CUDA graph. The program count
+device (``tile_of``, a running sum over the sequences), so a forward launches nothing to plan
+its attention (a speculative step is four forwards) and no host list is read: valid inside a
+captured CUDA graph. The program count
 depends only on static shapes (tokens, sequences); programs past the last tile find sequence -1
 and exit.
 """
