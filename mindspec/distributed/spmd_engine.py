@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import random
 import subprocess
+import time
 from typing import Optional, Sequence
 
 import torch.distributed as dist
@@ -149,8 +150,7 @@ class SpmdEngine(LLMEngine):
             raise DistributedError("the multi-process engine was closed")
 
     def _fail(self, exc: Exception) -> RankFailure:
-        gone = [f"rank {r} (pid {p.pid}) exited with code {p.returncode}"
-                for r, p in enumerate(self.workers, start=1) if p.poll() is not None]
+        gone = self._exited_workers()
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if gone:
             cause = "; ".join(gone)
@@ -164,6 +164,18 @@ class SpmdEngine(LLMEngine):
         )
         logger.error("%s", self.failure)
         return self.failure
+
+    def _exited_workers(self, grace_s: float = 3.0) -> list[str]:
+        """The spawned ranks that have exited. A killed rank's sockets close while the kernel
+        tears the process down, so the collective can fail before its exit can be reaped:
+        wait up to `grace_s` for one to exit before concluding none did."""
+        deadline = time.monotonic() + (grace_s if self.workers else 0.0)
+        while True:
+            gone = [f"rank {r} (pid {p.pid}) exited with code {p.returncode}"
+                    for r, p in enumerate(self.workers, start=1) if p.poll() is not None]
+            if gone or time.monotonic() >= deadline:
+                return gone
+            time.sleep(0.05)
 
     # ---- followers ---------------------------------------------------------------------------
     def follow(self) -> None:

@@ -2,12 +2,16 @@
 and never hangs; the engine refuses further work instead of computing wrong outputs."""
 import os
 import signal
+import subprocess
+import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from mindspec import LLM, SamplingParams
 from mindspec.distributed.errors import RankFailure
+from mindspec.distributed.spmd_engine import SpmdEngine
 from tests.support.checkpoints import make_checkpoint, tiny_v3_config
 
 TIMEOUT_S = 8  # a normal step, or a rank starting on a loaded 2-core machine, stays far below it
@@ -56,3 +60,36 @@ def test_a_dead_rank_is_named(checkpoint):
         assert time.monotonic() - start < TIMEOUT_S + 10
     finally:
         llm.close()
+
+
+def _engine_with(workers) -> SpmdEngine:
+    """The failure bookkeeping of a leader, without a process group (only `_fail` runs)."""
+    engine = SpmdEngine.__new__(SpmdEngine)
+    engine.workers, engine.failure = list(workers), None
+    engine.ctx = SimpleNamespace(config=SimpleNamespace(timeout_s=20))
+    return engine
+
+
+def test_a_rank_still_dying_when_its_socket_closes_is_named():
+    # A killed rank's sockets close while the kernel tears it down: the collective fails
+    # ("Connection reset by peer") a moment before the exit can be reaped.
+    dying = subprocess.Popen([sys.executable, "-c", "import time, sys; time.sleep(0.5); sys.exit(3)"])
+    try:
+        failure = _engine_with([dying])._fail(RuntimeError("Read error: Connection reset by peer"))
+        assert f"rank 1 (pid {dying.pid}) exited with code 3" in str(failure)
+        assert "distTimeout=20 s" in str(failure)
+    finally:
+        dying.kill()
+        dying.wait()
+
+
+def test_a_collective_error_with_every_rank_alive_is_quoted_after_a_short_grace():
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = time.monotonic()
+        failure = _engine_with([alive])._fail(RuntimeError("Read error: Connection reset by peer\nmore"))
+        assert time.monotonic() - start < 10
+        assert "(Read error: Connection reset by peer)" in str(failure)
+    finally:
+        alive.kill()
+        alive.wait()
