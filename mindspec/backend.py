@@ -308,6 +308,15 @@ class Backend(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (RMSNorm(x + residual) * weight, x + residual)."""
 
+    def mtp_eh_input(
+        self, input_ids: torch.Tensor, embed, enorm: torch.Tensor, hidden: torch.Tensor, hnorm: torch.Tensor,
+        eps: float,
+    ) -> torch.Tensor:
+        """An MTP module's eh_proj input: input_ids [T], hidden [T, D] -> concat[enorm(embed(ids)),
+        hnorm(hidden)] [T, 2D] (DeepSeek's order). A backend may compute it in one pass."""
+        e = self.rms_norm(self.embedding(input_ids, embed), enorm, eps)
+        return torch.cat([e, self.rms_norm(hidden, hnorm, eps)], dim=-1)
+
     @abstractmethod
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, 2I] -> silu(x[:, :I]) * x[:, I:]."""

@@ -107,6 +107,13 @@ class CudaBackend(Backend):
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
         return self._k.norm.add_rms_norm(x, residual, weight, eps)
 
+    def mtp_eh_input(self, input_ids, embed, enorm, hidden, hnorm, eps: float) -> torch.Tensor:
+        if isinstance(embed, torch.Tensor):
+            out = self._k.norm.embed_norm_concat(input_ids, embed, enorm, hidden, hnorm, eps)
+            if out is not None:
+                return out
+        return super().mtp_eh_input(input_ids, embed, enorm, hidden, hnorm, eps)
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self._k.activation.silu_and_mul(x)
 

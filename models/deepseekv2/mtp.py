@@ -77,9 +77,8 @@ class MtpModule:
         self.block.write_cache(self._block_input(input_ids, hidden_states), positions, cache, meta)
 
     def _block_input(self, input_ids: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        e = self.backend.rms_norm(self.backend.embedding(input_ids, self.embed), self.enorm, self.eps)
-        h = self.backend.rms_norm(hidden_states, self.hnorm, self.eps)
-        return self.backend.linear(torch.cat([e, h], dim=-1), self.eh_proj)  # [T, hidden]
+        x = self.backend.mtp_eh_input(input_ids, self.embed, self.enorm, hidden_states, self.hnorm, self.eps)
+        return self.backend.linear(x, self.eh_proj)  # [T, hidden]
 
     def head_logits(self, normed: torch.Tensor, as_float: bool = True) -> torch.Tensor:
         """normed block outputs [N, hidden] -> logits [N, vocab], float32 unless ``as_float`` is

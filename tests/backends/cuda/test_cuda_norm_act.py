@@ -41,6 +41,36 @@ def test_add_rms_norm(cuda_backend, cpu_backend, device, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,dim", [(1, 16), (6, 48), (40, 130)])
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
+def test_mtp_eh_input(cuda_backend, cpu_backend, device, dtype, rows, dim, id_dtype):
+    """An MTP module's [enorm(embed(ids)), hnorm(h)] in one launch equals the separate ops; the
+    hidden rows may be a strided view (a stage's block output rows)."""
+    g = torch.Generator().manual_seed(rows + dim)
+    embed = _rand(g, 97, dim, dtype=dtype, scale=2.0)
+    wide = _rand(g, rows, dim + 8, dtype=dtype, scale=3.0)
+    hidden = wide[:, 4:4 + dim]
+    ids = torch.randint(0, 97, (rows,), generator=g).to(id_dtype)
+    enorm, hnorm = ((1 + 0.1 * torch.randn(dim, generator=g)).to(dtype) for _ in range(2))
+    out = cuda_backend.mtp_eh_input(ids.to(device), embed.to(device), enorm.to(device), wide.to(device)[:, 4:4 + dim],
+                                    hnorm.to(device), EPS)
+    assert out.shape == (rows, 2 * dim) and out.dtype == dtype
+    expected = cpu_backend.mtp_eh_input(ids, embed, enorm, hidden, hnorm, EPS)
+    assert_close(out, expected, dtype)
+    # each half is its own norm: swapping the weights must show
+    assert not torch.allclose(out.cpu().float()[:, :dim], cpu_backend.rms_norm(embed[ids.long()], hnorm, EPS).float())
+
+
+def test_mtp_eh_input_of_mixed_dtypes_takes_the_separate_ops(cuda_backend, cpu_backend, device):
+    g = torch.Generator().manual_seed(5)
+    embed, hidden = torch.randn(11, 16, generator=g), torch.randn(3, 16, generator=g).half()
+    ids, w = torch.tensor([1, 10, 4]), torch.rand(16, generator=g) + 0.5
+    out = cuda_backend.mtp_eh_input(ids.to(device), embed.to(device), w.to(device), hidden.to(device), w.half().to(device),
+                                    EPS)
+    assert_close(out, cpu_backend.mtp_eh_input(ids, embed, w, hidden, w.half(), EPS), torch.float16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,inter", [(1, 16), (5, 40), (20, 160)])
 def test_silu_and_mul(cuda_backend, cpu_backend, device, dtype, rows, inter):
     g = torch.Generator().manual_seed(rows + inter)
@@ -52,6 +82,9 @@ def test_silu_and_mul(cuda_backend, cpu_backend, device, dtype, rows, inter):
 
 def test_empty_batches(cuda_backend, device):
     x = torch.zeros(0, 16, device=device)
+    empty_ids = torch.zeros(0, dtype=torch.long, device=device)
+    w = torch.ones(16, device=device)
+    assert cuda_backend.mtp_eh_input(empty_ids, torch.ones(5, 16, device=device), w, x, w, EPS).shape == (0, 32)
     assert cuda_backend.rms_norm(x, torch.ones(16, device=device), EPS).shape == (0, 16)
     assert cuda_backend.silu_and_mul(torch.zeros(0, 32, device=device)).shape == (0, 16)
 
@@ -59,5 +92,9 @@ def test_empty_batches(cuda_backend, device):
 def test_bad_shapes_are_named(cuda_backend, device):
     with pytest.raises(ValueError, match="weight"):
         cuda_backend.rms_norm(torch.ones(2, 8, device=device), torch.ones(4, device=device), EPS)
+    with pytest.raises(ValueError, match="embed_norm_concat"):
+        ones = torch.ones(8, device=device)
+        cuda_backend.mtp_eh_input(torch.zeros(2, dtype=torch.long, device=device), torch.ones(5, 4, device=device),
+                                  ones, torch.ones(2, 8, device=device), ones, EPS)
     with pytest.raises(ValueError, match="even"):
         cuda_backend.silu_and_mul(torch.ones(2, 7, device=device))

@@ -64,12 +64,12 @@ def test_speculative_step_launches_little_beside_its_layers(checkpoint, monkeypa
     # the verification's layers, then each draft stage's MoE block (its attention, norm and MLP);
     # the last stage runs o_proj and its MLP on its lm_head rows alone (two row gathers)
     assert step.in_layers == _layer_launches(cfg) + K * 19 + 2, step.by_name
-    # a draft stage: embedding, two norms, concat, eh_proj, the block's residual add with the
-    # head's norm, the lm_head (in the model dtype: an argmax needs no float32 copy), the argmax
-    # (8), and where another stage follows, its lm_head rows gathered and its tokens (a roll and
-    # a scatter: 3 more); then the first stage's hidden states read from the cache, the drafts
-    # stacked and put into the verification rows (a copy of its tokens), the targets' argmax and
-    # the acceptance kernel (backends/cuda/acceptance.py)
-    stages = 11 * (K - 1) + 8
+    # a draft stage: eh_proj's input (embedding and both norms, one kernel), eh_proj, the
+    # block's residual add with the head's norm, the lm_head (in the model dtype: an argmax
+    # needs no float32 copy), the argmax (5), and where another stage follows, its lm_head rows
+    # gathered and its tokens (a roll and a scatter: 3 more); then the first stage's hidden
+    # states read from the cache, the drafts stacked and put into the verification rows (a copy
+    # of its tokens), the targets' argmax and the acceptance kernel (backends/cuda/acceptance.py)
+    stages = 8 * (K - 1) + 5
     acceptance = 6
     assert step.outside_layers <= FORWARD_GLUE + stages + acceptance, step.by_name
