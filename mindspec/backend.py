@@ -293,6 +293,11 @@ class Backend(ABC):
         """x [..., in] -> x @ w.weight.T [..., out]."""
         return F.linear(x, w.weight)
 
+    def linear_silu_and_mul(self, x: torch.Tensor, gate_up: LinearWeight) -> torch.Tensor:
+        """SwiGLU's first half: x [T, H], gate_up [2I, H] (rows gate | up) -> silu(x @ gate.T) *
+        (x @ up.T) [T, I], as ``silu_and_mul(linear(x, gate_up))``; a backend may fuse the two."""
+        return self.silu_and_mul(self.linear(x, gate_up))
+
     def expert_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
         """Stacked routed experts (w13 [E, 2I, H], w2 [E, H, I]) -> what ``moe_experts`` takes."""
         return ExpertWeights(w13=w13, w2=w2)

@@ -97,6 +97,11 @@ class CudaBackend(Backend):
             return self._k.fp8_linear.fp8_block_linear(x, w.weight)
         return self._k.linear.project(x, w.weight)
 
+    def linear_silu_and_mul(self, x: torch.Tensor, gate_up: LinearWeight) -> torch.Tensor:
+        if isinstance(gate_up.weight, Fp8Weight):
+            return super().linear_silu_and_mul(x, gate_up)
+        return self._k.linear.project_silu_and_mul(x, gate_up.weight)
+
     def expert_weights(self, w13, w2) -> ExpertWeights:
         return super().expert_weights(quantized.dense(w13), quantized.dense(w2))
 

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mindspec.backends.cuda.activation import _silu_f32, silu_and_mul
 from mindspec.backends.cuda.availability import interpreting
 from mindspec.backends.cuda.launch import MIN_DOT, dot_precision, pow2
 
@@ -32,22 +33,33 @@ def _skinny_linear_kernel(
     x_ptr, w_ptr, out_ptr, num_rows, n_out, k_in,
     stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    SWIGLU: tl.constexpr,
 ):
+    # SWIGLU: w holds [gate | up] (2 * n_out rows); out = silu(x @ gate.T) * (x @ up.T), each
+    # product and the activation rounded to out's dtype first, as the separate ops round them.
     m = tl.arange(0, BLOCK_M)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = m < num_rows
     n_ok = n < n_out
     kk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + n[None, :].to(tl.int64) * stride_wn  # [1, N]
+    up_rows = w_ptr + (n[None, :] + n_out).to(tl.int64) * stride_wn  # [1, N] (SWIGLU only)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, k_in, BLOCK_K):
         k = k0 + kk
         k_ok = k < k_in
         a = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [K, N]
         acc += tl.dot(a, w, input_precision=PRECISION)
-    out = acc.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
+        if SWIGLU:
+            u = tl.load(up_rows + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [K, N]
+            acc_up += tl.dot(a, u, input_precision=PRECISION)
+    dtype = out_ptr.dtype.element_ty
+    if SWIGLU:
+        act = _silu_f32(acc.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        acc = act * acc_up.to(dtype).to(tl.float32)
+    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(dtype), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def enabled() -> bool:
@@ -69,6 +81,15 @@ def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, weight)
 
 
+def project_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul(x @ weight.T) for weight [gate | up] [2I, K] -> [..., I]: one launch where
+    the skinny kernel fits, torch's GEMM and the SwiGLU kernel otherwise."""
+    if enabled() and fits(x, weight) and weight.shape[0] % 2 == 0:
+        return skinny_linear(x, weight, swiglu=True)
+    y = project(x, weight)
+    return silu_and_mul(y.reshape(-1, y.shape[-1])).view(*y.shape[:-1], y.shape[-1] // 2)
+
+
 def _tiles(n_out: int, k_in: int) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K): on a GPU 32 columns per program (many programs for the SMs); under the
     interpreter few, large programs."""
@@ -77,18 +98,20 @@ def _tiles(n_out: int, k_in: int) -> tuple[int, int]:
     return 32, 128
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] (at most MAX_ROWS rows) @ weight [N, K].T -> [..., N] in x's dtype."""
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+    """x [..., K] (at most MAX_ROWS rows) @ weight [N, K].T -> [..., N] in x's dtype; with
+    ``swiglu`` weight is [gate | up] [2N, K] and the output silu(gate) * up [..., N]."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows, k_in = x2.shape
-    n_out = weight.shape[0]
+    n_out = weight.shape[0] // 2 if swiglu else weight.shape[0]
     out = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
     block_n, block_k = _tiles(n_out, k_in)
     _skinny_linear_kernel[(triton.cdiv(n_out, block_n),)](
         x2, weight, out, rows, n_out, k_in, x2.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=dot_precision(x.dtype), num_warps=4,
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=dot_precision(x.dtype), SWIGLU=swiglu,
+        num_warps=4,
     )
     return out.view(*lead, n_out)

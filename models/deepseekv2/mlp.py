@@ -35,7 +35,7 @@ class DenseMlp:
         self.down = backend.linear_weight(w.take("down_proj.weight"))  # [hidden, I]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backend.linear(self.backend.silu_and_mul(self.backend.linear(x, self.gate_up)), self.down)
+        return self.backend.linear(self.backend.linear_silu_and_mul(x, self.gate_up), self.down)
 
 
 class DeepseekMoe:

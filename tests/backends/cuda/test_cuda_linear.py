@@ -38,7 +38,7 @@ def test_leading_dims_and_a_strided_input(device):
 def test_the_backend_routes_skinny_products_only(cuda_backend, device, monkeypatch):
     calls = []
     real = linear.skinny_linear
-    monkeypatch.setattr(linear, "skinny_linear", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    monkeypatch.setattr(linear, "skinny_linear", lambda x, w, swiglu=False: calls.append(x.shape[0]) or real(x, w, swiglu))
     g = torch.Generator().manual_seed(1)
     half = torch.float16
     w = LinearWeight(_rand(g, 48, 32, dtype=half).to(device))
@@ -53,3 +53,28 @@ def test_the_backend_routes_skinny_products_only(cuda_backend, device, monkeypat
     monkeypatch.setenv(linear.ENV_SWITCH, "0")
     cuda_backend.linear(torch.zeros(1, 32, dtype=half, device=device), w)
     assert calls == [1, 16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,k_in,inter", [(1, 192, 192), (4, 96, 40), (16, 130, 33), (3, 1024, 1408), (17, 64, 24)])
+def test_linear_silu_and_mul_equals_the_separate_ops(cuda_backend, cpu_backend, device, dtype, rows, k_in, inter):
+    # A dense MLP's or shared expert's [gate | up] product and SwiGLU: one skinny launch up to 16
+    # rows (float16 / bfloat16), the GEMM and the SwiGLU kernel otherwise (17 rows, float32).
+    g = torch.Generator().manual_seed(rows * k_in + inter)
+    x, w = _rand(g, rows, k_in, dtype=dtype) * 2, _rand(g, 2 * inter, k_in, dtype=dtype) / k_in ** 0.5
+    out = cuda_backend.linear_silu_and_mul(x.to(device), LinearWeight(w.to(device)))
+    assert out.shape == (rows, inter) and out.dtype == dtype
+    assert_close(out, cpu_backend.linear_silu_and_mul(x, LinearWeight(w)), dtype)
+    gate_only = F.silu(F.linear(x.float(), w[:inter].float()))  # up must count
+    assert not torch.allclose(out.cpu().float(), gate_only, atol=1e-2, rtol=1e-2)
+
+
+def test_the_fused_swiglu_takes_the_skinny_launch_where_it_fits(cuda_backend, device, monkeypatch):
+    calls = []
+    real = linear.skinny_linear
+    monkeypatch.setattr(linear, "skinny_linear", lambda x, w, swiglu=False: calls.append(swiglu) or real(x, w, swiglu))
+    half = torch.float16
+    w = LinearWeight(torch.randn(64, 32, dtype=half, device=device))
+    for rows in (2, 17):
+        cuda_backend.linear_silu_and_mul(torch.randn(rows, 32, dtype=half, device=device), w)
+    assert calls == [True]  # 17 rows: torch's GEMM, then the SwiGLU kernel
