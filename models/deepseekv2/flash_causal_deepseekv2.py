@@ -241,9 +241,8 @@ class FlashCausalDeepseekV2:
         whose drafts were made on the host (suffix drafts, any number) keeps its own input rows."""
         draft_tokens = self.draft(sub_input_ids, sub_hidden_states, lm_head_local_dp, steps, caches, draft_logits)
         num_seqs, k = draft_tokens.shape
-        if verify_source is None:
-            ids = input_ids.clone().view(num_seqs, k + 1)
-            ids[:, 1:] = draft_tokens
+        if verify_source is None:  # [last token, d1..dK] per sequence
+            ids = torch.cat([input_ids.view(num_seqs, k + 1)[:, :1], draft_tokens], dim=1)
         else:
             ids = torch.cat([input_ids, draft_tokens.reshape(-1)])[verify_source]
         out = self.forward(ids.view(-1), positions, caches, meta, lm_head_indices)
