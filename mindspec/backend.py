@@ -293,6 +293,11 @@ class Backend(ABC):
         """x [..., in] -> x @ w.weight.T [..., out]."""
         return F.linear(x, w.weight)
 
+    def linear_rows(self, x: torch.Tensor, rows: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+        """x [T, in], rows [N] -> linear(x[rows], w) [N, out]: only the rows that need the product
+        (the lm_head's); a backend may gather them inside the GEMM."""
+        return self.linear(x[rows], w)
+
     def linear_silu_and_mul(self, x: torch.Tensor, gate_up: LinearWeight) -> torch.Tensor:
         """SwiGLU's first half: x [T, H], gate_up [2I, H] (rows gate | up) -> silu(x @ gate.T) *
         (x @ up.T) [T, I], as ``silu_and_mul(linear(x, gate_up))``; a backend may fuse the two."""

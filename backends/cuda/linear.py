@@ -13,6 +13,7 @@ Where it is used (``fits``), from graph-replayed timings on an H200 (benchmarks/
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import triton
@@ -30,17 +31,22 @@ _DTYPES = (torch.float16, torch.bfloat16)  # routed here by ``fits``; float32 wo
 
 @triton.jit
 def _skinny_linear_kernel(
-    x_ptr, w_ptr, out_ptr, num_rows, n_out, k_in,
+    x_ptr, rows_ptr, w_ptr, out_ptr, num_rows, n_out, k_in,
     stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    SWIGLU: tl.constexpr,
+    SWIGLU: tl.constexpr, GATHER: tl.constexpr,
 ):
     # SWIGLU: w holds [gate | up] (2 * n_out rows); out = silu(x @ gate.T) * (x @ up.T), each
     # product and the activation rounded to out's dtype first, as the separate ops round them.
+    # GATHER: output row m multiplies x's row rows[m].
     m = tl.arange(0, BLOCK_M)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = m < num_rows
     n_ok = n < n_out
+    if GATHER:
+        src = tl.load(rows_ptr + m, mask=m_ok, other=0).to(tl.int64)  # [M] rows of x
+    else:
+        src = m.to(tl.int64)
     kk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + n[None, :].to(tl.int64) * stride_wn  # [1, N]
     up_rows = w_ptr + (n[None, :] + n_out).to(tl.int64) * stride_wn  # [1, N] (SWIGLU only)
@@ -49,7 +55,7 @@ def _skinny_linear_kernel(
     for k0 in range(0, k_in, BLOCK_K):
         k = k0 + kk
         k_ok = k < k_in
-        a = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(x_ptr + src[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [K, N]
         acc += tl.dot(a, w, input_precision=PRECISION)
         if SWIGLU:
@@ -66,9 +72,10 @@ def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip() != "0"
 
 
-def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``skinny_linear`` takes this product (otherwise torch does)."""
-    rows = x.numel() // max(x.shape[-1], 1)
+def fits(x: torch.Tensor, weight: torch.Tensor, num_rows: Optional[int] = None) -> bool:
+    """Whether ``skinny_linear`` takes this product (otherwise torch does); ``num_rows``: of the
+    output where rows of x are gathered."""
+    rows = x.numel() // max(x.shape[-1], 1) if num_rows is None else num_rows
     return (0 < rows <= MAX_ROWS and weight.dim() == 2 and weight.shape[1] <= MAX_K
             and x.dtype == weight.dtype and x.dtype in _DTYPES and weight.stride(-1) == 1
             and x.shape[-1] == weight.shape[1])
@@ -79,6 +86,14 @@ def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if enabled() and fits(x, weight):
         return skinny_linear(x, weight)
     return torch.nn.functional.linear(x, weight)
+
+
+def project_rows(x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x[rows] @ weight.T for x [T, K], rows [N] -> [N, out]: the rows gathered inside the skinny
+    kernel where it fits, an index and torch's GEMM otherwise."""
+    if enabled() and x.dim() == 2 and rows.dim() == 1 and fits(x, weight, rows.shape[0]):
+        return skinny_linear(x, weight, rows=rows)
+    return project(x[rows], weight)
 
 
 def project_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -98,20 +113,23 @@ def _tiles(n_out: int, k_in: int) -> tuple[int, int]:
     return 32, 128
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False,
+                  rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., K] (at most MAX_ROWS rows) @ weight [N, K].T -> [..., N] in x's dtype; with
-    ``swiglu`` weight is [gate | up] [2N, K] and the output silu(gate) * up [..., N]."""
-    lead = x.shape[:-1]
+    ``swiglu`` weight is [gate | up] [2N, K] and the output silu(gate) * up [..., N]; with
+    ``rows`` [R <= MAX_ROWS] (x 2-d, any number of rows) x[rows] @ weight.T -> [R, N]."""
+    lead = x.shape[:-1] if rows is None else rows.shape
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    rows, k_in = x2.shape
+    k_in = x2.shape[1]
+    num_rows = x2.shape[0] if rows is None else rows.shape[0]
     n_out = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    out = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
+    out = torch.empty((num_rows, n_out), dtype=x.dtype, device=x.device)
     block_n, block_k = _tiles(n_out, k_in)
     _skinny_linear_kernel[(triton.cdiv(n_out, block_n),)](
-        x2, weight, out, rows, n_out, k_in, x2.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=dot_precision(x.dtype), SWIGLU=swiglu,
-        num_warps=4,
+        x2, x2 if rows is None else rows, weight, out, num_rows, n_out, k_in, x2.stride(0), weight.stride(0),
+        out.stride(0), BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=dot_precision(x.dtype),
+        SWIGLU=swiglu, GATHER=rows is not None, num_warps=4,
     )
     return out.view(*lead, n_out)

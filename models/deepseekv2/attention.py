@@ -83,7 +83,9 @@ class MlaAttention:
         else:
             out = self._absorbed(q_nope, q_pe, cache, meta)
         out = out.reshape(x.shape[0], self.num_heads * self.v_dim)
-        return self.backend.linear(out if rows is None else out[rows], self.o_proj)
+        if rows is None:
+            return self.backend.linear(out, self.o_proj)
+        return self.backend.linear_rows(out, rows, self.o_proj)
 
     def write_cache(
         self, x: torch.Tensor, positions: torch.Tensor, cache: LatentCache, meta: AttentionMetadata

@@ -162,7 +162,7 @@ class FlashCausalDeepseekV2:
         for layer, cache in zip(self.layers, caches):
             x, residual = layer.forward(x, residual, positions, cache, meta)
         hidden, _ = self.backend.add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
-        logits = self.backend.linear(hidden[lm_head_indices], self.lm_head).float()
+        logits = self.backend.linear_rows(hidden, lm_head_indices, self.lm_head).float()
         return ModelOutput(logits=logits, hidden_states=hidden)
 
     def forward_mtp(
@@ -186,8 +186,8 @@ class FlashCausalDeepseekV2:
         rows_only = lm_rows_out or lm_head_indices is None
         block_out, normed = module.forward(input_ids, hidden_states, positions, cache, meta,
                                            lm_head_indices if rows_only else None)
-        head_rows = normed if rows_only else normed[lm_head_indices]
-        return ModelOutput(logits=module.head_logits(head_rows, float_logits), hidden_states=block_out)
+        logits = module.head_logits(normed, None if rows_only else lm_head_indices, float_logits)
+        return ModelOutput(logits=logits, hidden_states=block_out)
 
     def draft(
         self,

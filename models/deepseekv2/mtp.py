@@ -80,8 +80,14 @@ class MtpModule:
         x = self.backend.mtp_eh_input(input_ids, self.embed, self.enorm, hidden_states, self.hnorm, self.eps)
         return self.backend.linear(x, self.eh_proj)  # [T, hidden]
 
-    def head_logits(self, normed: torch.Tensor, as_float: bool = True) -> torch.Tensor:
-        """normed block outputs [N, hidden] -> logits [N, vocab], float32 unless ``as_float`` is
-        False (the model dtype: enough for an argmax, one conversion less)."""
-        logits = self.backend.linear(normed, self.head)
+    def head_logits(
+        self, normed: torch.Tensor, rows: torch.Tensor | None = None, as_float: bool = True
+    ) -> torch.Tensor:
+        """normed block outputs [T, hidden] -> logits [N, vocab] of ``rows`` [N] (None: every row),
+        float32 unless ``as_float`` is False (the model dtype: enough for an argmax, one
+        conversion less)."""
+        if rows is None:
+            logits = self.backend.linear(normed, self.head)
+        else:
+            logits = self.backend.linear_rows(normed, rows, self.head)
         return logits.float() if as_float else logits

@@ -38,7 +38,8 @@ def test_leading_dims_and_a_strided_input(device):
 def test_the_backend_routes_skinny_products_only(cuda_backend, device, monkeypatch):
     calls = []
     real = linear.skinny_linear
-    monkeypatch.setattr(linear, "skinny_linear", lambda x, w, swiglu=False: calls.append(x.shape[0]) or real(x, w, swiglu))
+    monkeypatch.setattr(linear, "skinny_linear",
+                        lambda x, w, swiglu=False, rows=None: calls.append(x.shape[0]) or real(x, w, swiglu, rows))
     g = torch.Generator().manual_seed(1)
     half = torch.float16
     w = LinearWeight(_rand(g, 48, 32, dtype=half).to(device))
@@ -72,9 +73,35 @@ def test_linear_silu_and_mul_equals_the_separate_ops(cuda_backend, cpu_backend, 
 def test_the_fused_swiglu_takes_the_skinny_launch_where_it_fits(cuda_backend, device, monkeypatch):
     calls = []
     real = linear.skinny_linear
-    monkeypatch.setattr(linear, "skinny_linear", lambda x, w, swiglu=False: calls.append(swiglu) or real(x, w, swiglu))
+    monkeypatch.setattr(linear, "skinny_linear",
+                        lambda x, w, swiglu=False, rows=None: calls.append(swiglu) or real(x, w, swiglu, rows))
     half = torch.float16
     w = LinearWeight(torch.randn(64, 32, dtype=half, device=device))
     for rows in (2, 17):
         cuda_backend.linear_silu_and_mul(torch.randn(rows, 32, dtype=half, device=device), w)
     assert calls == [True]  # 17 rows: torch's GEMM, then the SwiGLU kernel
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [[0], [5, 2, 2, 7], list(range(15, -1, -1)), list(range(17))])
+def test_linear_rows_equals_the_gathered_product(cuda_backend, device, dtype, rows):
+    # The lm_head's rows of a flat batch (out of order, repeated): gathered inside the skinny
+    # kernel up to 16 rows in half precision, an index and the GEMM otherwise.
+    g = torch.Generator().manual_seed(len(rows))
+    x, w = _rand(g, 20, 96, dtype=dtype), _rand(g, 300, 96, dtype=dtype) / 96 ** 0.5
+    idx = torch.tensor(rows)
+    out = cuda_backend.linear_rows(x.to(device), idx.to(device), LinearWeight(w.to(device)))
+    assert out.shape == (len(rows), 300) and out.dtype == dtype
+    assert_close(out, F.linear(x[idx].float(), w.float()).to(dtype), dtype)
+
+
+def test_linear_rows_gathers_inside_the_kernel_where_it_fits(cuda_backend, device, monkeypatch):
+    calls = []
+    real = linear.skinny_linear
+    monkeypatch.setattr(linear, "skinny_linear", lambda x, w, swiglu=False, rows=None: calls.append(rows is not None)
+                        or real(x, w, swiglu, rows))
+    half = torch.float16
+    x, w = torch.randn(30, 32, dtype=half, device=device), LinearWeight(torch.randn(48, 32, dtype=half, device=device))
+    for n in (3, 17):
+        cuda_backend.linear_rows(x, torch.arange(n, device=device), w)
+    assert calls == [True]  # 17 rows: an index, then torch's GEMM

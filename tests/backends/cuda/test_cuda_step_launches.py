@@ -44,9 +44,9 @@ def _layer_launches(cfg) -> int:
     return 11 * cfg.num_hidden_layers + 7 * moe_layers + 2 * (cfg.num_hidden_layers - moe_layers)
 
 
-# Beside the layers of a forward: the embedding, the final norm, the lm_head rows, the lm_head,
-# its float32 copy, and the argmax of the greedy token.
-FORWARD_GLUE = 6
+# Beside the layers of a forward: the embedding, the final norm, the lm_head (its rows gathered
+# inside the skinny GEMM), its float32 copy, and the argmax of the greedy token.
+FORWARD_GLUE = 5
 
 
 def test_plain_step_launches_little_beside_its_layers(checkpoint, monkeypatch):
@@ -62,15 +62,17 @@ def test_speculative_step_launches_little_beside_its_layers(checkpoint, monkeypa
     census, cfg = _launches(checkpoint, monkeypatch, params)
     step = census.last("speculative")
     # the verification's layers, then each draft stage's MoE block (its attention, norm and MLP);
-    # the last stage runs o_proj and its MLP on its lm_head rows alone (two row gathers)
-    assert step.in_layers == _layer_launches(cfg) + K * 18 + 2, step.by_name
+    # the last stage runs o_proj (its rows gathered inside the GEMM) and its MLP on its lm_head
+    # rows alone (the residual's rows: one gather)
+    assert step.in_layers == _layer_launches(cfg) + K * 18 + 1, step.by_name
     # a draft stage: eh_proj's input (embedding and both norms, one kernel), eh_proj, the
     # block's residual add with the head's norm, the lm_head (in the model dtype: an argmax
-    # needs no float32 copy), the argmax (5), and where another stage follows, its lm_head rows
-    # gathered and its tokens (a roll and a scatter: 3 more); then the first stage's hidden
+    # needs no float32 copy; where another stage follows, on its lm_head rows alone, gathered
+    # inside the GEMM), the argmax (5), and where another stage follows, its tokens (a roll and
+    # a scatter: 2 more); then the first stage's hidden
     # states read from the cache, the drafts stacked and set beside each sequence's last token
     # (one concat: the verification rows), the targets' argmax and the acceptance kernel
     # (backends/cuda/acceptance.py)
-    stages = 8 * (K - 1) + 5
+    stages = 7 * (K - 1) + 5
     acceptance = 5
     assert step.outside_layers == FORWARD_GLUE + stages + acceptance, step.by_name
