@@ -293,10 +293,14 @@ class Backend(ABC):
         """x [..., in] -> x @ w.weight.T [..., out]."""
         return F.linear(x, w.weight)
 
-    def linear_rows(self, x: torch.Tensor, rows: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+    def linear_rows(
+        self, x: torch.Tensor, rows: torch.Tensor, w: LinearWeight, float_out: bool = False
+    ) -> torch.Tensor:
         """x [T, in], rows [N] -> linear(x[rows], w) [N, out]: only the rows that need the product
-        (the lm_head's); a backend may gather them inside the GEMM."""
-        return self.linear(x[rows], w)
+        (the lm_head's), widened to float32 after it with ``float_out`` (logits); a backend may
+        gather the rows inside the GEMM and write the float32 values from it."""
+        out = self.linear(x[rows], w)
+        return out.float() if float_out else out
 
     def linear_silu_and_mul(self, x: torch.Tensor, gate_up: LinearWeight) -> torch.Tensor:
         """SwiGLU's first half: x [T, H], gate_up [2I, H] (rows gate | up) -> silu(x @ gate.T) *

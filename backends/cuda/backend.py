@@ -97,10 +97,10 @@ class CudaBackend(Backend):
             return self._k.fp8_linear.fp8_block_linear(x, w.weight)
         return self._k.linear.project(x, w.weight)
 
-    def linear_rows(self, x: torch.Tensor, rows: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+    def linear_rows(self, x: torch.Tensor, rows: torch.Tensor, w: LinearWeight, float_out: bool = False):
         if isinstance(w.weight, Fp8Weight):
-            return super().linear_rows(x, rows, w)
-        return self._k.linear.project_rows(x, rows, w.weight)
+            return super().linear_rows(x, rows, w, float_out)
+        return self._k.linear.project_rows(x, rows, w.weight, float_out)
 
     def linear_silu_and_mul(self, x: torch.Tensor, gate_up: LinearWeight) -> torch.Tensor:
         if isinstance(gate_up.weight, Fp8Weight):

@@ -38,7 +38,8 @@ def _skinny_linear_kernel(
 ):
     # SWIGLU: w holds [gate | up] (2 * n_out rows); out = silu(x @ gate.T) * (x @ up.T), each
     # product and the activation rounded to out's dtype first, as the separate ops round them.
-    # GATHER: output row m multiplies x's row rows[m].
+    # GATHER: output row m multiplies x's row rows[m]. A float32 out holds the product rounded
+    # to x's dtype (the value `linear(x, w).float()` gives).
     m = tl.arange(0, BLOCK_M)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = m < num_rows
@@ -61,11 +62,12 @@ def _skinny_linear_kernel(
         if SWIGLU:
             u = tl.load(up_rows + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [K, N]
             acc_up += tl.dot(a, u, input_precision=PRECISION)
-    dtype = out_ptr.dtype.element_ty
+    dtype = x_ptr.dtype.element_ty  # the product's rounding, even where out is float32 (logits)
     if SWIGLU:
         act = _silu_f32(acc.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         acc = act * acc_up.to(dtype).to(tl.float32)
-    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(dtype), mask=m_ok[:, None] & n_ok[None, :])
+    out = acc.to(dtype).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
 
 
 def enabled() -> bool:
@@ -88,12 +90,14 @@ def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, weight)
 
 
-def project_rows(x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x[rows] @ weight.T for x [T, K], rows [N] -> [N, out]: the rows gathered inside the skinny
-    kernel where it fits, an index and torch's GEMM otherwise."""
+def project_rows(x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, float_out: bool = False) -> torch.Tensor:
+    """x[rows] @ weight.T for x [T, K], rows [N] -> [N, out] in x's dtype, or widened to float32
+    with ``float_out``: the rows gathered inside the skinny kernel where it fits (which also
+    writes the float32 copy), an index and torch's GEMM otherwise."""
     if enabled() and x.dim() == 2 and rows.dim() == 1 and fits(x, weight, rows.shape[0]):
-        return skinny_linear(x, weight, rows=rows)
-    return project(x[rows], weight)
+        return skinny_linear(x, weight, rows=rows, out_dtype=torch.float32 if float_out else None)
+    out = project(x[rows], weight)
+    return out.float() if float_out else out
 
 
 def project_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -114,10 +118,11 @@ def _tiles(n_out: int, k_in: int) -> tuple[int, int]:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False,
-                  rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  rows: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """x [..., K] (at most MAX_ROWS rows) @ weight [N, K].T -> [..., N] in x's dtype; with
     ``swiglu`` weight is [gate | up] [2N, K] and the output silu(gate) * up [..., N]; with
-    ``rows`` [R <= MAX_ROWS] (x 2-d, any number of rows) x[rows] @ weight.T -> [R, N]."""
+    ``rows`` [R <= MAX_ROWS] (x 2-d, any number of rows) x[rows] @ weight.T -> [R, N]; with
+    ``out_dtype`` (float32) the result rounded to x's dtype, then widened."""
     lead = x.shape[:-1] if rows is None else rows.shape
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -125,7 +130,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False,
     k_in = x2.shape[1]
     num_rows = x2.shape[0] if rows is None else rows.shape[0]
     n_out = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    out = torch.empty((num_rows, n_out), dtype=x.dtype, device=x.device)
+    out = torch.empty((num_rows, n_out), dtype=out_dtype or x.dtype, device=x.device)
     block_n, block_k = _tiles(n_out, k_in)
     _skinny_linear_kernel[(triton.cdiv(n_out, block_n),)](
         x2, x2 if rows is None else rows, weight, out, num_rows, n_out, k_in, x2.stride(0), weight.stride(0),

@@ -162,7 +162,7 @@ class FlashCausalDeepseekV2:
         for layer, cache in zip(self.layers, caches):
             x, residual = layer.forward(x, residual, positions, cache, meta)
         hidden, _ = self.backend.add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
-        logits = self.backend.linear_rows(hidden, lm_head_indices, self.lm_head).float()
+        logits = self.backend.linear_rows(hidden, lm_head_indices, self.lm_head, float_out=True)
         return ModelOutput(logits=logits, hidden_states=hidden)
 
     def forward_mtp(

@@ -86,8 +86,7 @@ class MtpModule:
         """normed block outputs [T, hidden] -> logits [N, vocab] of ``rows`` [N] (None: every row),
         float32 unless ``as_float`` is False (the model dtype: enough for an argmax, one
         conversion less)."""
-        if rows is None:
-            logits = self.backend.linear(normed, self.head)
-        else:
-            logits = self.backend.linear_rows(normed, rows, self.head)
+        if rows is not None:
+            return self.backend.linear_rows(normed, rows, self.head, float_out=as_float)
+        logits = self.backend.linear(normed, self.head)
         return logits.float() if as_float else logits

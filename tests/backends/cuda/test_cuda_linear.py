@@ -39,7 +39,8 @@ def test_the_backend_routes_skinny_products_only(cuda_backend, device, monkeypat
     calls = []
     real = linear.skinny_linear
     monkeypatch.setattr(linear, "skinny_linear",
-                        lambda x, w, swiglu=False, rows=None: calls.append(x.shape[0]) or real(x, w, swiglu, rows))
+                        lambda x, w, swiglu=False, rows=None, out_dtype=None: calls.append(x.shape[0])
+                        or real(x, w, swiglu, rows, out_dtype))
     g = torch.Generator().manual_seed(1)
     half = torch.float16
     w = LinearWeight(_rand(g, 48, 32, dtype=half).to(device))
@@ -74,7 +75,8 @@ def test_the_fused_swiglu_takes_the_skinny_launch_where_it_fits(cuda_backend, de
     calls = []
     real = linear.skinny_linear
     monkeypatch.setattr(linear, "skinny_linear",
-                        lambda x, w, swiglu=False, rows=None: calls.append(swiglu) or real(x, w, swiglu, rows))
+                        lambda x, w, swiglu=False, rows=None, out_dtype=None: calls.append(swiglu)
+                        or real(x, w, swiglu, rows, out_dtype))
     half = torch.float16
     w = LinearWeight(torch.randn(64, 32, dtype=half, device=device))
     for rows in (2, 17):
@@ -93,13 +95,17 @@ def test_linear_rows_equals_the_gathered_product(cuda_backend, device, dtype, ro
     out = cuda_backend.linear_rows(x.to(device), idx.to(device), LinearWeight(w.to(device)))
     assert out.shape == (len(rows), 300) and out.dtype == dtype
     assert_close(out, F.linear(x[idx].float(), w.float()).to(dtype), dtype)
+    # logits: float32 written by the GEMM, holding the product rounded to x's dtype
+    logits = cuda_backend.linear_rows(x.to(device), idx.to(device), LinearWeight(w.to(device)), float_out=True)
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits.cpu(), out.cpu().float())
 
 
 def test_linear_rows_gathers_inside_the_kernel_where_it_fits(cuda_backend, device, monkeypatch):
     calls = []
     real = linear.skinny_linear
-    monkeypatch.setattr(linear, "skinny_linear", lambda x, w, swiglu=False, rows=None: calls.append(rows is not None)
-                        or real(x, w, swiglu, rows))
+    monkeypatch.setattr(linear, "skinny_linear", lambda x, w, swiglu=False, rows=None, out_dtype=None:
+                        calls.append(rows is not None) or real(x, w, swiglu, rows, out_dtype))
     half = torch.float16
     x, w = torch.randn(30, 32, dtype=half, device=device), LinearWeight(torch.randn(48, 32, dtype=half, device=device))
     for n in (3, 17):
