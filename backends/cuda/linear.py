@@ -37,7 +37,7 @@ def _skinny_linear_kernel(
     SWIGLU: tl.constexpr, GATHER: tl.constexpr,
 ):
     # SWIGLU: w holds [gate | up] (2 * n_out rows); out = silu(x @ gate.T) * (x @ up.T), each
-    # product and the activation rounded to out's dtype first, as the separate ops round them.
+    # product and the activation rounded to x's dtype first, as the separate ops round them.
     # GATHER: output row m multiplies x's row rows[m]. A float32 out holds the product rounded
     # to x's dtype (the value `linear(x, w).float()` gives).
     m = tl.arange(0, BLOCK_M)
