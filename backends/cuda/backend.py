@@ -98,14 +98,15 @@ class CudaBackend(Backend):
         return self._k.linear.project(x, w.weight)
 
     def linear_rows(self, x: torch.Tensor, rows: torch.Tensor, w: LinearWeight, float_out: bool = False):
-        if isinstance(w.weight, Fp8Weight):
-            return super().linear_rows(x, rows, w, float_out)
-        return self._k.linear.project_rows(x, rows, w.weight, float_out)
+        # the skinny kernel gathers the rows and writes float32 itself; otherwise an index first
+        if not isinstance(w.weight, Fp8Weight) and self._k.linear.fits_gathered(x, rows, w.weight):
+            return self._k.linear.skinny_linear(x, w.weight, rows=rows, out_dtype=torch.float32 if float_out else None)
+        return super().linear_rows(x, rows, w, float_out)
 
     def linear_silu_and_mul(self, x: torch.Tensor, gate_up: LinearWeight) -> torch.Tensor:
-        if isinstance(gate_up.weight, Fp8Weight):
-            return super().linear_silu_and_mul(x, gate_up)
-        return self._k.linear.project_silu_and_mul(x, gate_up.weight)
+        if not isinstance(gate_up.weight, Fp8Weight) and self._k.linear.fits_swiglu(x, gate_up.weight):
+            return self._k.linear.skinny_linear(x, gate_up.weight, swiglu=True)
+        return super().linear_silu_and_mul(x, gate_up)
 
     def expert_weights(self, w13, w2) -> ExpertWeights:
         return super().expert_weights(quantized.dense(w13), quantized.dense(w2))

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mindspec.backends.cuda.activation import _silu_f32, silu_and_mul
+from mindspec.backends.cuda.activation import _silu_f32
 from mindspec.backends.cuda.availability import interpreting
 from mindspec.backends.cuda.launch import MIN_DOT, dot_precision, pow2
 
@@ -90,23 +90,14 @@ def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, weight)
 
 
-def project_rows(x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, float_out: bool = False) -> torch.Tensor:
-    """x[rows] @ weight.T for x [T, K], rows [N] -> [N, out] in x's dtype, or widened to float32
-    with ``float_out``: the rows gathered inside the skinny kernel where it fits (which also
-    writes the float32 copy), an index and torch's GEMM otherwise."""
-    if enabled() and x.dim() == 2 and rows.dim() == 1 and fits(x, weight, rows.shape[0]):
-        return skinny_linear(x, weight, rows=rows, out_dtype=torch.float32 if float_out else None)
-    out = project(x[rows], weight)
-    return out.float() if float_out else out
+def fits_gathered(x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``skinny_linear`` takes x[rows] @ weight.T, gathering x's rows itself."""
+    return enabled() and x.dim() == 2 and rows.dim() == 1 and fits(x, weight, rows.shape[0])
 
 
-def project_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """silu_and_mul(x @ weight.T) for weight [gate | up] [2I, K] -> [..., I]: one launch where
-    the skinny kernel fits, torch's GEMM and the SwiGLU kernel otherwise."""
-    if enabled() and fits(x, weight) and weight.shape[0] % 2 == 0:
-        return skinny_linear(x, weight, swiglu=True)
-    y = project(x, weight)
-    return silu_and_mul(y.reshape(-1, y.shape[-1])).view(*y.shape[:-1], y.shape[-1] // 2)
+def fits_swiglu(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``skinny_linear`` takes silu_and_mul(x @ weight.T) for weight [gate | up]."""
+    return enabled() and fits(x, weight) and weight.shape[0] % 2 == 0
 
 
 def _tiles(n_out: int, k_in: int) -> tuple[int, int]:
