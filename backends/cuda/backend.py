@@ -88,9 +88,10 @@ class CudaBackend(Backend):
 
     # ---- dense projections -------------------------------------------------------------------
     def keeps_quantized(self, checkpoint_format: str) -> bool:
-        """Block FP8 GEMM weights stay FP8 (fp8_linear.py); the routed experts are dequantized
-        at load (``expert_weights``: no FP8 fused-MoE kernel yet), GGUF files entirely."""
-        return checkpoint_format == "fp8"
+        """Block FP8 GEMM weights stay FP8 (fp8_linear.py) where Triton can load e4m3 (compute
+        capability 8.9 and up), and are dequantized at load on older GPUs; the routed experts are
+        dequantized at load (``expert_weights``: no FP8 fused-MoE kernel yet), GGUF files entirely."""
+        return checkpoint_format == "fp8" and self._k.fp8_linear.supported(self.device)
 
     def linear(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
         if isinstance(w.weight, Fp8Weight):

@@ -24,6 +24,7 @@ from mindspec.modeling.fp8 import E4M3_MAX, Fp8Weight
 SCALE_FLOOR = 1e-10  # an all-zero activation group gets this scale (its values quantize to 0)
 FP8_MMA_K = 32  # the K depth of one 8-bit tensor-core MMA (sm89 mma.sync, sm90 wgmma): tl.dot's least
 E4M3_DOT, BF16_DOT, F32_DOT = 0, 1, 2  # how the kernel multiplies its tiles (UPCAST)
+E4M3_MIN_CAPABILITY = (8, 9)  # Triton loads e4m3 (its fp8e4nv) from Ada and Hopper on; not on an A100
 
 
 @triton.jit
@@ -78,6 +79,12 @@ def dot_mode(capability: tuple[int, int] | None, block_k: int) -> int:
     if capability is None:
         return F32_DOT
     return E4M3_DOT if capability >= (8, 9) and block_k >= FP8_MMA_K else BF16_DOT
+
+
+def supported(device: torch.device) -> bool:
+    """Whether the kernel compiles for ``device`` (always under the interpreter)."""
+    capability = _capability(device)
+    return capability is None or capability >= E4M3_MIN_CAPABILITY
 
 
 def _capability(device: torch.device) -> tuple[int, int] | None:

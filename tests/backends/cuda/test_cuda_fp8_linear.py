@@ -95,6 +95,18 @@ def test_e4m3_tiles_reach_tl_dot_only_on_fp8_tensor_cores_and_k_blocks_one_mma_d
     assert dot_mode(None, 128) == F32_DOT
 
 
+def test_gpus_before_ada_dequantize_fp8_projections_at_load(monkeypatch, cuda_backend):
+    """Triton loads e4m3 from compute capability 8.9 on (compiled for sm_80 the kernel fails:
+    "type fp8e4nv not supported", tests/backends/cuda/test_cuda_native_compile.py): on an A100 an
+    FP8 checkpoint's projections load in the model's dtype instead."""
+    from mindspec.backends.cuda import fp8_linear
+
+    for capability, kept in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True)):
+        monkeypatch.setattr(fp8_linear, "_capability", lambda device, c=capability: c)
+        assert cuda_backend.keeps_quantized("fp8") is kept
+        assert not cuda_backend.keeps_quantized("gguf")
+
+
 @pytest.mark.slow
 def test_fp8_checkpoint_on_cuda_keeps_its_projections_fp8_and_follows_cpu(tmp_path, device):
     """The same FP8 checkpoint: cpu runs dequantized weights on full-precision activations, cuda
