@@ -43,7 +43,7 @@ import torch
 
 KERNEL_PACKAGE = "mindspec.backends.cuda."
 # Shared memory a block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin), by compute capability.
-MAX_SHARED_BYTES = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+MAX_SHARED_BYTES = {75: 65536, 80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 
 
 def _canonical_int(value: int) -> int:

@@ -1,5 +1,5 @@
-"""The Triton kernels the cuda backend launches compile for Hopper (sm_90: H100, H200) and Ampere
-(sm_80: A100), checked without a GPU (tests/support/native_compile.py).
+"""The Triton kernels the cuda backend launches compile for Hopper (sm_90: H100, H200), Ampere
+(sm_80: A100) and Blackwell (sm_100: B200), checked without a GPU (tests/support/native_compile.py).
 
 The interpreter runs a kernel as Python, so what only Triton's compiler rejects reaches the first
 GPU session untested. Here models serve greedy requests with MTP (prefill, plain and speculative
@@ -33,7 +33,7 @@ from test_cuda_published_widths import write_checkpoint
 pytestmark = [pytest.mark.skipif(ON_GPU, reason="a GPU compiles its kernels as it runs them"), pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[3]
-ARCHS = ("90", "80")
+ARCHS = ("90", "80", "100")  # Hopper (H100, H200), Ampere (A100), Blackwell (B200)
 MTP = {"plugin_type": "mtp", "num_speculative_tokens": 3, "mtp_mode": "eagle", "adaptive_speculation": False}
 # Every kernel a request's prefill, plain and speculative steps launch, and the split-key merge.
 STEP_KERNELS = {
@@ -114,7 +114,7 @@ def _attention_variants() -> None:
                        num_splits=splits)
 
 
-def test_the_shipped_models_kernels_compile_for_hopper_and_ampere(tmp_path, monkeypatch):
+def test_the_shipped_models_kernels_compile_for_hopper_ampere_and_blackwell(tmp_path, monkeypatch):
     recorder = LaunchRecorder()
     with recorder.installed(monkeypatch):
         for dtype in ("float16", "bfloat16", "float32"):
@@ -124,7 +124,7 @@ def test_the_shipped_models_kernels_compile_for_hopper_and_ampere(tmp_path, monk
     _compile_all(recorder, tmp_path / "launches.json", *ARCHS)
 
 
-def test_published_widths_kernels_compile_for_hopper_and_ampere(tmp_path, monkeypatch):
+def test_published_widths_kernels_compile_for_hopper_ampere_and_blackwell(tmp_path, monkeypatch):
     """MLA with 16 / 128 heads and kv_lora_rank 512, hidden 2048 / 7168, softmax routing over 64
     experts and V3's grouped sigmoid routing (the checkpoints of test_cuda_published_widths.py)."""
     recorder = LaunchRecorder()
@@ -136,7 +136,7 @@ def test_published_widths_kernels_compile_for_hopper_and_ampere(tmp_path, monkey
     _compile_all(recorder, tmp_path / "launches.json", *ARCHS)
 
 
-@pytest.mark.parametrize("arch,capability", [("90", (9, 0)), ("89", (8, 9))])
+@pytest.mark.parametrize("arch,capability", [("90", (9, 0)), ("89", (8, 9)), ("100", (10, 0))])
 def test_block_fp8_projections_compile_in_each_architectures_mode(tmp_path, monkeypatch, arch, capability):
     """e4m3 tiles into tl.dot where a K block is one FP8 MMA deep, bf16 otherwise
     (fp8_linear.dot_mode); V3's 128 x 128 blocks and 16-wide ones. Before Ada (sm_89) Triton
