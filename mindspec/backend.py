@@ -302,6 +302,11 @@ class Backend(ABC):
         out = self.linear(x[rows], w)
         return out.float() if float_out else out
 
+    def rms_norm_linear(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: LinearWeight) -> torch.Tensor:
+        """linear(rms_norm(x, norm_weight, eps), w) for a norm that only this projection reads
+        (MLA's q_a_layernorm before q_b_proj); a backend may normalise inside the GEMM."""
+        return self.linear(self.rms_norm(x, norm_weight, eps), w)
+
     def linear_silu_and_mul(self, x: torch.Tensor, gate_up: LinearWeight) -> torch.Tensor:
         """SwiGLU's first half: x [T, H], gate_up [2I, H] (rows gate | up) -> silu(x @ gate.T) *
         (x @ up.T) [T, I], as ``silu_and_mul(linear(x, gate_up))``; a backend may fuse the two."""

@@ -104,6 +104,11 @@ class CudaBackend(Backend):
             return self._k.linear.skinny_linear(x, w.weight, rows=rows, out_dtype=torch.float32 if float_out else None)
         return super().linear_rows(x, rows, w, float_out)
 
+    def rms_norm_linear(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: LinearWeight):
+        if not isinstance(w.weight, Fp8Weight) and self._k.linear.fits_normed(x, norm_weight, w.weight):
+            return self._k.linear.skinny_linear(x, w.weight, norm=(norm_weight, eps))
+        return super().rms_norm_linear(x, norm_weight, eps, w)
+
     def linear_silu_and_mul(self, x: torch.Tensor, gate_up: LinearWeight) -> torch.Tensor:
         if not isinstance(gate_up.weight, Fp8Weight) and self._k.linear.fits_swiglu(x, gate_up.weight):
             return self._k.linear.skinny_linear(x, gate_up.weight, swiglu=True)

@@ -31,15 +31,18 @@ _DTYPES = (torch.float16, torch.bfloat16)  # routed here by ``fits``; float32 wo
 
 @triton.jit
 def _skinny_linear_kernel(
-    x_ptr, rows_ptr, w_ptr, out_ptr, num_rows, n_out, k_in,
+    x_ptr, rows_ptr, w_ptr, out_ptr, norm_ptr, num_rows, n_out, k_in, eps,
     stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    SWIGLU: tl.constexpr, GATHER: tl.constexpr,
+    SWIGLU: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr,
 ):
     # SWIGLU: w holds [gate | up] (2 * n_out rows); out = silu(x @ gate.T) * (x @ up.T), each
     # product and the activation rounded to x's dtype first, as the separate ops round them.
     # GATHER: output row m multiplies x's row rows[m]. A float32 out holds the product rounded
     # to x's dtype (the value `linear(x, w).float()` gives).
+    # NORM: x's rows are RMS-normalised first, each program over the whole row (K <= MAX_K), and
+    # rounded as the norm kernel rounds them: x * rsqrt(mean(x^2) + eps) to x's dtype, times
+    # norm_ptr's weight, to x's dtype.
     m = tl.arange(0, BLOCK_M)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = m < num_rows
@@ -53,10 +56,23 @@ def _skinny_linear_kernel(
     up_rows = w_ptr + (n[None, :] + n_out).to(tl.int64) * stride_wn  # [1, N] (SWIGLU only)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    inv = tl.zeros([BLOCK_M], tl.float32)
+    if NORM:
+        squares = tl.zeros([BLOCK_M], tl.float32)
+        for k0 in range(0, k_in, BLOCK_K):
+            k = k0 + kk
+            a = tl.load(x_ptr + src[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & (k < k_in)[None, :],
+                        other=0.0).to(tl.float32)
+            squares += tl.sum(a * a, axis=1)
+        inv = 1.0 / tl.sqrt(squares / k_in + eps)
     for k0 in range(0, k_in, BLOCK_K):
         k = k0 + kk
         k_ok = k < k_in
         a = tl.load(x_ptr + src[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if NORM:
+            g = tl.load(norm_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            h = (a.to(tl.float32) * inv[:, None]).to(a.dtype).to(tl.float32)
+            a = (h * g[None, :]).to(a.dtype)
         w = tl.load(w_rows + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [K, N]
         acc += tl.dot(a, w, input_precision=PRECISION)
         if SWIGLU:
@@ -95,6 +111,12 @@ def fits_gathered(x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor) -> 
     return enabled() and x.dim() == 2 and rows.dim() == 1 and fits(x, weight, rows.shape[0])
 
 
+def fits_normed(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``skinny_linear`` takes RMSNorm(x) * norm_weight @ weight.T, normalising x itself."""
+    return (enabled() and x.dim() == 2 and fits(x, weight) and norm_weight.shape == (x.shape[1],)
+            and norm_weight.dtype == x.dtype)
+
+
 def fits_swiglu(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``skinny_linear`` takes silu_and_mul(x @ weight.T) for weight [gate | up]."""
     return enabled() and fits(x, weight) and weight.shape[0] % 2 == 0
@@ -109,11 +131,13 @@ def _tiles(n_out: int, k_in: int) -> tuple[int, int]:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False,
-                  rows: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                  rows: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
+                  norm: Optional[tuple[torch.Tensor, float]] = None) -> torch.Tensor:
     """x [..., K] (at most MAX_ROWS rows) @ weight [N, K].T -> [..., N] in x's dtype; with
     ``swiglu`` weight is [gate | up] [2N, K] and the output silu(gate) * up [..., N]; with
     ``rows`` [R <= MAX_ROWS] (x 2-d, any number of rows) x[rows] @ weight.T -> [R, N]; with
-    ``out_dtype`` (float32) the result rounded to x's dtype, then widened."""
+    ``out_dtype`` (float32) the result rounded to x's dtype, then widened; with ``norm``
+    (weight [K], eps) RMSNorm(x) * weight takes x's place."""
     lead = x.shape[:-1] if rows is None else rows.shape
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -123,9 +147,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False,
     n_out = weight.shape[0] // 2 if swiglu else weight.shape[0]
     out = torch.empty((num_rows, n_out), dtype=out_dtype or x.dtype, device=x.device)
     block_n, block_k = _tiles(n_out, k_in)
+    norm_weight, eps = (x2, 0.0) if norm is None else norm
     _skinny_linear_kernel[(triton.cdiv(n_out, block_n),)](
-        x2, x2 if rows is None else rows, weight, out, num_rows, n_out, k_in, x2.stride(0), weight.stride(0),
-        out.stride(0), BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=dot_precision(x.dtype),
-        SWIGLU=swiglu, GATHER=rows is not None, num_warps=4,
+        x2, x2 if rows is None else rows, weight, out, norm_weight, num_rows, n_out, k_in, eps, x2.stride(0),
+        weight.stride(0), out.stride(0), BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        PRECISION=dot_precision(x.dtype), SWIGLU=swiglu, GATHER=rows is not None, NORM=norm is not None, num_warps=4,
     )
     return out.view(*lead, n_out)

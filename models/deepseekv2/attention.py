@@ -65,7 +65,7 @@ class MlaAttention:
             q_a, kv_a = self.backend.linear(x, self.qkv_a_proj).split(
                 [self.q_lora_rank, self.kv_a_proj.weight.shape[0]], dim=-1
             )
-            q = self.backend.linear(self.backend.rms_norm(q_a, self.q_a_layernorm, self.eps), self.q_b_proj)
+            q = self.backend.rms_norm_linear(q_a, self.q_a_layernorm, self.eps, self.q_b_proj)
         return q.view(x.shape[0], self.num_heads, self.nope_dim + self.rope_dim), kv_a
 
     def forward(

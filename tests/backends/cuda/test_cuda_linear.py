@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cuda_support import DTYPES, assert_close
+from cuda_support import DTYPES, ON_GPU, assert_close
 from mindspec.backend import LinearWeight
 from mindspec.backends.cuda import linear
 
@@ -111,3 +111,35 @@ def test_linear_rows_gathers_inside_the_kernel_where_it_fits(cuda_backend, devic
     for n in (3, 17):
         cuda_backend.linear_rows(x, torch.arange(n, device=device), w)
     assert calls == [True]  # 17 rows: an index, then torch's GEMM
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,k_in,n_out", [(1, 96, 192), (4, 96, 192), (16, 300, 40), (3, 1024, 64), (17, 64, 24)])
+def test_rms_norm_linear_equals_the_separate_ops(cuda_backend, cpu_backend, device, dtype, rows, k_in, n_out):
+    # MLA's q_a_layernorm then q_b_proj (the shipped model: 96 -> 4 heads x 48): one skinny launch
+    # up to 16 rows in half precision, normalising each row inside it; the norm kernel and the
+    # GEMM otherwise (17 rows, float32).
+    g = torch.Generator().manual_seed(rows * k_in + n_out)
+    x, w = _rand(g, rows, k_in, dtype=dtype) * 3, _rand(g, n_out, k_in, dtype=dtype) / k_in ** 0.5
+    norm_w = (1 + 0.2 * torch.randn(k_in, generator=g)).to(dtype)
+    lw = LinearWeight(w.to(device))
+    out = cuda_backend.rms_norm_linear(x.to(device), norm_w.to(device), 1e-6, lw)
+    assert out.shape == (rows, n_out) and out.dtype == dtype
+    assert_close(out, cpu_backend.rms_norm_linear(x, norm_w, 1e-6, LinearWeight(w)), dtype)
+    separate = cuda_backend.linear(cuda_backend.rms_norm(x.to(device), norm_w.to(device), 1e-6), lw)
+    if not ON_GPU and k_in <= 512:  # one K tile here: the sums of squares in the norm kernel's order
+        assert torch.equal(out.cpu(), separate.cpu())
+    assert_close(out, separate.cpu(), dtype)
+    assert not torch.allclose(out.cpu().float(), F.linear(x.float(), w.float()), atol=1e-2, rtol=1e-2)  # normalised
+
+
+def test_the_norm_takes_the_skinny_launch_where_it_fits(cuda_backend, device, monkeypatch):
+    calls = []
+    real = linear.skinny_linear
+    monkeypatch.setattr(linear, "skinny_linear", lambda x, w, swiglu=False, rows=None, out_dtype=None, norm=None:
+                        calls.append(norm is not None) or real(x, w, swiglu, rows, out_dtype, norm))
+    for rows, dtype in ((2, torch.float16), (17, torch.float16), (2, torch.float32)):
+        w = LinearWeight(torch.randn(48, 32, dtype=dtype, device=device))
+        cuda_backend.rms_norm_linear(torch.randn(rows, 32, dtype=dtype, device=device),
+                                     torch.ones(32, dtype=dtype, device=device), 1e-6, w)
+    assert calls == [True]  # 17 rows, float32: the norm kernel, then the GEMM
