@@ -2,9 +2,9 @@
 without a GPU. TEST SUPPORT ONLY: nothing here runs a kernel on a GPU.
 
 Under Triton's interpreter (how CI runs the cuda backend) a kernel never meets Triton's compiler,
-so what only the compiler rejects (a ``tl.dot`` tile under 16, a loop-carried value whose type
-changes, a block too large for shared memory) passes every interpreter test and fails on the
-first GPU. Two steps close that gap:
+so what only the compiler rejects (a loop-carried value whose type changes, a dtype the
+architecture lacks such as e4m3 before sm_89, a block too large for shared memory) passes every
+interpreter test and fails on the first GPU. Two steps close that gap:
 
 - ``LaunchRecorder.installed`` notes every kernel launch's specialization while the kernels run
   interpreted: argument dtypes and 16-byte alignment, integer and float values (Triton
