@@ -362,6 +362,14 @@ class Backend(ABC):
         sequence, causal aligned to the end of each sequence, or meta.tree_mask among new tokens.
         """
 
+    def rope_mla_attention(
+        self, q_lat: torch.Tensor, q_pe: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+        cache: LatentCache, meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        """``mla_attention`` of a q_pe [T, H, P] not yet roped: ``rope(q_pe, positions, rotary)``
+        first; a backend may rotate q_pe as its attention kernel loads it."""
+        return self.mla_attention(q_lat, self.rope(q_pe, positions, rotary), cache, meta, scale)
+
     @abstractmethod
     def mla_prefill(
         self,

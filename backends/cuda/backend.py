@@ -142,6 +142,11 @@ class CudaBackend(Backend):
     def mla_attention(self, q_lat, q_pe, cache: LatentCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return self._k.mla_attention.mla_decode(q_lat, q_pe, cache, meta, scale, num_splits=self.num_kv_splits)
 
+    def rope_mla_attention(self, q_lat, q_pe, positions, rotary: RotaryEmbedding, cache: LatentCache,
+                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self._k.mla_attention.mla_decode(q_lat, q_pe, cache, meta, scale, num_splits=self.num_kv_splits,
+                                                rope_q=(positions, rotary))
+
     def mla_prefill(self, q_nope, q_pe, k_nope, k_pe, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return self._k.mla_attention.mla_prefill(q_nope, q_pe, k_nope, k_pe, v, meta, scale)
 

@@ -23,9 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from mindspec.backend import AttentionMetadata, LatentCache
+from mindspec.backend import AttentionMetadata, LatentCache, RotaryEmbedding
 from mindspec.backends.cuda.availability import interpreting
 from mindspec.backends.cuda.launch import dot_pow2, dot_precision, pow2
+from mindspec.backends.cuda.rope import cos_sin_rows, rotate_pairs
 from mindspec.backends.cuda.tiles import check_token_count, num_tile_programs, seq_block, tile_of
 
 LOG2E = 1.4426950408889634
@@ -36,16 +37,18 @@ MIN_KEYS_PER_SPLIT = 256
 @triton.jit
 def _mla_decode_kernel(
     q_ptr, qpe_ptr, cache_c_ptr, cache_pe_ptr, bt_ptr, seq_lens_ptr, q_lens_ptr, q_start_ptr,
-    tree_ptr, out_ptr, part_ptr, lse_ptr,
+    tree_ptr, out_ptr, part_ptr, lse_ptr, pos_ptr, table_ptr,
     num_seqs, heads, rank, rope_dim, block_size, bt_width, qk_scale,
-    stride_qt, stride_qh, stride_pt, stride_ph,
+    stride_qt, stride_qh, stride_pt, stride_ph, stride_table,
     stride_cc_blk, stride_cc_row, stride_cp_blk, stride_cp_row, stride_bt,
     stride_tree_b, stride_tree_i, tree_q,
     stride_ot, stride_oh, stride_part_t, stride_part_h, stride_part_s, stride_lse_t, stride_lse_h,
     NUM_SPLITS: tl.constexpr, TQ: tl.constexpr, BH: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, HAS_TREE: tl.constexpr, PRECISION: tl.constexpr,
-    SEQ_BLOCK: tl.constexpr,
+    SEQ_BLOCK: tl.constexpr, ROPE_Q: tl.constexpr,
 ):
+    # ROPE_Q: q_pe is rotated here as it is loaded (its interleaved pairs by the [cos | sin] row
+    # of each token's position, rounded as the rope kernel rounds them) instead of by a launch of its own.
     pid_s = tl.program_id(2)
     b, i0 = tile_of(q_lens_ptr, num_seqs, tl.program_id(0), TQ, SEQ_BLOCK)
     if b < 0:
@@ -64,8 +67,20 @@ def _mla_decode_kernel(
     p = tl.arange(0, BLOCK_P)
     q = tl.load(q_ptr + tok[:, None] * stride_qt + h[:, None] * stride_qh + r[None, :],
                 mask=row_ok[:, None] & (r[None, :] < rank), other=0.0)  # [M, R]
-    qpe = tl.load(qpe_ptr + tok[:, None] * stride_pt + h[:, None] * stride_ph + p[None, :],
-                  mask=row_ok[:, None] & (p[None, :] < rope_dim), other=0.0)  # [M, P]
+    if ROPE_Q:
+        j = tl.arange(0, BLOCK_P // 2)  # pairs
+        pair_ok = row_ok[:, None] & (j[None, :] < rope_dim // 2)
+        row = tl.load(pos_ptr + tok, mask=row_ok, other=0).to(tl.int64) * stride_table  # [M]
+        cos = tl.load(table_ptr + row[:, None] + j[None, :], mask=pair_ok, other=0.0)
+        sin = tl.load(table_ptr + row[:, None] + rope_dim // 2 + j[None, :], mask=pair_ok, other=0.0)
+        src = qpe_ptr + tok[:, None] * stride_pt + h[:, None] * stride_ph + 2 * j[None, :]
+        x0 = tl.load(src, mask=pair_ok, other=0.0).to(tl.float32)
+        x1 = tl.load(src + 1, mask=pair_ok, other=0.0).to(tl.float32)
+        o0, o1 = rotate_pairs(x0, x1, cos, sin, qpe_ptr.dtype.element_ty)
+        qpe = tl.interleave(o0, o1)  # [M, P]
+    else:
+        qpe = tl.load(qpe_ptr + tok[:, None] * stride_pt + h[:, None] * stride_ph + p[None, :],
+                      mask=row_ok[:, None] & (p[None, :] < rope_dim), other=0.0)  # [M, P]
 
     # This split's key range; causally, no row of the tile sees past the tile's last new token.
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -189,8 +204,9 @@ def mla_decode(
     meta: AttentionMetadata,
     scale: float,
     num_splits: Optional[int] = None,  # None: chosen from the device; tests force > 1
+    rope_q: Optional[tuple[torch.Tensor, RotaryEmbedding]] = None,  # (positions [T], rotary): q_pe not yet roped
 ) -> torch.Tensor:
-    """-> o_lat [T, H, R] in q_lat's dtype."""
+    """-> o_lat [T, H, R] in q_lat's dtype; with ``rope_q`` q_pe is rotated inside the kernel."""
     num_tokens, heads, rank = q_lat.shape
     rope_dim = q_pe.shape[-1]
     out = torch.empty_like(q_lat, memory_format=torch.contiguous_format)
@@ -215,12 +231,19 @@ def mla_decode(
     else:
         part, lse = out, out  # unused
     tree_arg = tree if tree is not None else meta.q_lens
+    if rope_q is None:
+        table, rows = q_pe, meta.q_lens  # unused
+    else:
+        table, rows = cos_sin_rows(*rope_q)
+        if table.shape[-1] != rope_dim or rope_dim % 2 or rows.shape != (num_tokens,):
+            raise ValueError(f"mla_attention: rope table {tuple(table.shape)} / positions {tuple(rope_q[0].shape)} "
+                             f"do not fit q_pe {tuple(q_pe.shape)}")
     interp = interpreting()
     _mla_decode_kernel[(programs, head_blocks, num_splits)](
         q_lat, q_pe, cache.c_kv, cache.k_pe, tables, meta.seq_lens, meta.q_lens, meta.q_start_loc,
-        tree_arg, out, part, lse,
+        tree_arg, out, part, lse, rows, table,
         num_seqs, heads, rank, rope_dim, cache.block_size, tables.shape[1], scale * LOG2E,
-        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
+        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), table.stride(0),
         cache.c_kv.stride(0), cache.c_kv.stride(1), cache.k_pe.stride(0), cache.k_pe.stride(1), tables.stride(0),
         tree.stride(0) if tree is not None else 0, tree.stride(1) if tree is not None else 0,
         tree.shape[-1] if tree is not None else 0,
@@ -230,7 +253,8 @@ def mla_decode(
         lse.stride(1) if num_splits > 1 else 0,
         NUM_SPLITS=num_splits, TQ=tq, BH=bh, BLOCK_N=64 if interp else 32,
         BLOCK_R=dot_pow2(rank), BLOCK_P=dot_pow2(rope_dim), HAS_TREE=tree is not None,
-        PRECISION=dot_precision(q_lat.dtype), SEQ_BLOCK=seq_block(num_seqs), num_warps=4, num_stages=2,
+        PRECISION=dot_precision(q_lat.dtype), SEQ_BLOCK=seq_block(num_seqs), ROPE_Q=rope_q is not None,
+        num_warps=4, num_stages=2,
     )
     if num_splits > 1:
         merge_bh = pow2(heads) if interp else min(pow2(heads), 16)

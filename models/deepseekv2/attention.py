@@ -75,13 +75,12 @@ class MlaAttention:
         """x [T, hidden] -> [T, hidden], or [N, hidden] for ``rows`` [N] alone (o_proj on those rows
         only); writes every token's latents into ``cache``."""
         q, kv_a = self._project(x)
-        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        q_pe = self.backend.rope(q_pe, positions, self.rotary)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # q_pe not yet roped
         c_kv, k_pe = self._write_latents(kv_a, positions, cache, meta)
         if meta.is_prefill and meta.tree_mask is None:
-            out = self._prefill(q_nope, q_pe, c_kv, k_pe, meta)
+            out = self._prefill(q_nope, self.backend.rope(q_pe, positions, self.rotary), c_kv, k_pe, meta)
         else:
-            out = self._absorbed(q_nope, q_pe, cache, meta)
+            out = self._absorbed(q_nope, q_pe, positions, cache, meta)
         out = out.reshape(x.shape[0], self.num_heads * self.v_dim)
         if rows is None:
             return self.backend.linear(out, self.o_proj)
@@ -107,7 +106,7 @@ class MlaAttention:
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         return self.backend.mla_prefill(q_nope, q_pe, k_nope, k_pe, v, meta, self.scale)  # [T, H, v]
 
-    def _absorbed(self, q_nope, q_pe, cache, meta) -> torch.Tensor:
+    def _absorbed(self, q_nope, q_pe, positions, cache, meta) -> torch.Tensor:
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, R]
-        o_lat = self.backend.mla_attention(q_lat, q_pe, cache, meta, self.scale)  # [T, H, R]
+        o_lat = self.backend.rope_mla_attention(q_lat, q_pe, positions, self.rotary, cache, meta, self.scale)
         return torch.bmm(o_lat.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # [T, H, v]

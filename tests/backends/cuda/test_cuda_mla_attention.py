@@ -133,3 +133,42 @@ def test_token_count_mismatch_is_named(cuda_backend, device):
     cache, dmeta = _on(device, meta, buf, cuda_backend)
     with pytest.raises(ValueError, match="new tokens"):
         cuda_backend.mla_attention(q_lat[:1].to(device), q_pe[:1].to(device), cache, dmeta, SCALE)
+
+
+def _rotary(device, with_cache):
+    from mindspec.modeling.rotary import build_rotary, rope_parameters
+
+    # DeepSeek YaRN, factor 40, with a cos/sin attention factor other than 1
+    rotary = build_rotary(P, rope_parameters({"rope_theta": 10000.0, "rope_scaling": {
+        "type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "mscale": 1.0,
+        "mscale_all_dim": 0.707}}), 163840)
+    if with_cache:
+        rotary.build_cache(512, device)
+    return rotary
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits,tree,with_cache", [(1, False, True), (3, False, True), (1, True, True),
+                                                    (2, False, False)])
+def test_q_rope_inside_the_kernel_equals_rope_first(cuda_backend, cpu_backend, device, dtype, splits, tree, with_cache):
+    """rope_mla_attention rotates q_pe as the kernel loads it, rounded as the rope kernel rounds
+    it: the same scores, so the same output bit for bit; a launch less per decoder layer."""
+    seq_lens, q_lens = [150, 9, 30], [4, 4, 1]
+    mask = None
+    if tree:
+        mask = torch.rand(3, 4, 4, generator=torch.Generator().manual_seed(5)) < 0.5
+        mask |= torch.eye(4, dtype=torch.bool)
+    meta, buf, q_lat, q_pe = _case(seq_lens, q_lens, 16, dtype, device, seed=11, tree=mask)
+    positions = torch.cat([torch.arange(s - q, s) for s, q in zip(seq_lens, q_lens)])
+    rotary = _rotary(device, with_cache)
+    cache, dmeta = _on(device, meta, buf, cuda_backend)
+    q_lat_d, q_pe_d, pos_d = q_lat.to(device), q_pe.to(device), positions.to(device)
+    fused = mla_decode(q_lat_d, q_pe_d, cache, dmeta, SCALE, num_splits=splits, rope_q=(pos_d, rotary))
+    first = mla_decode(q_lat_d, cuda_backend.rope(q_pe_d, pos_d, rotary), cache, dmeta, SCALE, num_splits=splits)
+    assert torch.equal(fused.cpu(), first.cpu())
+    ref_cache, _ = _on("cpu", meta, buf, cpu_backend)
+    cpu_rotary = _rotary("cpu", with_cache)
+    expected = cpu_backend.rope_mla_attention(q_lat, q_pe, positions, cpu_rotary, ref_cache, meta, SCALE)
+    assert_close(fused, expected, dtype)
+    unroped = mla_decode(q_lat_d, q_pe_d, cache, dmeta, SCALE, num_splits=splits)
+    assert not torch.allclose(fused.cpu().float(), unroped.cpu().float(), atol=1e-3)  # the rotation counts
