@@ -407,6 +407,15 @@ class Backend(ABC):
         ``shared`` where given (added to the rounded sum, as ``out + shared``: one launch less
         where the backend fuses it)."""
 
+    def moe_block(
+        self, x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: Optional[torch.Tensor], router: RouterConfig,
+        experts: ExpertWeights, shared: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """A MoE block's experts on this rank's tokens: ``moe_experts`` of ``moe_gate``'s routes; a
+        backend may plan the experts' work as it routes."""
+        topk_weights, topk_ids = self.moe_gate(x, gate_weight, correction_bias, router)
+        return self.moe_experts(x, topk_weights, topk_ids, experts, shared)
+
     # ---- sampling (optional; Ascend fuses it as npu_top_k_top_p) --------------------------------
     def top_k_top_p(self, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         """logits [N, V]; top_k [N] int in [1, V] (V = off); top_p [N] (1.0 = off) -> logits with

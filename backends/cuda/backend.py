@@ -157,6 +157,12 @@ class CudaBackend(Backend):
     def moe_experts(self, x, topk_weights, topk_ids, experts: ExpertWeights, shared=None) -> torch.Tensor:
         return self._k.fused_moe.moe_experts(x, topk_weights, topk_ids, experts, shared)
 
+    def moe_block(self, x, gate_weight, correction_bias, router: RouterConfig, experts: ExpertWeights, shared=None):
+        # the router plans the experts' GEMMs in its own launch where one program routes every token
+        block_m = self._k.fused_moe.block_rows(x.shape[0] * router.top_k)
+        weights, ids, plan = self._k.moe_gate.route_and_plan(x, gate_weight, correction_bias, router, block_m)
+        return self._k.fused_moe.moe_experts(x, weights, ids, experts, shared, plan=plan)
+
     # ---- speculative acceptance --------------------------------------------------------------
     def accept_drafts(self, buffer, targets, exact, hidden, drafts, starts, counts, keep_rows) -> torch.Tensor:
         return self._k.acceptance.accept_drafts(buffer, targets, exact, hidden, drafts, starts, counts, keep_rows)

@@ -64,6 +64,18 @@ def _align_routes_kernel(
     num_pairs, num_experts, max_rows, block_m,
     BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
+    align_pairs(ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, pad_start_ptr, seen_ptr,
+                num_pairs, num_experts, max_rows, block_m, BLOCK_P, BLOCK_E, BLOCK_B)
+
+
+@triton.jit
+def align_pairs(
+    ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, pad_start_ptr, seen_ptr,
+    num_pairs, num_experts, max_rows, block_m,
+    BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    """The route plan of ``num_pairs`` expert ids in one program (the router calls it too, on the
+    ids it has just written: routing and planning in one launch)."""
     e = tl.arange(0, BLOCK_E)  # bins: experts [0, E), then E for skipped ids (BLOCK_E > E)
     counts = tl.zeros([BLOCK_E], tl.int32)
     for p0 in range(0, num_pairs, BLOCK_P):
@@ -103,26 +115,42 @@ def _align_routes_kernel(
         tl.debug_barrier()
 
 
+@dataclass
+class PlanBuffers:
+    """Where ``align_pairs`` writes a plan, with its launch arguments (``plan_buffers``)."""
+
+    plan: RoutePlan
+    scratch: torch.Tensor  # [2, BLOCK_E] int32: padded starts, pairs placed so far
+    num_experts: int
+    max_rows: int
+
+    def constexprs(self) -> dict:
+        block_e = self.scratch.shape[1]
+        return dict(BLOCK_P=_ALIGN_CHUNK, BLOCK_E=block_e, BLOCK_B=max(1, 4096 // block_e))
+
+
+def plan_buffers(num_pairs: int, num_experts: int, block_m: int, device) -> PlanBuffers:
+    max_rows = _max_rows(num_pairs, num_experts, block_m)
+    plan = RoutePlan(sorted_pairs=torch.empty(max_rows, dtype=torch.int32, device=device),
+                     block_expert=torch.empty(max_rows // block_m, dtype=torch.int32, device=device),
+                     num_rows=torch.empty(1, dtype=torch.int32, device=device), block_m=block_m)
+    scratch = torch.empty(2, pow2(num_experts + 1), dtype=torch.int32, device=device)
+    return PlanBuffers(plan, scratch, num_experts, max_rows)
+
+
 def align_routes_fused(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> RoutePlan:
     """``align_routes`` as one single-program kernel: a histogram of the experts, their padded
     runs' starts (a cumulative sum), each block's expert, then each pair's row in chunks of
     _ALIGN_CHUNK pairs (its rank among earlier pairs of its expert)."""
-    device = topk_ids.device
     flat = topk_ids.reshape(-1)
     flat = flat if flat.is_contiguous() else flat.contiguous()
-    num_pairs = flat.shape[0]
-    max_rows = _max_rows(num_pairs, num_experts, block_m)
-    block_e = pow2(num_experts + 1)
-    sorted_pairs = torch.empty(max_rows, dtype=torch.int32, device=device)
-    block_expert = torch.empty(max_rows // block_m, dtype=torch.int32, device=device)
-    num_rows = torch.empty(1, dtype=torch.int32, device=device)
-    scratch = torch.empty(2, block_e, dtype=torch.int32, device=device)  # padded starts, pairs placed so far
+    out = plan_buffers(flat.shape[0], num_experts, block_m, topk_ids.device)
+    plan = out.plan
     _align_routes_kernel[(1,)](
-        flat, sorted_pairs, block_expert, num_rows, scratch[0], scratch[1],
-        num_pairs, num_experts, max_rows, block_m,
-        BLOCK_P=_ALIGN_CHUNK, BLOCK_E=block_e, BLOCK_B=max(1, 4096 // block_e), num_warps=4,
+        flat, plan.sorted_pairs, plan.block_expert, plan.num_rows, out.scratch[0], out.scratch[1],
+        flat.shape[0], num_experts, out.max_rows, block_m, **out.constexprs(), num_warps=4,
     )
-    return RoutePlan(sorted_pairs=sorted_pairs, block_expert=block_expert, num_rows=num_rows, block_m=block_m)
+    return plan
 
 
 def align_routes_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> RoutePlan:
@@ -260,12 +288,19 @@ def _combine_tiles(num_tokens: int, hidden: int) -> tuple[int, int]:
     return min(pow2(num_tokens), max(1, 4096 // block_n)), block_n
 
 
+def block_rows(num_pairs: int) -> int:
+    """BLOCK_M of the expert GEMMs: the rows of one expert one program multiplies."""
+    if interpreting():
+        return MIN_DOT
+    return 16 if num_pairs <= 64 else 32 if num_pairs <= 512 else 64
+
+
 def _tiles(num_pairs: int, hidden: int, inter: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K)."""
     if interpreting():
-        return MIN_DOT, min(pow2(max(hidden, inter), MIN_DOT), 128), min(pow2(max(hidden, inter), MIN_DOT), 128)
-    block_m = 16 if num_pairs <= 64 else 32 if num_pairs <= 512 else 64
-    return block_m, 64, 64
+        wide = min(pow2(max(hidden, inter), MIN_DOT), 128)
+        return block_rows(num_pairs), wide, wide
+    return block_rows(num_pairs), 64, 64
 
 
 def moe_experts(
@@ -274,6 +309,7 @@ def moe_experts(
     topk_ids: torch.Tensor,  # [T, k]
     experts: ExpertWeights,
     shared: torch.Tensor | None = None,  # [T, H] added to the sum (the shared experts' output)
+    plan: RoutePlan | None = None,  # the pairs' route plan where the router made it (block_m from block_rows)
 ) -> torch.Tensor:
     """sum_k w[t, k] * down(silu(gate(x)) * up(x)) over the chosen experts (+ shared) -> [T, H]."""
     num_tokens, hidden = x.shape
@@ -295,7 +331,10 @@ def moe_experts(
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
     block_m, block_n, block_k = _tiles(num_pairs, hidden, inter)
-    plan = align_routes(topk_ids, num_experts, block_m)
+    if plan is None:
+        plan = align_routes(topk_ids, num_experts, block_m)
+    elif plan.block_m != block_m:
+        raise ValueError(f"moe_experts: a route plan of {plan.block_m}-row blocks, the GEMMs tile {block_m}")
     act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     pair_out = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)  # skipped pairs: never read
     route_w = topk_weights.to(torch.float32).reshape(-1).contiguous()

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from mindspec.backend import RouterConfig
 from mindspec.backends.cuda.availability import interpreting
+from mindspec.backends.cuda.fused_moe import FUSED_ALIGN_MAX_PAIRS, RoutePlan, align_pairs, plan_buffers
 from mindspec.backends.cuda.launch import pow2
 from mindspec.backends.cuda.linear import project
 
@@ -36,11 +37,15 @@ FUSED_GATE_MAX = 1 << 14  # gate weights (experts x hidden) the router kernel mu
 def _router_kernel(
     x_ptr, gate_ptr, logits_ptr, bias_ptr, w_out_ptr, id_out_ptr,
     num_tokens, num_experts, hidden, per_group, n_group, stride_x, stride_g, stride_l, stride_w, stride_id, scaling,
+    sorted_ptr, block_expert_ptr, num_rows_ptr, pad_start_ptr, seen_ptr, max_rows, block_m,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, GROUPED: tl.constexpr,
     HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_EPG: tl.constexpr,
     GATE_INSIDE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+    ALIGN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_AE: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
+    # ALIGN (one program routes every token; ids contiguous [T, TOP_K]): the experts' route plan
+    # (fused_moe.align_pairs) from the ids this program has just written, in the same launch.
     NEG: tl.constexpr = float("-inf")
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < num_tokens
@@ -121,6 +126,10 @@ def _router_kernel(
     out_ok = row_ok[:, None] & (k_idx[None, :] < TOP_K)
     tl.store(w_out_ptr + rows64[:, None] * stride_w + k_idx[None, :], weights, mask=out_ok)
     tl.store(id_out_ptr + rows64[:, None] * stride_id + k_idx[None, :], ids, mask=out_ok)
+    if ALIGN:
+        tl.debug_barrier()  # the ids, visible to every thread of the program
+        align_pairs(id_out_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, pad_start_ptr, seen_ptr,
+                    num_tokens * TOP_K, num_experts, max_rows, block_m, BLOCK_P, BLOCK_AE, BLOCK_B)
 
 
 def _check_router(router: RouterConfig, num_experts: int) -> tuple[bool, int]:
@@ -142,12 +151,26 @@ def _check_router(router: RouterConfig, num_experts: int) -> tuple[bool, int]:
     return grouped, n_group
 
 
+def route_and_plan(
+    x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: Optional[torch.Tensor], router: RouterConfig,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, Optional[RoutePlan]]:
+    """``moe_gate`` and, where one router program takes every token (a decode or verification
+    step), the experts' route plan in the same launch (``fused_moe.align_routes`` otherwise: None)."""
+    return _route(x, gate_weight, correction_bias, router, block_m)
+
+
 def moe_gate(
     x: torch.Tensor,  # [T, H]
     gate_weight: torch.Tensor,  # [E, H]
     correction_bias: Optional[torch.Tensor],  # [E] float32 (V3)
     router: RouterConfig,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    weights, ids, _ = _route(x, gate_weight, correction_bias, router, None)
+    return weights, ids
+
+
+def _route(x, gate_weight, correction_bias, router: RouterConfig, block_m: Optional[int]):
     num_experts, hidden = gate_weight.shape
     grouped, n_group = _check_router(router, num_experts)
     num_tokens = x.shape[0]
@@ -160,7 +183,7 @@ def moe_gate(
     weights = torch.empty((num_tokens, k), dtype=torch.float32, device=x.device)
     ids = torch.empty((num_tokens, k), dtype=torch.int64, device=x.device)
     if num_tokens == 0:
-        return weights, ids
+        return weights, ids, None
     has_bias = router.scoring == "sigmoid" and correction_bias is not None
     bias = correction_bias.to(device=x.device, dtype=torch.float32).contiguous() if has_bias else logits
     per_group = num_experts // n_group
@@ -169,12 +192,19 @@ def moe_gate(
     block_t = pow2(min(num_tokens, 64)) if interpreting() else max(1, min(16, 4096 // lanes))
     block_e = pow2(num_experts)
     block_h = min(pow2(hidden), max(1, 8192 // (block_t * block_e)))  # a [BT, BE, BH] product per step
+    align = block_m is not None and num_tokens <= block_t and num_tokens * k <= FUSED_ALIGN_MAX_PAIRS
+    buffers = plan_buffers(num_tokens * k, num_experts, block_m, x.device) if align else None
+    plan_args = ((buffers.plan.sorted_pairs, buffers.plan.block_expert, buffers.plan.num_rows, buffers.scratch[0],
+                  buffers.scratch[1], buffers.max_rows, block_m) if align else (ids, ids, ids, ids, ids, 0, 1))
+    plan_constexprs = buffers.constexprs() if align else dict(BLOCK_P=1, BLOCK_E=1, BLOCK_B=1)
     _router_kernel[(triton.cdiv(num_tokens, block_t),)](
         x, gate_weight, logits, bias, weights, ids,
         num_tokens, num_experts, hidden, per_group, n_group, x.stride(0), gate_weight.stride(0), logits.stride(0),
-        weights.stride(0), ids.stride(0), float(router.routed_scaling_factor),
+        weights.stride(0), ids.stride(0), float(router.routed_scaling_factor), *plan_args,
         TOP_K=k, BLOCK_K=pow2(k), TOPK_GROUP=router.topk_group if grouped else 1, SIGMOID=router.scoring == "sigmoid",
         GROUPED=grouped, HAS_BIAS=has_bias, NORMALIZE=bool(router.norm_topk_prob),
         BLOCK_T=block_t, BLOCK_G=block_g, BLOCK_EPG=block_epg, GATE_INSIDE=inside, BLOCK_E=block_e, BLOCK_H=block_h,
+        ALIGN=align, BLOCK_P=plan_constexprs["BLOCK_P"], BLOCK_AE=plan_constexprs["BLOCK_E"],
+        BLOCK_B=plan_constexprs["BLOCK_B"],
     )
-    return weights, ids
+    return weights, ids, buffers.plan if align else None

@@ -60,10 +60,10 @@ class DeepseekMoe:
         self.shared = DenseMlp(w.scope("shared_experts."), backend) if has_shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.backend.moe_gate(x, self.gate_weight, self.correction_bias, self.router)
         shared = None if self.shared is None else self.shared.forward(x)
         if self.ep is None:
-            return self.backend.moe_experts(x, weights, ids, self.experts, shared)
+            return self.backend.moe_block(x, self.gate_weight, self.correction_bias, self.router, self.experts, shared)
+        weights, ids = self.backend.moe_gate(x, self.gate_weight, self.correction_bias, self.router)
         # every rank's tokens through this rank's experts, partial sums reduced back
         x_all, weights_all, local_ids = self.ep.dispatch(x, weights, ids)
         out = self.ep.combine(self.backend.moe_experts(x_all, weights_all, local_ids, self.experts))

@@ -153,3 +153,35 @@ def test_fused_align_routes_equals_the_torch_ops(device, tokens, top_k, num_expe
     assert torch.equal(fused.sorted_pairs, reference.sorted_pairs)
     assert torch.equal(fused.block_expert, reference.block_expert)
     assert torch.equal(fused.num_rows, reference.num_rows)
+
+
+@pytest.mark.parametrize("name", list(ROUTERS))
+@pytest.mark.parametrize("num_tokens", [1, 4, 16, 65])
+def test_the_router_plans_the_experts_in_its_own_launch(cuda_backend, device, name, num_tokens):
+    """Where one router program takes every token (decode and verification steps), it writes
+    the experts' route plan after the ids, in the same launch: the plan align_routes makes of
+    those ids, so the block's output is the separate launches' bit for bit. Past one program
+    (65 tokens here) the plan is align_routes' again."""
+    from mindspec.backends.cuda.fused_moe import block_rows
+
+    router, num_experts = ROUTERS[name], 16
+    g = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, HIDDEN, generator=g).to(device)
+    gate = torch.randn(num_experts, HIDDEN, generator=g).to(device)
+    bias = (torch.randn(num_experts, generator=g) * 0.1).to(device) if router.scoring == "sigmoid" else None
+    block_m = block_rows(num_tokens * router.top_k)
+    weights, ids, plan = moe_gate.route_and_plan(x, gate, bias, router, block_m)
+    want_w, want_ids = moe_gate.moe_gate(x, gate, bias, router)
+    assert torch.equal(weights, want_w) and torch.equal(ids, want_ids)
+    if num_tokens > 64:
+        assert plan is None
+    else:
+        want = align_routes_fused(ids, num_experts, block_m)
+        rows = int(want.num_rows.item())
+        assert plan.block_m == block_m and int(plan.num_rows.item()) == rows
+        assert torch.equal(plan.sorted_pairs[:rows], want.sorted_pairs[:rows])
+        assert torch.equal(plan.block_expert[: rows // block_m], want.block_expert[: rows // block_m])
+    experts = _on(device, _experts(g, num_experts, 8, torch.float32))
+    shared = torch.randn(num_tokens, HIDDEN, generator=g).to(device)
+    out = cuda_backend.moe_block(x, gate, bias, router, experts, shared)
+    assert torch.equal(out, cuda_backend.moe_experts(x, want_w, want_ids, experts, shared))
