@@ -6,6 +6,9 @@
    the cpu backend. Up to FUSED_ALIGN_MAX_PAIRS pairs (every decode step) this is one kernel of
    one program: as ~20 torch ops it was ~25 launches per MoE layer, a quarter of a small model's
    decode step; larger batches (prefill) use the torch ops, whose kernels are then not tiny.
+   Where one router program routes every token, the router runs this program's body
+   (``align_pairs``) on the ids it has written and hands the plan to ``moe_experts``
+   (moe_gate.route_and_plan): no launch of its own.
 2. ``_gate_up_silu_kernel``: per M-block and N-tile of the intermediate size, x[token] @ w13[e]^T
    for the gate and the up rows at once, then silu(gate) * up -> act [T*k, I].
 3. ``_down_kernel``: act @ w2[e]^T, times the pair's routing weight (float32, then cast as the
