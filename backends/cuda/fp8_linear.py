@@ -78,7 +78,7 @@ def dot_mode(capability: tuple[int, int] | None, block_k: int) -> int:
     (None: Triton's interpreter)."""
     if capability is None:
         return F32_DOT
-    return E4M3_DOT if capability >= (8, 9) and block_k >= FP8_MMA_K else BF16_DOT
+    return E4M3_DOT if capability >= E4M3_MIN_CAPABILITY and block_k >= FP8_MMA_K else BF16_DOT
 
 
 def supported(device: torch.device) -> bool:

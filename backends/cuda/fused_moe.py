@@ -124,7 +124,6 @@ class PlanBuffers:
 
     plan: RoutePlan
     scratch: torch.Tensor  # [2, BLOCK_E] int32: padded starts, pairs placed so far
-    num_experts: int
     max_rows: int
 
     def constexprs(self) -> dict:
@@ -138,7 +137,7 @@ def plan_buffers(num_pairs: int, num_experts: int, block_m: int, device) -> Plan
                      block_expert=torch.empty(max_rows // block_m, dtype=torch.int32, device=device),
                      num_rows=torch.empty(1, dtype=torch.int32, device=device), block_m=block_m)
     scratch = torch.empty(2, pow2(num_experts + 1), dtype=torch.int32, device=device)
-    return PlanBuffers(plan, scratch, num_experts, max_rows)
+    return PlanBuffers(plan, scratch, max_rows)
 
 
 def align_routes_fused(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> RoutePlan:

@@ -151,26 +151,23 @@ def _check_router(router: RouterConfig, num_experts: int) -> tuple[bool, int]:
     return grouped, n_group
 
 
-def route_and_plan(
-    x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: Optional[torch.Tensor], router: RouterConfig,
-    block_m: int,
-) -> tuple[torch.Tensor, torch.Tensor, Optional[RoutePlan]]:
-    """``moe_gate`` and, where one router program takes every token (a decode or verification
-    step), the experts' route plan in the same launch (``fused_moe.align_routes`` otherwise: None)."""
-    return _route(x, gate_weight, correction_bias, router, block_m)
-
-
 def moe_gate(
     x: torch.Tensor,  # [T, H]
     gate_weight: torch.Tensor,  # [E, H]
     correction_bias: Optional[torch.Tensor],  # [E] float32 (V3)
     router: RouterConfig,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    weights, ids, _ = _route(x, gate_weight, correction_bias, router, None)
+    weights, ids, _ = route_and_plan(x, gate_weight, correction_bias, router, None)
     return weights, ids
 
 
-def _route(x, gate_weight, correction_bias, router: RouterConfig, block_m: Optional[int]):
+def route_and_plan(
+    x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: Optional[torch.Tensor], router: RouterConfig,
+    block_m: Optional[int],
+) -> tuple[torch.Tensor, torch.Tensor, Optional[RoutePlan]]:
+    """``moe_gate`` and, given the experts' ``block_m``, where one router program takes every token
+    (a decode or verification step), their route plan in the same launch (otherwise None:
+    ``fused_moe.align_routes`` makes it)."""
     num_experts, hidden = gate_weight.shape
     grouped, n_group = _check_router(router, num_experts)
     num_tokens = x.shape[0]
