@@ -432,7 +432,22 @@ class Backend(ABC):
         thr = torch.where(top_p[:, None] < 1.0, torch.maximum(kth, p_thr), kth)
         return logits.masked_fill(logits < thr, float("-inf"))
 
-    # ---- speculative acceptance (optional; cuda runs it as one kernel) -------------------------
+    # ---- speculative drafts and acceptance (optional; cuda runs each as one kernel) -------------
+    def argmax_shift_in(
+        self,
+        logits: torch.Tensor,  # [B, V] each sequence's lm_head row of a draft stage
+        ids: torch.Tensor,  # [T] int64 the stage's tokens
+        lm_head_indices: torch.Tensor,  # [B] int64 row of each sequence's lm_head entry in ids
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A greedy draft stage's drafts and the next stage's tokens -> (drafts [B]: each row's
+        argmax, the first index of its largest value; ids [T] rolled left by one with each
+        sequence's lm_head row set to its draft). A global roll is safe: what crosses a sequence
+        boundary lands on padding rows or on an lm_head row, which is overwritten."""
+        drafts = logits.argmax(dim=-1)
+        shifted = torch.roll(ids, -1)
+        shifted[lm_head_indices] = drafts
+        return drafts, shifted
+
     def accept_drafts(
         self,
         buffer: torch.Tensor,  # [R, hidden] the drafter's hidden cache, written in place; row 0 zero

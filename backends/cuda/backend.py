@@ -43,12 +43,13 @@ class CudaBackend(Backend):
             torch.cuda.set_device(chosen)
         # Imported here, not at module top: choosing another backend never imports triton.
         from mindspec.backends.cuda import (
-            acceptance, activation, fp8_linear, fused_moe, latent_cache, linear, mla_attention, moe_gate, norm, rope,
+            acceptance, activation, draft_shift, fp8_linear, fused_moe, latent_cache, linear, mla_attention, moe_gate,
+            norm, rope,
         )
 
         self._k = SimpleNamespace(
-            acceptance=acceptance, activation=activation, fp8_linear=fp8_linear, fused_moe=fused_moe,
-            latent_cache=latent_cache, linear=linear, mla_attention=mla_attention, moe_gate=moe_gate, norm=norm,
+            acceptance=acceptance, activation=activation, draft_shift=draft_shift, fp8_linear=fp8_linear,
+            fused_moe=fused_moe, latent_cache=latent_cache, linear=linear, mla_attention=mla_attention, moe_gate=moe_gate, norm=norm,
             rope=rope,
         )
         self.num_kv_splits = num_kv_splits  # None: chosen per launch from the device (tests force > 1)
@@ -163,6 +164,9 @@ class CudaBackend(Backend):
         weights, ids, plan = self._k.moe_gate.route_and_plan(x, gate_weight, correction_bias, router, block_m)
         return self._k.fused_moe.moe_experts(x, weights, ids, experts, shared, plan=plan)
 
-    # ---- speculative acceptance --------------------------------------------------------------
+    # ---- speculative drafts and acceptance --------------------------------------------------
+    def argmax_shift_in(self, logits, ids, lm_head_indices) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._k.draft_shift.argmax_shift_in(logits, ids, lm_head_indices)
+
     def accept_drafts(self, buffer, targets, exact, hidden, drafts, starts, counts, keep_rows) -> torch.Tensor:
         return self._k.acceptance.accept_drafts(buffer, targets, exact, hidden, drafts, starts, counts, keep_rows)

@@ -197,8 +197,8 @@ class FlashCausalDeepseekV2:
         steps: list[DraftStep],
         caches: list[LatentCache],
         draft_logits: Optional[DraftLogits] = None,
-    ) -> torch.Tensor:
-        """K greedy MTP steps -> draft_tokens [B, K]. Each step rolls its input left by one and puts
+    ) -> list[torch.Tensor]:
+        """K greedy MTP steps -> each step's drafts [B]. Each step rolls its input left by one and puts
         the new draft at the lm_head index; the block output becomes the next step's hidden state.
         A step before an ``lm_rows_only`` one hands on its lm_head rows alone: the new drafts and
         their block outputs. ``draft_logits(logits, drafts so far)`` may rewrite each step's
@@ -212,12 +212,13 @@ class FlashCausalDeepseekV2:
             out = self.forward_mtp(step.module_idx, ids, hidden, step.positions, caches, step.meta, lm, lm_rows_out,
                                    float_logits=draft_logits is not None)
             logits = out.logits if draft_logits is None else draft_logits(out.logits, drafts)
-            draft = logits.argmax(dim=-1)  # [B]
+            if following is None or following.lm_rows_only:
+                draft = ids = logits.argmax(dim=-1)  # [B]
+            else:
+                draft, ids = self.backend.argmax_shift_in(logits, ids, lm_head_indices)
             drafts.append(draft)
-            if following is not None:
-                ids = draft if following.lm_rows_only else _shift_in(ids, draft, lm_head_indices)
-                hidden = out.hidden_states
-        return torch.stack(drafts, dim=1)
+            hidden = out.hidden_states
+        return drafts
 
     def forward_speculative(
         self,
@@ -239,11 +240,13 @@ class FlashCausalDeepseekV2:
         [last token, d1..d_kb] (ragged q_lens) and each row takes its token from the flat
         concatenation of input_ids and the [B * K] drafts (draft_rows.verify_source); a sequence
         whose drafts were made on the host (suffix drafts, any number) keeps its own input rows."""
-        draft_tokens = self.draft(sub_input_ids, sub_hidden_states, lm_head_local_dp, steps, caches, draft_logits)
-        num_seqs, k = draft_tokens.shape
-        if verify_source is None:  # [last token, d1..dK] per sequence
-            ids = torch.cat([input_ids.view(num_seqs, k + 1)[:, :1], draft_tokens], dim=1)
+        drafts = self.draft(sub_input_ids, sub_hidden_states, lm_head_local_dp, steps, caches, draft_logits)
+        num_seqs, k = drafts[0].shape[0], len(drafts)
+        if verify_source is None:  # [last token, d1..dK] per sequence: one concat, the drafts a view of it
+            ids = torch.cat([input_ids.view(num_seqs, k + 1)[:, :1], *(d[:, None] for d in drafts)], dim=1)
+            draft_tokens = ids[:, 1:]  # [B, K]
         else:
+            draft_tokens = torch.stack(drafts, dim=1)  # [B, K]
             ids = torch.cat([input_ids, draft_tokens.reshape(-1)])[verify_source]
         out = self.forward(ids.view(-1), positions, caches, meta, lm_head_indices)
         out.draft_tokens = draft_tokens

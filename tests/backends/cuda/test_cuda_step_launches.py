@@ -68,11 +68,11 @@ def test_speculative_step_launches_little_beside_its_layers(checkpoint, monkeypa
     # a draft stage: eh_proj's input (embedding and both norms, one kernel), eh_proj, the
     # block's residual add with the head's norm, the lm_head (in the model dtype: an argmax
     # needs no float32 copy; where another stage follows, on its lm_head rows alone, gathered
-    # inside the GEMM), the argmax (5), and where another stage follows, its tokens (a roll and
-    # a scatter: 2 more); then the first stage's hidden
-    # states read from the cache, the drafts stacked and set beside each sequence's last token
-    # (one concat: the verification rows), the targets' argmax and the acceptance kernel
-    # (backends/cuda/acceptance.py)
-    stages = 7 * (K - 1) + 5
-    acceptance = 5
+    # inside the GEMM), the argmax (where another stage follows, with that stage's tokens: one
+    # kernel, backends/cuda/draft_shift.py) (5); then the first stage's hidden states read from
+    # the cache, the drafts set beside each sequence's last token (one concat: the verification
+    # rows, the drafts a view of them), the acceptance kernel (backends/cuda/acceptance.py) and
+    # the targets, drafts and accepted counts packed for one copy to the host
+    stages = 5 * K
+    acceptance = 4
     assert step.outside_layers == FORWARD_GLUE + stages + acceptance, step.by_name
