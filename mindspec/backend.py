@@ -465,6 +465,15 @@ class Backend(ABC):
         and every sequence accepts -1 (the host decides)."""
         return accept_drafts(buffer, targets, exact, hidden, drafts, starts, counts, keep_rows)
 
+    def accept_and_pack(
+        self, buffer, targets, exact, hidden, drafts, starts, counts, keep_rows,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``accept_drafts`` -> (targets [N], drafts [B, K], accepted [B]): the inputs as they are,
+        or their values with the counts as consecutive views of one int64 buffer [N + B * K + B],
+        which the host then reads with one copy (a captured step otherwise concatenates them:
+        graph_runner._with_greedy)."""
+        return targets, drafts, self.accept_drafts(buffer, targets, exact, hidden, drafts, starts, counts, keep_rows)
+
 
 def accept_drafts(buffer, targets, exact, hidden, drafts, starts, counts, keep_rows) -> torch.Tensor:
     """``Backend.accept_drafts`` as tensor ops (what cpu packages trace; rows not kept write

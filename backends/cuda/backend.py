@@ -170,3 +170,6 @@ class CudaBackend(Backend):
 
     def accept_drafts(self, buffer, targets, exact, hidden, drafts, starts, counts, keep_rows) -> torch.Tensor:
         return self._k.acceptance.accept_drafts(buffer, targets, exact, hidden, drafts, starts, counts, keep_rows)
+
+    def accept_and_pack(self, buffer, targets, exact, hidden, drafts, starts, counts, keep_rows):
+        return self._k.acceptance.accept_and_pack(buffer, targets, exact, hidden, drafts, starts, counts, keep_rows)

@@ -43,7 +43,7 @@ from mindspec.modeling.forward_metadata import (
 )
 from mindspec.modeling.hidden_cache import DeviceHiddenCache, HiddenCacheRows, device_rows
 from mindspec.text_generator.sampling.step_targets import TargetRows
-from mindspec.modeling.packed_transfer import PackedLayout, Staging
+from mindspec.modeling.packed_transfer import PackedLayout, Staging, packed_span
 from mindspec.modeling.step_accounting import outside_accounting
 
 log = logging.getLogger(__name__)
@@ -652,13 +652,16 @@ class _LazyCapture:
 def _with_greedy(out):
     """A captured step's outputs with the argmax of its logits computed inside the graph, and a
     speculative step's drafts right after it in the same buffer: greedy sampling and acceptance
-    then read both with one copy to the host (StepOutputs.greedy_host). A tree step's as they are."""
+    then read both with one copy to the host (StepOutputs.greedy_host). A tree step's, and one
+    whose acceptance packed them already (Backend.accept_and_pack), as they are."""
     if not hasattr(out, "greedy_tokens"):
         return out
     greedy = out.logits.argmax(dim=-1) if out.greedy_tokens is None else out.greedy_tokens  # [N]
     if out.draft_tokens is None:
         return replace(out, greedy_tokens=greedy)
     accepted = [] if out.accepted_drafts is None else [out.accepted_drafts.to(greedy.dtype)]
+    if packed_span(greedy, out.draft_tokens, *accepted) is not None:
+        return out
     packed = torch.cat([greedy, out.draft_tokens.reshape(-1).to(greedy.dtype), *accepted])  # [N + B * K (+ B)]
     n, d = greedy.shape[0], out.draft_tokens.numel()
     return replace(out, greedy_tokens=packed[:n], draft_tokens=packed[n : n + d].view(out.draft_tokens.shape),

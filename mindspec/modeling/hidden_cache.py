@@ -85,9 +85,9 @@ def speculative_step(forward: Callable, cache: DeviceHiddenCache, whole_rows: bo
     states read from ``cache``, its targets and accepted drafts computed and the accepted rows'
     hidden states kept (``greedy_tokens``: the targets, ``accepted_drafts``; with keep rows all 0
     nothing is kept and the host accepts). ``whole_rows``: as step_targets.sample_targets'.
-    ``backend``: whose ``accept_drafts`` runs (None: the tensor ops)."""
+    ``backend``: whose ``accept_and_pack`` runs (None: the tensor ops)."""
     out = forward(read_hidden(cache.buffer, cache.read_rows))
-    out.greedy_tokens, out.accepted_drafts = accept_and_keep(
+    out.greedy_tokens, out.draft_tokens, out.accepted_drafts = accept_and_keep(
         cache.buffer, out.logits, out.hidden_states, out.draft_tokens, cache.starts, cache.counts, cache.keep_rows,
         cache.targets, whole_rows, backend)
     return out
@@ -108,19 +108,21 @@ def accept_and_keep(
     keep_rows: torch.Tensor,  # [B, K + 1] int64 cache row of each verification row's position (0: none)
     sampling: Optional[list[torch.Tensor]] = None,  # TargetRows.arrays() on the device; None: greedy
     whole_rows: bool = False,  # as step_targets.sample_targets'
-    backend: Optional[Backend] = None,  # whose accept_drafts runs (None: the tensor ops)
-) -> tuple[torch.Tensor, torch.Tensor]:
+    backend: Optional[Backend] = None,  # whose accept_and_pack runs (None: the tensor ops)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Strict acceptance -> (targets [N]: each row's argmax, or its sample with ``sampling``;
-    accepted drafts [B]); the hidden states of each sequence's accepted rows (its first accepted
-    + 1) go to their cache rows (Backend.accept_drafts). A sampled step whose targets are not
-    the sampler's (step_targets.sample_targets' ``exact``) keeps nothing and accepts -1 drafts
-    for every sequence."""
+    the drafts [B, K]; accepted drafts [B]: a backend may return the three packed in one buffer,
+    Backend.accept_and_pack); the hidden states of each sequence's accepted rows (its first
+    accepted + 1) go to their cache rows. A sampled step whose targets are not the sampler's
+    (step_targets.sample_targets' ``exact``) keeps nothing and accepts -1 drafts for every
+    sequence."""
     if sampling is None:
         targets, exact = logits.argmax(dim=-1), None  # [N]
     else:
         targets, exact = sample_targets(logits, *sampling, whole_rows=whole_rows)
-    accept = accept_drafts if backend is None else backend.accept_drafts
-    return targets, accept(buffer, targets, exact, hidden, drafts, starts, counts, keep_rows)
+    if backend is None:
+        return targets, drafts, accept_drafts(buffer, targets, exact, hidden, drafts, starts, counts, keep_rows)
+    return backend.accept_and_pack(buffer, targets, exact, hidden, drafts, starts, counts, keep_rows)
 
 
 def device_rows(cache: HiddenCacheRows, starts: np.ndarray) -> list[np.ndarray]:

@@ -4,11 +4,12 @@ A decode step's inputs are a dozen arrays of a few to a few hundred integers eac
 one, each is a separate host-to-device transfer (~10-20 us of host time on a GPU, most of a
 small step's host work there); packed back to back into one staging buffer (pinned on CUDA, so
 the copy is asynchronous) they are one transfer, and the device tensors are views into it.
+Back, a step's outputs laid out in one buffer are read with one copy (``packed_span``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -132,3 +133,19 @@ def to_device_packed(arrays: Sequence[np.ndarray], device: torch.device | str,
     if staging is None:
         return layout.views(layout.stage(arrays, pinned=pinned_staging(device)).to(device, non_blocking=True))
     return layout.views(staging.send(layout, arrays))
+
+
+def packed_span(first: torch.Tensor, *rest: torch.Tensor) -> Optional[torch.Tensor]:
+    """One 1-D view over contiguous tensors of one buffer, each after the one before; None where
+    they are not laid out so."""
+    if first.dim() != 1 or not first.is_contiguous():
+        return None
+    before = first
+    for t in rest:
+        if (t.dtype != first.dtype or not t.is_contiguous()
+                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or t.storage_offset() < before.storage_offset() + before.numel()):
+            return None
+        before = t
+    length = before.storage_offset() + before.numel() - first.storage_offset()
+    return first.as_strided((length,), (1,), first.storage_offset())

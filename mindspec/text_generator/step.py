@@ -13,6 +13,7 @@ import torch
 
 from mindspec.engine.sequence import Sequence
 from mindspec.modeling.forward_metadata import ModelInputs
+from mindspec.modeling.packed_transfer import packed_span
 
 # Async scheduling: stands for a token the in-flight step has not produced yet. Negative, so that a
 # placeholder left unpatched fails the embedding lookup instead of decoding a wrong token.
@@ -94,7 +95,7 @@ class StepOutputs:
         after them in one buffer (graph_runner._with_greedy) they come along in the same copy."""
         greedy = self.greedy_tokens if self.greedy_tokens is not None else self.logits.argmax(dim=-1)
         tail = [t for t in (self.draft_tokens, self.accepted_drafts) if t is not None]
-        span = _packed_span(greedy, *tail) if self._drafts_host is None and tail else None
+        span = packed_span(greedy, *tail) if self._drafts_host is None and tail else None
         if span is None:
             return greedy.cpu().numpy()
         host = span.cpu().numpy()
@@ -138,22 +139,6 @@ def accepted_in_step(inputs: StepInputs, outputs: StepOutputs) -> bool:
     if outputs._all_decided is None:  # asked by sampling, verification and the cache update
         outputs._all_decided = bool((outputs.accepted_host() >= 0).all())
     return outputs._all_decided
-
-
-def _packed_span(first: torch.Tensor, *rest: torch.Tensor) -> Optional[torch.Tensor]:
-    """One 1-D view over contiguous tensors of one buffer, each after the one before; None where
-    they are not laid out so."""
-    if first.dim() != 1 or not first.is_contiguous():
-        return None
-    before = first
-    for t in rest:
-        if (t.dtype != first.dtype or not t.is_contiguous()
-                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-                or t.storage_offset() < before.storage_offset() + before.numel()):
-            return None
-        before = t
-    length = before.storage_offset() + before.numel() - first.storage_offset()
-    return first.as_strided((length,), (1,), first.storage_offset())
 
 
 def draft_grid(drafts: list[list[int]]) -> np.ndarray:

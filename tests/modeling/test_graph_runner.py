@@ -21,6 +21,7 @@ from mindspec.modeling.model_wrapper import ModelWrapper
 from mindspec.plugins.mtp import decode_inputs as di
 from mindspec.plugins.mtp.decoding_policy import strict_accept
 from tests.support.checkpoints import make_self_predicting_checkpoint, tiny_v3_config
+from tests.support.static_graph import StaticGraph
 
 K = 2
 BLOCK_SIZE = 4
@@ -382,29 +383,6 @@ def test_static_inputs_load_one_step_in_one_buffer(wrapper):
         statics.load([build_model_inputs([[1]], [3], [[1]], BLOCK_SIZE), first], [np.array([0, 1])])
 
 
-def _tensors(value) -> list:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if dataclasses.is_dataclass(value):
-        return [t for f in dataclasses.fields(value) for t in _tensors(getattr(value, f.name))]
-    return []
-
-
-class _StaticGraph:
-    """Replays into the tensors of its first run's outputs, as a CUDA graph's outputs are its
-    static buffers: whatever a caller kept of an earlier replay's outputs changes with the next."""
-
-    def __init__(self, fn):
-        self.fn = fn
-        self.outputs = fn()  # the warm-up run, as the CUDA capture does
-
-    def replay(self) -> None:
-        for kept, new in zip(_tensors(self.outputs), _tensors(self.fn()), strict=True):
-            kept.copy_(new)
-
-
 class _CapturingCpu(CpuBackend):
     """A cpu backend that pretends to capture: records captures, replays eagerly into static outputs."""
 
@@ -420,7 +398,7 @@ class _CapturingCpu(CpuBackend):
         self.captures += 1
         if self.fail:
             raise RuntimeError("capture not permitted")
-        return _StaticGraph(fn)
+        return StaticGraph(fn)
 
 
 @pytest.mark.parametrize("fail", [False, True])

@@ -53,7 +53,7 @@ def test_accepts_and_keeps_what_the_host_would(seed):
     host.write(slots, ends, want + 1, hidden, starts)
 
     keep_rows = step.rows(slots[:, None], ends[:, None] + np.arange(K + 1))
-    got_targets, got = accept_and_keep(step.buf, logits, hidden, drafts, torch.from_numpy(starts),
+    got_targets, _, got = accept_and_keep(step.buf, logits, hidden, drafts, torch.from_numpy(starts),
                                        torch.from_numpy(counts), torch.from_numpy(keep_rows))
     np.testing.assert_array_equal(got_targets.numpy(), targets)
     np.testing.assert_array_equal(got.numpy(), want)
@@ -66,7 +66,7 @@ def test_no_keep_rows_keep_nothing():
     buf = torch.randn(9, HIDDEN)
     buf[0] = 0
     before = buf.clone()
-    _, accepted = accept_and_keep(buf, logits, hidden, drafts, torch.from_numpy(starts), torch.from_numpy(counts),
+    _, _, accepted = accept_and_keep(buf, logits, hidden, drafts, torch.from_numpy(starts), torch.from_numpy(counts),
                                   torch.zeros(2, K + 1, dtype=torch.int64))
     assert torch.equal(buf, before) and (accepted <= torch.from_numpy(counts)).all()
 
@@ -77,7 +77,7 @@ def test_padding_sequences_keep_nothing_and_accept_nothing():
     counts, starts, drafts, logits, hidden = _case(2, [3, 0, 0])
     buf = torch.zeros(20, HIDDEN)
     keep = torch.tensor([[4, 5, 6, 7], [0, 0, 0, 0], [0, 0, 0, 0]])
-    _, accepted = accept_and_keep(buf, logits, hidden * 0 + 7, drafts, torch.from_numpy(starts),
+    _, _, accepted = accept_and_keep(buf, logits, hidden * 0 + 7, drafts, torch.from_numpy(starts),
                                   torch.from_numpy(counts), keep)
     assert accepted[1:].tolist() == [0, 0] and not buf[0].any()
     assert (buf[4 : 5 + int(accepted[0])] == 7).all() and not buf[5 + int(accepted[0]) :].any()
@@ -155,7 +155,7 @@ def test_sampled_acceptance_keeps_what_the_host_would(seed, scale, whole_rows):
     keep_rows = step.rows(slots[:, None], ends[:, None] + np.arange(K + 1))
     sampling = [torch.from_numpy(a) for a in targets.arrays()]
     assert bool(sample_targets(logits, *sampling)[1]) == (scale > 1)  # flat: past the head
-    got_targets, got = accept_and_keep(step.buf, logits, hidden, drafts, torch.from_numpy(starts),
+    got_targets, _, got = accept_and_keep(step.buf, logits, hidden, drafts, torch.from_numpy(starts),
                                        torch.from_numpy(counts), torch.from_numpy(keep_rows), sampling, whole_rows)
     np.testing.assert_array_equal(got_targets.numpy(), host_targets)
     np.testing.assert_array_equal(got.numpy(), want)
@@ -171,7 +171,7 @@ def test_a_sampled_step_that_cannot_decide_keeps_nothing():
     buf[0] = 0
     before = buf.clone()
     keep = torch.arange(1, 1 + len(counts) * (K + 1)).view(len(counts), K + 1)
-    _, accepted = accept_and_keep(buf, logits, hidden, drafts, torch.from_numpy(starts), torch.from_numpy(counts),
+    _, _, accepted = accept_and_keep(buf, logits, hidden, drafts, torch.from_numpy(starts), torch.from_numpy(counts),
                                   keep, [torch.from_numpy(a) for a in targets.arrays()])
     assert accepted.tolist() == [-1, -1] and torch.equal(buf, before)
 

@@ -1,11 +1,13 @@
 """The acceptance kernel equals the tensor ops it replaces (mindspec.backend.accept_drafts): the
-accepted counts and every row of the hidden cache, greedy and sampled (exact or not)."""
+accepted counts and every row of the hidden cache, greedy and sampled (exact or not); packed
+(accept_and_pack), the targets, drafts and counts as consecutive views of one buffer."""
 import numpy as np
 import pytest
 import torch
 
 from mindspec.backend import accept_drafts as reference
-from mindspec.backends.cuda.acceptance import accept_drafts
+from mindspec.backends.cuda.acceptance import accept_and_pack, accept_drafts
+from mindspec.modeling.packed_transfer import packed_span
 
 HIDDEN, VOCAB = 24, 7
 
@@ -46,3 +48,23 @@ def test_kernel_equals_the_tensor_ops(device, seed, k, counts, exact, dtype):
     assert got.cpu().tolist() == want.tolist()
     assert torch.equal(got_buffer.cpu(), want_buffer)
     assert not got_buffer[0].any()
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("k,counts,extra_rows", [(1, [1, 0, 1], 0), (3, [3, 0, 2, 1, 3], 2), (2, [2], 5)])
+def test_packed_outputs_are_the_inputs_and_counts_in_one_buffer(device, seed, k, counts, extra_rows):
+    """Targets beyond the sequences' rows (padding rows) are packed too; the drafts may be a view
+    of the verification rows [B, K + 1] (the model's layout)."""
+    buffer, targets, drafts, starts, counts_t, keep, hidden = _case(seed, counts, k, torch.float32)
+    targets = torch.cat([targets, torch.arange(extra_rows)])
+    hidden = torch.cat([hidden, torch.zeros(extra_rows, HIDDEN)])
+    rows = torch.cat([torch.zeros(len(counts), 1, dtype=torch.int64), drafts], dim=1)  # [B, K + 1]
+    want_buffer = buffer.clone()
+    want = reference(want_buffer, targets, None, hidden, drafts, starts, counts_t, keep)
+    got_buffer = buffer.to(device)
+    got_targets, got_drafts, got = accept_and_pack(
+        got_buffer, targets.to(device), None, hidden.to(device), rows.to(device)[:, 1:], starts.to(device),
+        counts_t.to(device), keep.to(device))
+    assert packed_span(got_targets, got_drafts, got) is not None
+    assert got_targets.cpu().tolist() == targets.tolist() and got_drafts.cpu().tolist() == drafts.tolist()
+    assert got.cpu().tolist() == want.tolist() and torch.equal(got_buffer.cpu(), want_buffer)

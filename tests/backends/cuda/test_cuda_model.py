@@ -76,6 +76,27 @@ def test_padded_decode_buckets_equal_cpu(v3_checkpoint, device, mode):
         assert runner.stats.eager_fallbacks == 0 and runner.stats.captures == runner.num_graphs >= 1, runner.stats
 
 
+@pytest.mark.parametrize("mode", ["vanilla", "eagle"])
+def test_replayed_graphs_equal_cpu(v3_checkpoint, device, monkeypatch, mode):
+    """Steps as a CUDA graph runs them: outputs in static buffers that each replay overwrites,
+    the targets, drafts and accepted counts packed by the acceptance kernel (read with one copy),
+    the drafts a view of the verification rows. Natively these are real graphs."""
+    from mindspec.backends.cuda import CudaBackend
+    from tests.support.static_graph import StaticGraph
+
+    path, prompts = v3_checkpoint
+    params = {"plugin_type": "mtp", "num_speculative_tokens": 2, "mtp_mode": mode, "adaptive_speculation": False}
+    expected = _tokens(_llm(path, "cpu", plugin_params=params), prompts)
+    if device == "cpu":  # the interpreter: replays into static buffers stand in for graphs
+        monkeypatch.setattr(CudaBackend, "supports_graph_capture", property(lambda backend: True))
+        monkeypatch.setattr(CudaBackend, "capture_graph", lambda backend, fn: StaticGraph(fn))
+    llm = LLM(model=str(path), dtype="float32", cache_block_size=4, num_blocks=96, progress=False, plugin_params=params,
+              backend="cuda", device=device, max_batch_size=3)
+    assert _tokens(llm, prompts) == expected
+    stats = llm.engine.model_wrapper.graph_runner.stats
+    assert stats.captures >= 1 and stats.eager_fallbacks == 0 and stats.replays > stats.captures, stats
+
+
 def test_suffix_drafting_with_unequal_draft_counts_equals_cpu(v3_checkpoint, device, monkeypatch):
     """Sequences of one verification forward with different draft counts (0 included): the
     attention kernels' unequal q_lens, and the graph runner's per-sequence padding on a GPU."""

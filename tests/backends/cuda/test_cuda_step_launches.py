@@ -71,8 +71,8 @@ def test_speculative_step_launches_little_beside_its_layers(checkpoint, monkeypa
     # inside the GEMM), the argmax (where another stage follows, with that stage's tokens: one
     # kernel, backends/cuda/draft_shift.py) (5); then the first stage's hidden states read from
     # the cache, the drafts set beside each sequence's last token (one concat: the verification
-    # rows, the drafts a view of them), the acceptance kernel (backends/cuda/acceptance.py) and
-    # the targets, drafts and accepted counts packed for one copy to the host
+    # rows, the drafts a view of them) and the acceptance kernel (backends/cuda/acceptance.py,
+    # which packs the targets, drafts and accepted counts for one copy to the host)
     stages = 5 * K
-    acceptance = 4
+    acceptance = 3
     assert step.outside_layers == FORWARD_GLUE + stages + acceptance, step.by_name
