@@ -336,6 +336,14 @@ class Backend(ABC):
         e = self.rms_norm(self.embedding(input_ids, embed), enorm, eps)
         return torch.cat([e, self.rms_norm(hidden, hnorm, eps)], dim=-1)
 
+    def mtp_eh_proj(
+        self, input_ids: torch.Tensor, embed, enorm: torch.Tensor, hidden: torch.Tensor, hnorm: torch.Tensor,
+        eps: float, eh_proj: LinearWeight,
+    ) -> torch.Tensor:
+        """An MTP module's block input: linear(mtp_eh_input(...), eh_proj) [T, D]; a backend may
+        build the input rows inside the GEMM."""
+        return self.linear(self.mtp_eh_input(input_ids, embed, enorm, hidden, hnorm, eps), eh_proj)
+
     @abstractmethod
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, 2I] -> silu(x[:, :I]) * x[:, I:]."""

@@ -43,12 +43,12 @@ class CudaBackend(Backend):
             torch.cuda.set_device(chosen)
         # Imported here, not at module top: choosing another backend never imports triton.
         from mindspec.backends.cuda import (
-            acceptance, activation, draft_shift, fp8_linear, fused_moe, latent_cache, linear, mla_attention, moe_gate,
-            norm, rope,
+            acceptance, activation, draft_shift, eh_proj, fp8_linear, fused_moe, latent_cache, linear, mla_attention,
+            moe_gate, norm, rope,
         )
 
         self._k = SimpleNamespace(
-            acceptance=acceptance, activation=activation, draft_shift=draft_shift, fp8_linear=fp8_linear,
+            acceptance=acceptance, activation=activation, draft_shift=draft_shift, eh_proj=eh_proj, fp8_linear=fp8_linear,
             fused_moe=fused_moe, latent_cache=latent_cache, linear=linear, mla_attention=mla_attention, moe_gate=moe_gate, norm=norm,
             rope=rope,
         )
@@ -131,6 +131,12 @@ class CudaBackend(Backend):
             if out is not None:
                 return out
         return super().mtp_eh_input(input_ids, embed, enorm, hidden, hnorm, eps)
+
+    def mtp_eh_proj(self, input_ids, embed, enorm, hidden, hnorm, eps: float, eh_proj: LinearWeight) -> torch.Tensor:
+        w = eh_proj.weight
+        if not isinstance(w, Fp8Weight) and self._k.eh_proj.fits(input_ids, embed, enorm, hidden, hnorm, w):
+            return self._k.eh_proj.eh_proj(input_ids, embed, enorm, hidden, hnorm, eps, w)
+        return super().mtp_eh_proj(input_ids, embed, enorm, hidden, hnorm, eps, eh_proj)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self._k.activation.silu_and_mul(x)

@@ -26,7 +26,7 @@ from mindspec.backends.cuda.launch import MIN_DOT, dot_precision, pow2
 MAX_ROWS = MIN_DOT  # rows of x one launch multiplies: decode and verification steps
 MAX_K = 1024  # longer rows: cuBLAS's split-K keeps more SMs streaming
 ENV_SWITCH = "MINDSPEC_CUDA_SKINNY_LINEAR"  # "0": every projection through torch (cuBLAS)
-_DTYPES = (torch.float16, torch.bfloat16)  # routed here by ``fits``; float32 works but is slower
+HALF_DTYPES = (torch.float16, torch.bfloat16)  # routed here by ``fits``; float32 works but is slower
 
 
 @triton.jit
@@ -95,7 +95,7 @@ def fits(x: torch.Tensor, weight: torch.Tensor, num_rows: Optional[int] = None) 
     output where rows of x are gathered."""
     rows = x.numel() // max(x.shape[-1], 1) if num_rows is None else num_rows
     return (0 < rows <= MAX_ROWS and weight.dim() == 2 and weight.shape[1] <= MAX_K
-            and x.dtype == weight.dtype and x.dtype in _DTYPES and weight.stride(-1) == 1
+            and x.dtype == weight.dtype and x.dtype in HALF_DTYPES and weight.stride(-1) == 1
             and x.shape[-1] == weight.shape[1])
 
 
@@ -122,7 +122,7 @@ def fits_swiglu(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return enabled() and fits(x, weight) and weight.shape[0] % 2 == 0
 
 
-def _tiles(n_out: int, k_in: int) -> tuple[int, int]:
+def tiles(n_out: int, k_in: int) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K): on a GPU 32 columns per program (many programs for the SMs); under the
     interpreter few, large programs."""
     if interpreting():
@@ -146,7 +146,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False,
     num_rows = x2.shape[0] if rows is None else rows.shape[0]
     n_out = weight.shape[0] // 2 if swiglu else weight.shape[0]
     out = torch.empty((num_rows, n_out), dtype=out_dtype or x.dtype, device=x.device)
-    block_n, block_k = _tiles(n_out, k_in)
+    block_n, block_k = tiles(n_out, k_in)
     norm_weight, eps = (x2, 0.0) if norm is None else norm
     _skinny_linear_kernel[(triton.cdiv(n_out, block_n),)](
         x2, x2 if rows is None else rows, weight, out, norm_weight, num_rows, n_out, k_in, eps, x2.stride(0),

@@ -77,8 +77,8 @@ class MtpModule:
         self.block.write_cache(self._block_input(input_ids, hidden_states), positions, cache, meta)
 
     def _block_input(self, input_ids: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        x = self.backend.mtp_eh_input(input_ids, self.embed, self.enorm, hidden_states, self.hnorm, self.eps)
-        return self.backend.linear(x, self.eh_proj)  # [T, hidden]
+        return self.backend.mtp_eh_proj(input_ids, self.embed, self.enorm, hidden_states, self.hnorm, self.eps,
+                                        self.eh_proj)  # [T, hidden]
 
     def head_logits(
         self, normed: torch.Tensor, rows: torch.Tensor | None = None, as_float: bool = True
