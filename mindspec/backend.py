@@ -307,6 +307,15 @@ class Backend(ABC):
         (MLA's q_a_layernorm before q_b_proj); a backend may normalise inside the GEMM."""
         return self.linear(self.rms_norm(x, norm_weight, eps), w)
 
+    def add_rms_norm_linear(
+        self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: LinearWeight
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(linear(RMSNorm(x + residual) * norm_weight, w), x + residual) for a norm that only this
+        projection reads (a layer's input norm before MLA's fused q_a / kv_a projection); a
+        backend may add and normalise inside the GEMM."""
+        h, summed = self.add_rms_norm(x, residual, norm_weight, eps)
+        return self.linear(h, w), summed
+
     def linear_silu_and_mul(self, x: torch.Tensor, gate_up: LinearWeight) -> torch.Tensor:
         """SwiGLU's first half: x [T, H], gate_up [2I, H] (rows gate | up) -> silu(x @ gate.T) *
         (x @ up.T) [T, I], as ``silu_and_mul(linear(x, gate_up))``; a backend may fuse the two."""

@@ -110,6 +110,11 @@ class CudaBackend(Backend):
             return self._k.linear.skinny_linear(x, w.weight, norm=(norm_weight, eps))
         return super().rms_norm_linear(x, norm_weight, eps, w)
 
+    def add_rms_norm_linear(self, x, residual, norm_weight, eps: float, w: LinearWeight):
+        if not isinstance(w.weight, Fp8Weight) and self._k.linear.fits_add_normed(x, residual, norm_weight, w.weight):
+            return self._k.linear.add_norm_linear(x, residual, norm_weight, eps, w.weight)
+        return super().add_rms_norm_linear(x, residual, norm_weight, eps, w)
+
     def linear_silu_and_mul(self, x: torch.Tensor, gate_up: LinearWeight) -> torch.Tensor:
         if not isinstance(gate_up.weight, Fp8Weight) and self._k.linear.fits_swiglu(x, gate_up.weight):
             return self._k.linear.skinny_linear(x, gate_up.weight, swiglu=True)

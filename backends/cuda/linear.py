@@ -31,10 +31,10 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)  # routed here by ``fits``; float3
 
 @triton.jit
 def _skinny_linear_kernel(
-    x_ptr, rows_ptr, w_ptr, out_ptr, norm_ptr, num_rows, n_out, k_in, eps,
-    stride_xm, stride_wn, stride_om,
+    x_ptr, rows_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, sum_ptr, num_rows, n_out, k_in, eps,
+    stride_xm, stride_wn, stride_om, stride_rm, stride_sm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    SWIGLU: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr,
+    SWIGLU: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
 ):
     # SWIGLU: w holds [gate | up] (2 * n_out rows); out = silu(x @ gate.T) * (x @ up.T), each
     # product and the activation rounded to x's dtype first, as the separate ops round them.
@@ -43,6 +43,8 @@ def _skinny_linear_kernel(
     # NORM: x's rows are RMS-normalised first, each program over the whole row (K <= MAX_K), and
     # rounded as the norm kernel rounds them: x * rsqrt(mean(x^2) + eps) to x's dtype, times
     # norm_ptr's weight, to x's dtype.
+    # ADD (not with GATHER): x's rows are x + residual first, rounded to x's dtype as torch's add
+    # rounds them; program 0 writes that sum to sum_ptr (the residual stream's next value).
     m = tl.arange(0, BLOCK_M)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = m < num_rows
@@ -61,14 +63,23 @@ def _skinny_linear_kernel(
         squares = tl.zeros([BLOCK_M], tl.float32)
         for k0 in range(0, k_in, BLOCK_K):
             k = k0 + kk
-            a = tl.load(x_ptr + src[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & (k < k_in)[None, :],
-                        other=0.0).to(tl.float32)
+            ok = m_ok[:, None] & (k < k_in)[None, :]
+            a = tl.load(x_ptr + src[:, None] * stride_xm + k[None, :], mask=ok, other=0.0)
+            if ADD:
+                r = tl.load(res_ptr + src[:, None] * stride_rm + k[None, :], mask=ok, other=0.0)
+                a = (a.to(tl.float32) + r.to(tl.float32)).to(a.dtype)
+            a = a.to(tl.float32)
             squares += tl.sum(a * a, axis=1)
         inv = 1.0 / tl.sqrt(squares / k_in + eps)
     for k0 in range(0, k_in, BLOCK_K):
         k = k0 + kk
         k_ok = k < k_in
         a = tl.load(x_ptr + src[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if ADD:
+            r = tl.load(res_ptr + src[:, None] * stride_rm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            a = (a.to(tl.float32) + r.to(tl.float32)).to(a.dtype)
+            if tl.program_id(0) == 0:
+                tl.store(sum_ptr + src[:, None] * stride_sm + k[None, :], a, mask=m_ok[:, None] & k_ok[None, :])
         if NORM:
             g = tl.load(norm_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
             h = (a.to(tl.float32) * inv[:, None]).to(a.dtype).to(tl.float32)
@@ -117,6 +128,12 @@ def fits_normed(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor
             and norm_weight.dtype == x.dtype)
 
 
+def fits_add_normed(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``add_norm_linear`` takes RMSNorm(x + residual) * norm_weight @ weight.T."""
+    return (fits_normed(x, norm_weight, weight) and residual.shape == x.shape and residual.dtype == x.dtype
+            and residual.stride(-1) == 1)
+
+
 def fits_swiglu(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``skinny_linear`` takes silu_and_mul(x @ weight.T) for weight [gate | up]."""
     return enabled() and fits(x, weight) and weight.shape[0] % 2 == 0
@@ -132,12 +149,14 @@ def tiles(n_out: int, k_in: int) -> tuple[int, int]:
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False,
                   rows: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
-                  norm: Optional[tuple[torch.Tensor, float]] = None) -> torch.Tensor:
+                  norm: Optional[tuple[torch.Tensor, float]] = None,
+                  add: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """x [..., K] (at most MAX_ROWS rows) @ weight [N, K].T -> [..., N] in x's dtype; with
     ``swiglu`` weight is [gate | up] [2N, K] and the output silu(gate) * up [..., N]; with
     ``rows`` [R <= MAX_ROWS] (x 2-d, any number of rows) x[rows] @ weight.T -> [R, N]; with
     ``out_dtype`` (float32) the result rounded to x's dtype, then widened; with ``norm``
-    (weight [K], eps) RMSNorm(x) * weight takes x's place."""
+    (weight [K], eps) RMSNorm(x) * weight takes x's place; with ``add`` (residual, summed: x's
+    shape, 2-d x, no ``rows``) x + residual takes x's place and is written to summed."""
     lead = x.shape[:-1] if rows is None else rows.shape
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -148,9 +167,19 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False,
     out = torch.empty((num_rows, n_out), dtype=out_dtype or x.dtype, device=x.device)
     block_n, block_k = tiles(n_out, k_in)
     norm_weight, eps = (x2, 0.0) if norm is None else norm
+    residual, summed = (x2, x2) if add is None else add
     _skinny_linear_kernel[(triton.cdiv(n_out, block_n),)](
-        x2, x2 if rows is None else rows, weight, out, norm_weight, num_rows, n_out, k_in, eps, x2.stride(0),
-        weight.stride(0), out.stride(0), BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRECISION=dot_precision(x.dtype), SWIGLU=swiglu, GATHER=rows is not None, NORM=norm is not None, num_warps=4,
+        x2, x2 if rows is None else rows, weight, out, norm_weight, residual, summed, num_rows, n_out, k_in, eps,
+        x2.stride(0), weight.stride(0), out.stride(0), residual.stride(0), summed.stride(0), BLOCK_M=MAX_ROWS,
+        BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=dot_precision(x.dtype), SWIGLU=swiglu, GATHER=rows is not None,
+        NORM=norm is not None, ADD=add is not None, num_warps=4,
     )
     return out.view(*lead, n_out)
+
+
+def add_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual) * norm_weight @ weight.T, x + residual) in one launch
+    (``fits_add_normed`` first)."""
+    summed = torch.empty_like(x)
+    return skinny_linear(x, weight, norm=(norm_weight, eps), add=(residual, summed)), summed

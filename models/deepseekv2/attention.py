@@ -57,24 +57,37 @@ class MlaAttention:
         self.w_uv_t = per_head[:, self.nope_dim :].transpose(1, 2).contiguous()  # [H, R, v]: W_UV^T per head
         self.o_proj = backend.linear_weight(w.take("o_proj.weight"))  # [hidden, H * v]
 
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> (q [T, H, nope + rope], kv_a [T, R + P])."""
+    def _project(
+        self, x: torch.Tensor, residual: Optional[torch.Tensor], input_norm: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The block input (see ``forward``) -> (q [T, H, nope + rope], kv_a [T, R + P], the
+        residual stream [T, hidden]). Where one fused q_a / kv_a projection reads the normed
+        input, the norm (and the residual add) may run inside its GEMM."""
         if self.qkv_a_proj is None:
-            q, kv_a = self.backend.linear(x, self.q_proj), self.backend.linear(x, self.kv_a_proj)
+            if residual is None:
+                h, residual = self.backend.rms_norm(x, input_norm, self.eps), x
+            else:
+                h, residual = self.backend.add_rms_norm(x, residual, input_norm, self.eps)
+            q, kv_a = self.backend.linear(h, self.q_proj), self.backend.linear(h, self.kv_a_proj)
         else:
-            q_a, kv_a = self.backend.linear(x, self.qkv_a_proj).split(
-                [self.q_lora_rank, self.kv_a_proj.weight.shape[0]], dim=-1
-            )
+            if residual is None:
+                qkv_a, residual = self.backend.rms_norm_linear(x, input_norm, self.eps, self.qkv_a_proj), x
+            else:
+                qkv_a, residual = self.backend.add_rms_norm_linear(x, residual, input_norm, self.eps, self.qkv_a_proj)
+            q_a, kv_a = qkv_a.split([self.q_lora_rank, self.kv_a_proj.weight.shape[0]], dim=-1)
             q = self.backend.rms_norm_linear(q_a, self.q_a_layernorm, self.eps, self.q_b_proj)
-        return q.view(x.shape[0], self.num_heads, self.nope_dim + self.rope_dim), kv_a
+        return q.view(x.shape[0], self.num_heads, self.nope_dim + self.rope_dim), kv_a, residual
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, cache: LatentCache, meta: AttentionMetadata,
-        rows: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden], or [N, hidden] for ``rows`` [N] alone (o_proj on those rows
-        only); writes every token's latents into ``cache``."""
-        q, kv_a = self._project(x)
+        self, x: torch.Tensor, residual: Optional[torch.Tensor], input_norm: torch.Tensor, positions: torch.Tensor,
+        cache: LatentCache, meta: AttentionMetadata, rows: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block input: x [T, hidden] (the first block's input, ``residual`` None) or the
+        previous block's output before its residual add -> (attention output [T, hidden], or
+        [N, hidden] for ``rows`` [N] alone (o_proj on those rows only); the residual stream
+        x + residual [T, hidden]). Applies the block's input norm (``input_norm``'s weight);
+        writes every token's latents into ``cache``."""
+        q, kv_a, residual = self._project(x, residual, input_norm)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # q_pe not yet roped
         c_kv, k_pe = self._write_latents(kv_a, positions, cache, meta)
         if meta.is_prefill and meta.tree_mask is None:
@@ -83,8 +96,8 @@ class MlaAttention:
             out = self._absorbed(q_nope, q_pe, positions, cache, meta)
         out = out.reshape(x.shape[0], self.num_heads * self.v_dim)
         if rows is None:
-            return self.backend.linear(out, self.o_proj)
-        return self.backend.linear_rows(out, rows, self.o_proj)
+            return self.backend.linear(out, self.o_proj), residual
+        return self.backend.linear_rows(out, rows, self.o_proj), residual
 
     def write_cache(
         self, x: torch.Tensor, positions: torch.Tensor, cache: LatentCache, meta: AttentionMetadata

@@ -47,11 +47,7 @@ class DecoderLayer:
         """Returns (mlp_out, residual); the block output is mlp_out + residual, left unadded so the
         next norm can fuse the add (vLLM's convention). With ``rows`` both are [N, hidden]: every
         token still writes its cache entry, but only those rows run o_proj and the MLP."""
-        if residual is None:
-            residual, h = x, self.backend.rms_norm(x, self.input_layernorm, self.eps)
-        else:
-            h, residual = self.backend.add_rms_norm(x, residual, self.input_layernorm, self.eps)
-        h = self.self_attn.forward(h, positions, cache, meta, rows)
+        h, residual = self.self_attn.forward(x, residual, self.input_layernorm, positions, cache, meta, rows)
         if rows is not None:
             residual = residual[rows]
         h, residual = self.backend.add_rms_norm(h, residual, self.post_attention_layernorm, self.eps)

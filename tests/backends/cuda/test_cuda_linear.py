@@ -143,3 +143,39 @@ def test_the_norm_takes_the_skinny_launch_where_it_fits(cuda_backend, device, mo
         cuda_backend.rms_norm_linear(torch.randn(rows, 32, dtype=dtype, device=device),
                                      torch.ones(32, dtype=dtype, device=device), 1e-6, w)
     assert calls == [True]  # 17 rows, float32: the norm kernel, then the GEMM
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,k_in,n_out", [(1, 192, 176), (4, 192, 176), (16, 300, 40), (3, 1024, 64), (17, 64, 24)])
+def test_add_rms_norm_linear_equals_the_separate_ops(cuda_backend, cpu_backend, device, dtype, rows, k_in, n_out):
+    # A layer's residual add and input norm, then the fused q_a/kv_a projection (the shipped
+    # model: 192 -> 176): one skinny launch up to 16 rows in half precision, its first program
+    # writing the residual stream; the add-norm kernel and the GEMM otherwise.
+    g = torch.Generator().manual_seed(rows * k_in + n_out + 1)
+    x, res = _rand(g, rows, k_in, dtype=dtype) * 3, _rand(g, rows, k_in, dtype=dtype)
+    w = _rand(g, n_out, k_in, dtype=dtype) / k_in ** 0.5
+    norm_w = (1 + 0.2 * torch.randn(k_in, generator=g)).to(dtype)
+    lw = LinearWeight(w.to(device))
+    out, summed = cuda_backend.add_rms_norm_linear(x.to(device), res.to(device), norm_w.to(device), 1e-6, lw)
+    assert out.shape == (rows, n_out) and out.dtype == dtype and summed.shape == x.shape
+    assert torch.equal(summed.cpu(), x + res)
+    want, want_sum = cpu_backend.add_rms_norm_linear(x, res, norm_w, 1e-6, LinearWeight(w))
+    assert_close(out, want, dtype) and torch.equal(want_sum, x + res)
+    h, _ = cuda_backend.add_rms_norm(x.to(device), res.to(device), norm_w.to(device), 1e-6)
+    separate = cuda_backend.linear(h, lw)
+    if not ON_GPU and k_in <= 512:  # one K tile here: the sums of squares in the norm kernel's order
+        assert torch.equal(out.cpu(), separate.cpu())
+    assert_close(out, separate.cpu(), dtype)
+
+
+def test_the_add_and_norm_take_the_skinny_launch_where_they_fit(cuda_backend, device, monkeypatch):
+    calls = []
+    real = linear.add_norm_linear
+    monkeypatch.setattr(linear, "add_norm_linear", lambda *args: calls.append(args[0].shape[0]) or real(*args))
+    for rows, dtype, res_dtype in ((2, torch.float16, torch.float16), (17, torch.float16, torch.float16),
+                                   (2, torch.float32, torch.float32), (2, torch.float16, torch.float32)):
+        w = LinearWeight(torch.randn(48, 32, dtype=dtype, device=device))
+        x = torch.randn(rows, 32, dtype=dtype, device=device)
+        cuda_backend.add_rms_norm_linear(x, torch.randn(rows, 32, dtype=res_dtype, device=device),
+                                         torch.ones(32, dtype=dtype, device=device), 1e-6, w)
+    assert calls == [2]  # 17 rows, float32, a residual of another dtype: the add-norm kernel, then the GEMM

@@ -34,14 +34,14 @@ def _launches(checkpoint, monkeypatch, plugin_params, dtype="float16"):
 
 
 def _layer_launches(cfg) -> int:
-    """Launches of one decode step's decoder layers. Attention: input norm, the fused q_a/kv_a
-    projection, q_b (normalising q_a inside the GEMM), the two absorbed matmuls, latent norm +
-    rope + cache write, attention (rotating q_pe as it loads it), o_proj (8); the residual add +
-    norm (1); a MoE MLP: router (with its gate GEMM and the route alignment), gate/up + SwiGLU,
+    """Launches of one decode step's decoder layers. Attention: the fused q_a/kv_a projection
+    (adding the residual and applying the input norm inside the GEMM), q_b (normalising q_a
+    inside the GEMM), the two absorbed matmuls, latent norm + rope + cache write, attention
+    (rotating q_pe as it loads it), o_proj (7); the residual add + norm (1); a MoE MLP: router (with its gate GEMM and the route alignment), gate/up + SwiGLU,
     down, the shared expert's gate/up with its SwiGLU and its down, the combine (routed pairs
     summed, the shared output added) (6); a dense MLP: gate/up with its SwiGLU, down (2)."""
     moe_layers = sum(1 for i in range(cfg.num_hidden_layers) if i >= cfg.first_k_dense_replace)
-    return 9 * cfg.num_hidden_layers + 6 * moe_layers + 2 * (cfg.num_hidden_layers - moe_layers)
+    return 8 * cfg.num_hidden_layers + 6 * moe_layers + 2 * (cfg.num_hidden_layers - moe_layers)
 
 
 # Beside the layers of a forward: the embedding, the final norm, the lm_head (its rows gathered
@@ -64,7 +64,7 @@ def test_speculative_step_launches_little_beside_its_layers(checkpoint, monkeypa
     # the verification's layers, then each draft stage's MoE block (its attention, norm and MLP);
     # the last stage runs o_proj (its rows gathered inside the GEMM) and its MLP on its lm_head
     # rows alone (the residual's rows: one gather)
-    assert step.in_layers == _layer_launches(cfg) + K * 15 + 1, step.by_name
+    assert step.in_layers == _layer_launches(cfg) + K * 14 + 1, step.by_name
     # a draft stage: eh_proj (its input, the embedding and both norms, built inside the GEMM:
     # backends/cuda/eh_proj.py), the block's residual add with the head's norm, the lm_head (in
     # the model dtype: an argmax needs no float32 copy; where another stage follows, on its
