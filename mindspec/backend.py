@@ -308,13 +308,18 @@ class Backend(ABC):
         return self.linear(self.rms_norm(x, norm_weight, eps), w)
 
     def add_rms_norm_linear(
-        self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: LinearWeight
+        self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: LinearWeight,
+        rows: Optional[torch.Tensor] = None, float_out: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(linear(RMSNorm(x + residual) * norm_weight, w), x + residual) for a norm that only this
-        projection reads (a layer's input norm before MLA's fused q_a / kv_a projection); a
-        backend may add and normalise inside the GEMM."""
+        projection reads (a layer's input norm before MLA's fused q_a / kv_a projection, an MTP
+        stage's head norm before its lm_head); with ``rows`` [N] the product of those rows alone
+        and ``float_out`` as ``linear_rows``'. A backend may add and normalise inside the GEMM."""
         h, summed = self.add_rms_norm(x, residual, norm_weight, eps)
-        return self.linear(h, w), summed
+        if rows is not None:
+            return self.linear_rows(h, rows, w, float_out), summed
+        out = self.linear(h, w)
+        return out.float() if float_out else out, summed
 
     def linear_silu_and_mul(self, x: torch.Tensor, gate_up: LinearWeight) -> torch.Tensor:
         """SwiGLU's first half: x [T, H], gate_up [2I, H] (rows gate | up) -> silu(x @ gate.T) *

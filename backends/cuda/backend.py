@@ -110,10 +110,13 @@ class CudaBackend(Backend):
             return self._k.linear.skinny_linear(x, w.weight, norm=(norm_weight, eps))
         return super().rms_norm_linear(x, norm_weight, eps, w)
 
-    def add_rms_norm_linear(self, x, residual, norm_weight, eps: float, w: LinearWeight):
-        if not isinstance(w.weight, Fp8Weight) and self._k.linear.fits_add_normed(x, residual, norm_weight, w.weight):
-            return self._k.linear.add_norm_linear(x, residual, norm_weight, eps, w.weight)
-        return super().add_rms_norm_linear(x, residual, norm_weight, eps, w)
+    def add_rms_norm_linear(self, x, residual, norm_weight, eps: float, w: LinearWeight, rows=None,
+                            float_out: bool = False):
+        if not isinstance(w.weight, Fp8Weight) and self._k.linear.fits_add_normed(x, residual, norm_weight, w.weight,
+                                                                                   rows):
+            return self._k.linear.add_norm_linear(x, residual, norm_weight, eps, w.weight, rows,
+                                                  torch.float32 if float_out else None)
+        return super().add_rms_norm_linear(x, residual, norm_weight, eps, w, rows, float_out)
 
     def linear_silu_and_mul(self, x: torch.Tensor, gate_up: LinearWeight) -> torch.Tensor:
         if not isinstance(gate_up.weight, Fp8Weight) and self._k.linear.fits_swiglu(x, gate_up.weight):

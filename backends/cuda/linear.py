@@ -31,7 +31,7 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)  # routed here by ``fits``; float3
 
 @triton.jit
 def _skinny_linear_kernel(
-    x_ptr, rows_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, sum_ptr, num_rows, n_out, k_in, eps,
+    x_ptr, rows_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, sum_ptr, num_rows, num_x_rows, n_out, k_in, eps,
     stride_xm, stride_wn, stride_om, stride_rm, stride_sm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     SWIGLU: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
@@ -43,17 +43,28 @@ def _skinny_linear_kernel(
     # NORM: x's rows are RMS-normalised first, each program over the whole row (K <= MAX_K), and
     # rounded as the norm kernel rounds them: x * rsqrt(mean(x^2) + eps) to x's dtype, times
     # norm_ptr's weight, to x's dtype.
-    # ADD (not with GATHER): x's rows are x + residual first, rounded to x's dtype as torch's add
-    # rounds them; program 0 writes that sum to sum_ptr (the residual stream's next value).
+    # ADD: x's rows are x + residual first, rounded to x's dtype as torch's add rounds them;
+    # program 0 also writes that sum for all num_x_rows rows of x to sum_ptr (the residual
+    # stream's next value, gathered rows or not).
+    pid = tl.program_id(0)
     m = tl.arange(0, BLOCK_M)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = m < num_rows
     n_ok = n < n_out
+    kk = tl.arange(0, BLOCK_K)
+    if ADD:
+        if pid == 0:
+            for t0 in range(0, num_x_rows, BLOCK_M):
+                t = (t0 + m).to(tl.int64)
+                for k0 in range(0, k_in, BLOCK_K):
+                    k = k0 + kk
+                    ok = (t < num_x_rows)[:, None] & (k < k_in)[None, :]
+                    a = _row_chunk(x_ptr, res_ptr, t, k, ok, stride_xm, stride_rm, ADD)
+                    tl.store(sum_ptr + t[:, None] * stride_sm + k[None, :], a, mask=ok)
     if GATHER:
         src = tl.load(rows_ptr + m, mask=m_ok, other=0).to(tl.int64)  # [M] rows of x
     else:
         src = m.to(tl.int64)
-    kk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + n[None, :].to(tl.int64) * stride_wn  # [1, N]
     up_rows = w_ptr + (n[None, :] + n_out).to(tl.int64) * stride_wn  # [1, N] (SWIGLU only)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -64,22 +75,13 @@ def _skinny_linear_kernel(
         for k0 in range(0, k_in, BLOCK_K):
             k = k0 + kk
             ok = m_ok[:, None] & (k < k_in)[None, :]
-            a = tl.load(x_ptr + src[:, None] * stride_xm + k[None, :], mask=ok, other=0.0)
-            if ADD:
-                r = tl.load(res_ptr + src[:, None] * stride_rm + k[None, :], mask=ok, other=0.0)
-                a = (a.to(tl.float32) + r.to(tl.float32)).to(a.dtype)
-            a = a.to(tl.float32)
+            a = _row_chunk(x_ptr, res_ptr, src, k, ok, stride_xm, stride_rm, ADD).to(tl.float32)
             squares += tl.sum(a * a, axis=1)
         inv = 1.0 / tl.sqrt(squares / k_in + eps)
     for k0 in range(0, k_in, BLOCK_K):
         k = k0 + kk
         k_ok = k < k_in
-        a = tl.load(x_ptr + src[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if ADD:
-            r = tl.load(res_ptr + src[:, None] * stride_rm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            a = (a.to(tl.float32) + r.to(tl.float32)).to(a.dtype)
-            if tl.program_id(0) == 0:
-                tl.store(sum_ptr + src[:, None] * stride_sm + k[None, :], a, mask=m_ok[:, None] & k_ok[None, :])
+        a = _row_chunk(x_ptr, res_ptr, src, k, m_ok[:, None] & k_ok[None, :], stride_xm, stride_rm, ADD)
         if NORM:
             g = tl.load(norm_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
             h = (a.to(tl.float32) * inv[:, None]).to(a.dtype).to(tl.float32)
@@ -95,6 +97,16 @@ def _skinny_linear_kernel(
         acc = act * acc_up.to(dtype).to(tl.float32)
     out = acc.to(dtype).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + m[:, None] * stride_om + n[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _row_chunk(x_ptr, res_ptr, rows, k, ok, stride_xm, stride_rm, ADD: tl.constexpr):
+    """x[rows, k] [M, K] (masked lanes 0), plus residual[rows, k] rounded to x's dtype with ADD."""
+    a = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=ok, other=0.0)
+    if ADD:
+        r = tl.load(res_ptr + rows[:, None] * stride_rm + k[None, :], mask=ok, other=0.0)
+        a = (a.to(tl.float32) + r.to(tl.float32)).to(a.dtype)
+    return a
 
 
 def enabled() -> bool:
@@ -128,10 +140,13 @@ def fits_normed(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor
             and norm_weight.dtype == x.dtype)
 
 
-def fits_add_normed(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``add_norm_linear`` takes RMSNorm(x + residual) * norm_weight @ weight.T."""
-    return (fits_normed(x, norm_weight, weight) and residual.shape == x.shape and residual.dtype == x.dtype
-            and residual.stride(-1) == 1)
+def fits_add_normed(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+                    rows: Optional[torch.Tensor] = None) -> bool:
+    """Whether ``add_norm_linear`` takes RMSNorm(x + residual) * norm_weight @ weight.T (of x's
+    ``rows`` alone)."""
+    fits_x = fits_normed(x, norm_weight, weight) if rows is None else (
+        fits_gathered(x, rows, weight) and norm_weight.shape == (x.shape[1],) and norm_weight.dtype == x.dtype)
+    return fits_x and residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
 
 
 def fits_swiglu(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -156,7 +171,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False,
     ``rows`` [R <= MAX_ROWS] (x 2-d, any number of rows) x[rows] @ weight.T -> [R, N]; with
     ``out_dtype`` (float32) the result rounded to x's dtype, then widened; with ``norm``
     (weight [K], eps) RMSNorm(x) * weight takes x's place; with ``add`` (residual, summed: x's
-    shape, 2-d x, no ``rows``) x + residual takes x's place and is written to summed."""
+    shape, x 2-d) x + residual takes x's place, and is written to summed (every row of x)."""
     lead = x.shape[:-1] if rows is None else rows.shape
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -169,17 +184,19 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False,
     norm_weight, eps = (x2, 0.0) if norm is None else norm
     residual, summed = (x2, x2) if add is None else add
     _skinny_linear_kernel[(triton.cdiv(n_out, block_n),)](
-        x2, x2 if rows is None else rows, weight, out, norm_weight, residual, summed, num_rows, n_out, k_in, eps,
-        x2.stride(0), weight.stride(0), out.stride(0), residual.stride(0), summed.stride(0), BLOCK_M=MAX_ROWS,
-        BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=dot_precision(x.dtype), SWIGLU=swiglu, GATHER=rows is not None,
-        NORM=norm is not None, ADD=add is not None, num_warps=4,
+        x2, x2 if rows is None else rows, weight, out, norm_weight, residual, summed, num_rows, x2.shape[0], n_out,
+        k_in, eps, x2.stride(0), weight.stride(0), out.stride(0), residual.stride(0), summed.stride(0),
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=dot_precision(x.dtype), SWIGLU=swiglu,
+        GATHER=rows is not None, NORM=norm is not None, ADD=add is not None, num_warps=4,
     )
     return out.view(*lead, n_out)
 
 
 def add_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                    weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual) * norm_weight @ weight.T, x + residual) in one launch
-    (``fits_add_normed`` first)."""
+                    weight: torch.Tensor, rows: Optional[torch.Tensor] = None,
+                    out_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual) * norm_weight @ weight.T (of ``rows`` alone, as ``skinny_linear``'s),
+    x + residual) in one launch (``fits_add_normed`` first)."""
     summed = torch.empty_like(x)
-    return skinny_linear(x, weight, norm=(norm_weight, eps), add=(residual, summed)), summed
+    out = skinny_linear(x, weight, rows=rows, out_dtype=out_dtype, norm=(norm_weight, eps), add=(residual, summed))
+    return out, summed

@@ -184,9 +184,9 @@ class FlashCausalDeepseekV2:
         module = self.mtp_modules[module_idx]
         cache = caches[self.cfg.num_hidden_layers + module_idx]
         rows_only = lm_rows_out or lm_head_indices is None
-        block_out, normed = module.forward(input_ids, hidden_states, positions, cache, meta,
-                                           lm_head_indices if rows_only else None)
-        logits = module.head_logits(normed, None if rows_only else lm_head_indices, float_logits)
+        block_out, logits = module.forward(input_ids, hidden_states, positions, cache, meta,
+                                           lm_head_indices if rows_only else None,
+                                           None if rows_only else lm_head_indices, float_logits)
         return ModelOutput(logits=logits, hidden_states=block_out)
 
     def draft(

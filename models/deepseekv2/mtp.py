@@ -60,14 +60,19 @@ class MtpModule:
         cache: LatentCache,
         meta: AttentionMetadata,
         rows: torch.Tensor | None = None,  # [N]
+        head_rows: torch.Tensor | None = None,  # [N]
+        as_float: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (block_out, its shared-head norm), both [T, hidden] (or [N, hidden] for ``rows``: the
-        only rows whose output is needed); block_out is before the norm (what a further MTP step
-        takes), the residual add and the norm one op. ``head_logits`` takes the normed rows."""
+        """-> (block_out [T, hidden] (or [N, hidden] for ``rows``: the only rows whose output is
+        needed), the shared head's logits). block_out is before the head's norm: what a further
+        MTP step takes. The head runs on ``head_rows`` of block_out (None: every row; the
+        residual add and the head's norm may run inside its GEMM); logits are float32 unless
+        ``as_float`` is False (the model dtype: enough for an argmax, one conversion less)."""
         x = self._block_input(input_ids, hidden_states)
         out, residual = self.block.forward(x, None, positions, cache, meta, rows)
-        normed, block_out = self.backend.add_rms_norm(out, residual, self.head_norm, self.eps)
-        return block_out, normed
+        logits, block_out = self.backend.add_rms_norm_linear(out, residual, self.head_norm, self.eps, self.head,
+                                                             head_rows, as_float)
+        return block_out, logits
 
     def write_cache(
         self, input_ids: torch.Tensor, hidden_states: torch.Tensor, positions: torch.Tensor, cache: LatentCache,
@@ -79,14 +84,3 @@ class MtpModule:
     def _block_input(self, input_ids: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.backend.mtp_eh_proj(input_ids, self.embed, self.enorm, hidden_states, self.hnorm, self.eps,
                                         self.eh_proj)  # [T, hidden]
-
-    def head_logits(
-        self, normed: torch.Tensor, rows: torch.Tensor | None = None, as_float: bool = True
-    ) -> torch.Tensor:
-        """normed block outputs [T, hidden] -> logits [N, vocab] of ``rows`` [N] (None: every row),
-        float32 unless ``as_float`` is False (the model dtype: enough for an argmax, one
-        conversion less)."""
-        if rows is not None:
-            return self.backend.linear_rows(normed, rows, self.head, float_out=as_float)
-        logits = self.backend.linear(normed, self.head)
-        return logits.float() if as_float else logits

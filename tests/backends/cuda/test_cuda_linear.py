@@ -179,3 +179,28 @@ def test_the_add_and_norm_take_the_skinny_launch_where_they_fit(cuda_backend, de
         cuda_backend.add_rms_norm_linear(x, torch.randn(rows, 32, dtype=res_dtype, device=device),
                                          torch.ones(32, dtype=dtype, device=device), 1e-6, w)
     assert calls == [2]  # 17 rows, float32, a residual of another dtype: the add-norm kernel, then the GEMM
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("x_rows,rows", [(4, [3]), (9, [2, 5, 8]), (40, [0, 13, 39, 7]), (16, list(range(16)))])
+@pytest.mark.parametrize("float_out", [False, True])
+def test_add_rms_norm_linear_of_gathered_rows(cuda_backend, cpu_backend, device, dtype, x_rows, rows, float_out):
+    # An MTP stage's head: the residual stream of every row (what the next stage reads), the
+    # lm_head of each sequence's lm_head row (in the model dtype for a draft's argmax, or float32).
+    g = torch.Generator().manual_seed(x_rows + len(rows))
+    x, res = _rand(g, x_rows, 192, dtype=dtype) * 3, _rand(g, x_rows, 192, dtype=dtype)
+    w = _rand(g, 400, 192, dtype=dtype) / 192 ** 0.5
+    norm_w = (1 + 0.2 * torch.randn(192, generator=g)).to(dtype)
+    idx = torch.tensor(rows)
+    lw = LinearWeight(w.to(device))
+    out, summed = cuda_backend.add_rms_norm_linear(x.to(device), res.to(device), norm_w.to(device), 1e-6, lw,
+                                                   idx.to(device), float_out)
+    assert out.shape == (len(rows), 400) and out.dtype == (torch.float32 if float_out else dtype)
+    assert torch.equal(summed.cpu(), x + res)
+    want, _ = cpu_backend.add_rms_norm_linear(x, res, norm_w, 1e-6, LinearWeight(w), idx, float_out)
+    assert_close(out, want, dtype)
+    h, _ = cuda_backend.add_rms_norm(x.to(device), res.to(device), norm_w.to(device), 1e-6)
+    separate = cuda_backend.linear_rows(h, idx.to(device), lw, float_out)
+    if not ON_GPU:  # one K tile here: the sums of squares in the norm kernel's order
+        assert torch.equal(out.cpu(), separate.cpu())
+    assert_close(out, separate.cpu(), dtype)

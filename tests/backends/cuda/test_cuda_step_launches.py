@@ -66,13 +66,14 @@ def test_speculative_step_launches_little_beside_its_layers(checkpoint, monkeypa
     # rows alone (the residual's rows: one gather)
     assert step.in_layers == _layer_launches(cfg) + K * 14 + 1, step.by_name
     # a draft stage: eh_proj (its input, the embedding and both norms, built inside the GEMM:
-    # backends/cuda/eh_proj.py), the block's residual add with the head's norm, the lm_head (in
-    # the model dtype: an argmax needs no float32 copy; where another stage follows, on its
-    # lm_head rows alone, gathered inside the GEMM), the argmax (where another stage follows,
-    # with that stage's tokens: one kernel, backends/cuda/draft_shift.py) (4); then the first
-    # stage's hidden states read from the cache, the drafts set beside each sequence's last token (one concat: the verification
+    # backends/cuda/eh_proj.py), the lm_head (the block's residual add and the head's norm
+    # inside the GEMM, whose first program writes the block output for the next stage; in the
+    # model dtype: an argmax needs no float32 copy; where another stage follows, on its lm_head
+    # rows alone, gathered inside the GEMM), the argmax (where another stage follows, with that
+    # stage's tokens: one kernel, backends/cuda/draft_shift.py) (3); then the first stage's
+    # hidden states read from the cache, the drafts set beside each sequence's last token (one concat: the verification
     # rows, the drafts a view of them) and the acceptance kernel (backends/cuda/acceptance.py,
     # which packs the targets, drafts and accepted counts for one copy to the host)
-    stages = 4 * K
+    stages = 3 * K
     acceptance = 3
     assert step.outside_layers == FORWARD_GLUE + stages + acceptance, step.by_name
