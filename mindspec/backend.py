@@ -126,6 +126,19 @@ class LinearWeight:
 
 
 @dataclass
+class IndexedRows:
+    """buffer[rows], left for the op that reads them to gather (an MTP step's first hidden
+    states: rows of the drafter's hidden cache, read by ``Backend.mtp_eh_proj``)."""
+
+    buffer: torch.Tensor  # [R, D]
+    rows: torch.Tensor  # [T] int64
+
+    def materialize(self) -> torch.Tensor:
+        """[T, D] the rows."""
+        return self.buffer.index_select(0, self.rows)
+
+
+@dataclass
 class RotaryEmbedding:
     """DeepSeek rope (optionally YaRN-scaled): cos/sin follow from positions and inv_freq.
 
@@ -351,11 +364,13 @@ class Backend(ABC):
         return torch.cat([e, self.rms_norm(hidden, hnorm, eps)], dim=-1)
 
     def mtp_eh_proj(
-        self, input_ids: torch.Tensor, embed, enorm: torch.Tensor, hidden: torch.Tensor, hnorm: torch.Tensor,
-        eps: float, eh_proj: LinearWeight,
+        self, input_ids: torch.Tensor, embed, enorm: torch.Tensor, hidden: torch.Tensor | IndexedRows,
+        hnorm: torch.Tensor, eps: float, eh_proj: LinearWeight,
     ) -> torch.Tensor:
-        """An MTP module's block input: linear(mtp_eh_input(...), eh_proj) [T, D]; a backend may
-        build the input rows inside the GEMM."""
+        """An MTP module's block input: linear(mtp_eh_input(...), eh_proj) [T, D]; ``hidden`` may
+        be ``IndexedRows``. A backend may build the input rows (and gather hidden's) inside the GEMM."""
+        if isinstance(hidden, IndexedRows):
+            hidden = hidden.materialize()
         return self.linear(self.mtp_eh_input(input_ids, embed, enorm, hidden, hnorm, eps), eh_proj)
 
     @abstractmethod

@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from mindspec.backend import Backend, accept_drafts
+from mindspec.backend import Backend, IndexedRows, accept_drafts
 from mindspec.text_generator.sampling.step_targets import TargetRows, sample_targets
 
 
@@ -54,7 +54,7 @@ class HiddenCacheRows:
         """[sub rows, hidden] the first stage's hidden states, gathered now (paths that take
         them as a tensor: dp shards; acceptance then stays on the host)."""
         index = torch.from_numpy(np.ascontiguousarray(self.read_rows, dtype=np.int64)).to(self.buffer.device)
-        return read_hidden(self.buffer, index)
+        return IndexedRows(self.buffer, index).materialize()
 
 
 @dataclass
@@ -82,20 +82,15 @@ class DeviceHiddenCache:
 def speculative_step(forward: Callable, cache: DeviceHiddenCache, whole_rows: bool = False,
                      backend: Optional[Backend] = None):
     """``forward(first-stage hidden states)`` -> ModelOutput of a speculative step, its hidden
-    states read from ``cache``, its targets and accepted drafts computed and the accepted rows'
+    states the rows of ``cache`` (``IndexedRows``: the first stage's eh_proj reads them), its targets and accepted drafts computed and the accepted rows'
     hidden states kept (``greedy_tokens``: the targets, ``accepted_drafts``; with keep rows all 0
     nothing is kept and the host accepts). ``whole_rows``: as step_targets.sample_targets'.
     ``backend``: whose ``accept_and_pack`` runs (None: the tensor ops)."""
-    out = forward(read_hidden(cache.buffer, cache.read_rows))
+    out = forward(IndexedRows(cache.buffer, cache.read_rows))  # gathered by the first stage's eh_proj
     out.greedy_tokens, out.draft_tokens, out.accepted_drafts = accept_and_keep(
         cache.buffer, out.logits, out.hidden_states, out.draft_tokens, cache.starts, cache.counts, cache.keep_rows,
         cache.targets, whole_rows, backend)
     return out
-
-
-def read_hidden(buffer: torch.Tensor, read_rows: torch.Tensor) -> torch.Tensor:
-    """[rows, hidden]: the cache rows ``read_rows`` [rows] (row 0: zeros)."""
-    return buffer.index_select(0, read_rows)
 
 
 def accept_and_keep(

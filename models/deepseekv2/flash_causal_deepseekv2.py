@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from mindspec.backend import AttentionMetadata, Backend, LatentCache
+from mindspec.backend import AttentionMetadata, Backend, IndexedRows, LatentCache
 from mindspec.modeling.loader import checkpoint_keys, load_checkpoint
 from mindspec.modeling.model_path import is_gguf
 from mindspec.modeling.rotary import build_rotary, softmax_scale
@@ -169,7 +169,7 @@ class FlashCausalDeepseekV2:
         self,
         module_idx: int,
         input_ids: torch.Tensor,  # [T] tokens t(i+1)
-        hidden_states: torch.Tensor,  # [T, hidden] h(i) from the main model or the previous MTP step
+        hidden_states: torch.Tensor | IndexedRows,  # [T, hidden] h(i) from the main model or the previous MTP step
         positions: torch.Tensor,  # [T] (position i: the convention of mindspec, see DESIGN.md 5)
         caches: list[LatentCache],
         meta: AttentionMetadata,
@@ -192,7 +192,7 @@ class FlashCausalDeepseekV2:
     def draft(
         self,
         input_ids: torch.Tensor,  # [Ts] sub_model_inputs tokens: accepted tokens, padded per sequence
-        hidden_states: torch.Tensor,  # [Ts, hidden] the main hidden states that produced them
+        hidden_states: torch.Tensor | IndexedRows,  # [Ts, hidden] the main hidden states that produced them
         lm_head_indices: torch.Tensor,  # [B] row of each sequence's newest entry
         steps: list[DraftStep],
         caches: list[LatentCache],
@@ -227,7 +227,7 @@ class FlashCausalDeepseekV2:
         meta: AttentionMetadata,
         lm_head_indices: torch.Tensor,  # [B * (K + 1)] every row is verified
         sub_input_ids: torch.Tensor,
-        sub_hidden_states: torch.Tensor,
+        sub_hidden_states: torch.Tensor | IndexedRows,  # [Ts, hidden] (draft's hidden_states)
         lm_head_local_dp: torch.Tensor,  # [B] drafter lm_head rows on this dp rank (seed 000's name)
         steps: list[DraftStep],
         caches: list[LatentCache],

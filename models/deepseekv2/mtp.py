@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from mindspec.backend import AttentionMetadata, Backend, LatentCache, LinearWeight, RotaryEmbedding
+from mindspec.backend import AttentionMetadata, Backend, IndexedRows, LatentCache, LinearWeight, RotaryEmbedding
 from mindspec.modeling import quantized
 from mindspec.modeling.quantized import Weight
 
@@ -55,7 +55,7 @@ class MtpModule:
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] tokens t(i+1)
-        hidden_states: torch.Tensor,  # [T, hidden] h(i) of the previous stage
+        hidden_states: torch.Tensor | IndexedRows,  # [T, hidden] h(i) of the previous stage
         positions: torch.Tensor,  # [T]
         cache: LatentCache,
         meta: AttentionMetadata,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cuda_support import ON_GPU, assert_close
-from mindspec.backend import Backend
+from mindspec.backend import Backend, IndexedRows
 from mindspec.backends.cuda import eh_proj
 
 EPS = 1e-6
@@ -66,3 +66,18 @@ class _Dequantizing:
 
     def dequantize(self) -> torch.Tensor:
         return self.weight
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_hidden_rows_of_a_cache_are_gathered_inside_the_kernel(cuda_backend, device, dtype):
+    """The first draft stage's hidden states as rows of the drafter's hidden cache (row 0: the
+    zero row of positions with no state yet): the same output as the rows gathered first."""
+    ids, embed, enorm, hidden, hnorm, weight = _on(device, *_stage(4, 192, dtype, seed=9))
+    buffer = torch.cat([torch.zeros_like(hidden[:1]), hidden, hidden.flip(0)])  # [9, D]
+    rows = torch.tensor([5, 0, 2, 8], device=device)
+    w = cuda_backend.linear_weight(weight)
+    indexed = IndexedRows(buffer, rows)
+    assert eh_proj.fits(ids, embed, enorm, indexed, hnorm, weight)
+    got = cuda_backend.mtp_eh_proj(ids, embed, enorm, indexed, hnorm, EPS, w)
+    assert torch.equal(got, cuda_backend.mtp_eh_proj(ids, embed, enorm, buffer[rows], hnorm, EPS, w))
+    assert torch.equal(Backend.mtp_eh_proj(cuda_backend, ids, embed, enorm, indexed, hnorm, EPS, w), got)
