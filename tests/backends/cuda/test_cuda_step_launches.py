@@ -70,10 +70,11 @@ def test_speculative_step_launches_little_beside_its_layers(checkpoint, monkeypa
     # inside the GEMM, whose first program writes the block output for the next stage; in the
     # model dtype: an argmax needs no float32 copy; where another stage follows, on its lm_head
     # rows alone, gathered inside the GEMM), the argmax (where another stage follows, with that
-    # stage's tokens: one kernel, backends/cuda/draft_shift.py) (3); then the first stage's
-    # hidden states read from the cache, the drafts set beside each sequence's last token (one concat: the verification
-    # rows, the drafts a view of them) and the acceptance kernel (backends/cuda/acceptance.py,
-    # which packs the targets, drafts and accepted counts for one copy to the host)
+    # stage's tokens: one kernel, backends/cuda/draft_shift.py) (3; the first stage's eh_proj
+    # gathers its hidden states from the drafter's cache too); then the drafts set beside each
+    # sequence's last token (one concat: the verification rows, the drafts a view of them) and
+    # the acceptance kernel (backends/cuda/acceptance.py, which packs the targets, drafts and
+    # accepted counts for one copy to the host)
     stages = 3 * K
-    acceptance = 3
+    acceptance = 2
     assert step.outside_layers == FORWARD_GLUE + stages + acceptance, step.by_name
