@@ -82,9 +82,10 @@ class DeviceHiddenCache:
 def speculative_step(forward: Callable, cache: DeviceHiddenCache, whole_rows: bool = False,
                      backend: Optional[Backend] = None):
     """``forward(first-stage hidden states)`` -> ModelOutput of a speculative step, its hidden
-    states the rows of ``cache`` (``IndexedRows``: the first stage's eh_proj reads them), its targets and accepted drafts computed and the accepted rows'
-    hidden states kept (``greedy_tokens``: the targets, ``accepted_drafts``; with keep rows all 0
-    nothing is kept and the host accepts). ``whole_rows``: as step_targets.sample_targets'.
+    states the rows of ``cache`` (``IndexedRows``: the first stage's eh_proj reads them), its
+    targets and accepted drafts computed and the accepted rows' hidden states kept
+    (``greedy_tokens``: the targets, ``accepted_drafts``; with keep rows all 0 nothing is kept
+    and the host accepts). ``whole_rows``: as step_targets.sample_targets'.
     ``backend``: whose ``accept_and_pack`` runs (None: the tensor ops)."""
     out = forward(IndexedRows(cache.buffer, cache.read_rows))  # gathered by the first stage's eh_proj
     out.greedy_tokens, out.draft_tokens, out.accepted_drafts = accept_and_keep(
