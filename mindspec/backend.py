@@ -354,6 +354,14 @@ class Backend(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (RMSNorm(x + residual) * weight, x + residual)."""
 
+    def add_rms_norm_rows(
+        self, x: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``add_rms_norm(x, residual[rows], ...)``: x [N, D], residual [T, D], rows [N] (a layer
+        whose output only some rows need, after its attention); a backend may gather the rows
+        as it loads them."""
+        return self.add_rms_norm(x, residual[rows], weight, eps)
+
     def mtp_eh_input(
         self, input_ids: torch.Tensor, embed, enorm: torch.Tensor, hidden: torch.Tensor, hnorm: torch.Tensor,
         eps: float,

@@ -133,6 +133,9 @@ class CudaBackend(Backend):
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
         return self._k.norm.add_rms_norm(x, residual, weight, eps)
 
+    def add_rms_norm_rows(self, x, residual, rows, weight, eps: float):
+        return self._k.norm.add_rms_norm(x, residual, weight, eps, residual_rows=rows)
+
     def mtp_eh_input(self, input_ids, embed, enorm, hidden, hnorm, eps: float) -> torch.Tensor:
         if isinstance(embed, torch.Tensor):
             out = self._k.norm.embed_norm_concat(input_ids, embed, enorm, hidden, hnorm, eps)

@@ -14,17 +14,22 @@ from mindspec.backends.cuda.launch import check_rows, num_warps_for, pow2, row_t
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
+    x_ptr, res_ptr, res_rows_ptr, w_ptr, out_ptr, sum_ptr,
     num_rows, dim, stride_x, stride_res, stride_out, stride_sum, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, GATHER_RESIDUAL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    # GATHER_RESIDUAL: row t adds the residual's row res_rows[t]
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
     cols = tl.arange(0, BLOCK_D)  # [BD]
     ok = (rows[:, None] < num_rows) & (cols[None, :] < dim)
     rows64 = rows.to(tl.int64)
     x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=ok, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + rows64[:, None] * stride_res + cols[None, :], mask=ok, other=0.0)
+        if GATHER_RESIDUAL:
+            res_rows = tl.load(res_rows_ptr + rows, mask=rows < num_rows, other=0).to(tl.int64)
+        else:
+            res_rows = rows64
+        r = tl.load(res_ptr + res_rows[:, None] * stride_res + cols[None, :], mask=ok, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the sum is rounded like torch's x + r
         tl.store(sum_ptr + rows64[:, None] * stride_sum + cols[None, :], x, mask=ok)
     y = _normed(x, w_ptr, cols, dim, eps)
@@ -61,7 +66,7 @@ def _embed_norm_concat_kernel(
     tl.store(out + dim, _normed(h, hnorm_ptr, cols, dim, eps).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _launch(x: torch.Tensor, residual, weight: torch.Tensor, eps: float):
+def _launch(x: torch.Tensor, residual, weight: torch.Tensor, eps: float, residual_rows=None):
     check_rows("rms_norm", x, 2)
     x = unit_last_stride(x)
     num_rows, dim = x.shape
@@ -71,17 +76,19 @@ def _launch(x: torch.Tensor, residual, weight: torch.Tensor, eps: float):
     summed = torch.empty_like(x) if residual is not None else out
     if residual is not None:
         residual = unit_last_stride(residual)
-        if residual.shape != x.shape:
-            raise ValueError(f"add_rms_norm: residual {tuple(residual.shape)} != x {tuple(x.shape)}")
+        rows = residual.shape if residual_rows is None else (residual_rows.shape[0], residual.shape[1])
+        if tuple(rows) != tuple(x.shape):
+            raise ValueError(f"add_rms_norm: residual {tuple(residual.shape)} (rows {rows[0]}) != x {tuple(x.shape)}")
     if num_rows == 0:
         return out, summed
     block_d = pow2(dim)
     block_t = row_tile(num_rows, dim)
     res = residual if residual is not None else x
     _rms_norm_kernel[(triton.cdiv(num_rows, block_t),)](
-        x, res, weight, out, summed,
+        x, res, res if residual_rows is None else residual_rows, weight, out, summed,
         num_rows, dim, x.stride(0), res.stride(0), out.stride(0), summed.stride(0), eps,
-        HAS_RESIDUAL=residual is not None, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps_for(block_d),
+        HAS_RESIDUAL=residual is not None, GATHER_RESIDUAL=residual_rows is not None, BLOCK_T=block_t,
+        BLOCK_D=block_d, num_warps=num_warps_for(block_d),
     )
     return out, summed
 
@@ -91,9 +98,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _launch(x, None, weight, eps)[0]
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    """-> (RMSNorm(x + residual) * weight, x + residual), one pass over the row."""
-    return _launch(x, residual, weight, eps)
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual_rows: torch.Tensor | None = None):
+    """-> (RMSNorm(x + residual) * weight, x + residual), one pass over the row; with
+    ``residual_rows`` [T] the residual's rows gathered as they load (residual[residual_rows])."""
+    return _launch(x, residual, weight, eps, residual_rows)
 
 
 def embed_norm_concat(

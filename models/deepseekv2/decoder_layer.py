@@ -48,9 +48,10 @@ class DecoderLayer:
         next norm can fuse the add (vLLM's convention). With ``rows`` both are [N, hidden]: every
         token still writes its cache entry, but only those rows run o_proj and the MLP."""
         h, residual = self.self_attn.forward(x, residual, self.input_layernorm, positions, cache, meta, rows)
-        if rows is not None:
-            residual = residual[rows]
-        h, residual = self.backend.add_rms_norm(h, residual, self.post_attention_layernorm, self.eps)
+        if rows is None:
+            h, residual = self.backend.add_rms_norm(h, residual, self.post_attention_layernorm, self.eps)
+        else:
+            h, residual = self.backend.add_rms_norm_rows(h, residual, rows, self.post_attention_layernorm, self.eps)
         return self.mlp.forward(h), residual
 
     def write_cache(self, x: torch.Tensor, positions: torch.Tensor, cache: LatentCache, meta: AttentionMetadata) -> None:

@@ -133,7 +133,9 @@ def test_published_widths_kernels_compile_for_hopper_ampere_and_blackwell(tmp_pa
         for name in ("deepseek-v2-lite", "deepseek-v3"):
             _serve(write_checkpoint(tmp_path / name, name), "bfloat16", num_speculative_tokens=1, prompts=1,
                    max_tokens=3)
-    assert STEP_KERNELS - {"_merge_splits_kernel"} <= recorder.kernels()
+    # no split-key merge; eh_proj's input wider than the skinny GEMM takes (the embedding-and-norms
+    # kernel and cuBLAS instead); one draft stage (no next stage's tokens to shift)
+    assert STEP_KERNELS - {"_merge_splits_kernel", "_eh_proj_kernel", "_argmax_shift_kernel"} <= recorder.kernels()
     _compile_all(recorder, tmp_path / "launches.json", *ARCHS)
 
 

@@ -41,6 +41,23 @@ def test_add_rms_norm(cuda_backend, cpu_backend, device, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [[3], [0, 4, 9], list(range(70))[::-1]])
+def test_add_rms_norm_of_gathered_residual_rows(cuda_backend, cpu_backend, device, dtype, rows):
+    # A last draft stage after its attention: only the lm_head rows go on, the residual's rows
+    # gathered as the norm kernel loads them
+    g = torch.Generator().manual_seed(len(rows))
+    res = _rand(g, 70, 72, dtype=dtype, scale=4.0)
+    x, w = _rand(g, len(rows), 72, dtype=dtype), (1 + 0.1 * torch.randn(72, generator=g)).to(dtype)
+    idx = torch.tensor(rows)
+    normed, summed = cuda_backend.add_rms_norm_rows(x.to(device), res.to(device), idx.to(device), w.to(device), EPS)
+    want_normed, want_summed = cuda_backend.add_rms_norm(x.to(device), res.to(device)[idx.to(device)], w.to(device), EPS)
+    assert torch.equal(summed, want_summed) and torch.equal(normed, want_normed)
+    ref_normed, ref_summed = cpu_backend.add_rms_norm_rows(x, res, idx, w, EPS)
+    assert torch.equal(summed.cpu(), ref_summed)
+    assert_close(normed, ref_normed, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,dim", [(1, 16), (6, 48), (40, 130)])
 @pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
 def test_mtp_eh_input(cuda_backend, cpu_backend, device, dtype, rows, dim, id_dtype):

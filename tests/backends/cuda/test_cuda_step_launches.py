@@ -62,9 +62,9 @@ def test_speculative_step_launches_little_beside_its_layers(checkpoint, monkeypa
     census, cfg = _launches(checkpoint, monkeypatch, params)
     step = census.last("speculative")
     # the verification's layers, then each draft stage's MoE block (its attention, norm and MLP);
-    # the last stage runs o_proj (its rows gathered inside the GEMM) and its MLP on its lm_head
-    # rows alone (the residual's rows: one gather)
-    assert step.in_layers == _layer_launches(cfg) + K * 14 + 1, step.by_name
+    # the last stage runs o_proj and its MLP on its lm_head rows alone (o_proj and the norm
+    # after it gather their rows as they load them)
+    assert step.in_layers == _layer_launches(cfg) + K * 14, step.by_name
     # a draft stage: eh_proj (its input, the embedding and both norms, built inside the GEMM:
     # backends/cuda/eh_proj.py), the lm_head (the block's residual add and the head's norm
     # inside the GEMM, whose first program writes the block output for the next stage; in the
