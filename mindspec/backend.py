@@ -485,13 +485,9 @@ class Backend(ABC):
         lm_head_indices: torch.Tensor,  # [B] int64 row of each sequence's lm_head entry in ids
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A greedy draft stage's drafts and the next stage's tokens -> (drafts [B]: each row's
-        argmax, the first index of its largest value; ids [T] rolled left by one with each
-        sequence's lm_head row set to its draft). A global roll is safe: what crosses a sequence
-        boundary lands on padding rows or on an lm_head row, which is overwritten."""
+        argmax, the first index of its largest value; ``shift_in(ids, drafts, lm_head_indices)``)."""
         drafts = logits.argmax(dim=-1)
-        shifted = torch.roll(ids, -1)
-        shifted[lm_head_indices] = drafts
-        return drafts, shifted
+        return drafts, shift_in(ids, drafts, lm_head_indices)
 
     def accept_drafts(
         self,
@@ -518,6 +514,15 @@ class Backend(ABC):
         which the host then reads with one copy (a captured step otherwise concatenates them:
         graph_runner._with_greedy)."""
         return targets, drafts, self.accept_drafts(buffer, targets, exact, hidden, drafts, starts, counts, keep_rows)
+
+
+def shift_in(ids: torch.Tensor, new: torch.Tensor, lm_head_indices: torch.Tensor) -> torch.Tensor:
+    """The next MTP stage's tokens: ids [T] rolled left by one, each sequence's lm_head row set to
+    its new token [B]. A global roll is safe: what crosses a sequence boundary lands on padding
+    rows (decode) or on the lm_head row, which is overwritten."""
+    ids = torch.roll(ids, -1)
+    ids[lm_head_indices] = new
+    return ids
 
 
 def accept_drafts(buffer, targets, exact, hidden, drafts, starts, counts, keep_rows) -> torch.Tensor:

@@ -48,9 +48,9 @@ class CudaBackend(Backend):
         )
 
         self._k = SimpleNamespace(
-            acceptance=acceptance, activation=activation, draft_shift=draft_shift, eh_proj=eh_proj, fp8_linear=fp8_linear,
-            fused_moe=fused_moe, latent_cache=latent_cache, linear=linear, mla_attention=mla_attention, moe_gate=moe_gate, norm=norm,
-            rope=rope,
+            acceptance=acceptance, activation=activation, draft_shift=draft_shift, eh_proj=eh_proj,
+            fp8_linear=fp8_linear, fused_moe=fused_moe, latent_cache=latent_cache, linear=linear,
+            mla_attention=mla_attention, moe_gate=moe_gate, norm=norm, rope=rope,
         )
         self.num_kv_splits = num_kv_splits  # None: chosen per launch from the device (tests force > 1)
 

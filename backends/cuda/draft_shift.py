@@ -58,9 +58,9 @@ def argmax_shift_in(
     num_seqs, vocab = logits.shape
     num_tokens = ids.shape[0]
     drafts = torch.empty(num_seqs, dtype=torch.int64, device=logits.device)
-    shifted = torch.empty_like(ids)
     if num_seqs == 0 or num_tokens == 0:
         return drafts, ids.roll(-1)
+    shifted = torch.empty_like(ids)
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     block_t = pow2(min(num_tokens, 1024)) if interpreting() else 128
     block_v = pow2(min(vocab, 1 << 16)) if interpreting() else 2048

@@ -134,19 +134,20 @@ def fits_gathered(x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor) -> 
     return enabled() and x.dim() == 2 and rows.dim() == 1 and fits(x, weight, rows.shape[0])
 
 
-def fits_normed(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``skinny_linear`` takes RMSNorm(x) * norm_weight @ weight.T, normalising x itself."""
-    return (enabled() and x.dim() == 2 and fits(x, weight) and norm_weight.shape == (x.shape[1],)
-            and norm_weight.dtype == x.dtype)
+def fits_normed(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+                rows: Optional[torch.Tensor] = None) -> bool:
+    """Whether ``skinny_linear`` takes RMSNorm(x) * norm_weight @ weight.T (of x's ``rows``
+    alone), normalising x itself."""
+    fits_x = (enabled() and x.dim() == 2 and fits(x, weight)) if rows is None else fits_gathered(x, rows, weight)
+    return fits_x and norm_weight.shape == (x.shape[1],) and norm_weight.dtype == x.dtype
 
 
 def fits_add_normed(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
                     rows: Optional[torch.Tensor] = None) -> bool:
     """Whether ``add_norm_linear`` takes RMSNorm(x + residual) * norm_weight @ weight.T (of x's
     ``rows`` alone)."""
-    fits_x = fits_normed(x, norm_weight, weight) if rows is None else (
-        fits_gathered(x, rows, weight) and norm_weight.shape == (x.shape[1],) and norm_weight.dtype == x.dtype)
-    return fits_x and residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
+    return (fits_normed(x, norm_weight, weight, rows) and residual.shape == x.shape and residual.dtype == x.dtype
+            and residual.stride(-1) == 1)
 
 
 def fits_swiglu(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -51,7 +51,8 @@ class DecoderLayer:
         if rows is None:
             h, residual = self.backend.add_rms_norm(h, residual, self.post_attention_layernorm, self.eps)
         else:
-            h, residual = self.backend.add_rms_norm_rows(h, residual, rows, self.post_attention_layernorm, self.eps)
+            norm = self.post_attention_layernorm
+            h, residual = self.backend.add_rms_norm_rows(h, residual, rows, norm, self.eps)
         return self.mlp.forward(h), residual
 
     def write_cache(self, x: torch.Tensor, positions: torch.Tensor, cache: LatentCache, meta: AttentionMetadata) -> None:

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from mindspec.backend import AttentionMetadata, Backend, IndexedRows, LatentCache
+from mindspec.backend import AttentionMetadata, Backend, IndexedRows, LatentCache, shift_in
 from mindspec.modeling.loader import checkpoint_keys, load_checkpoint
 from mindspec.modeling.model_path import is_gguf
 from mindspec.modeling.rotary import build_rotary, softmax_scale
@@ -270,13 +270,13 @@ class FlashCausalDeepseekV2:
         ``next_tokens``: a prefill chunk that ends before its prompt does shifts in the prompt's
         next tokens instead of drafts (stage m takes column m)."""
         out = self.forward(input_ids, positions, caches, meta, lm_head_indices)
-        ids = _shift_in(input_ids, _known_or(next_tokens, 0, out.logits.argmax(dim=-1)), lm_head_indices)
+        ids = shift_in(input_ids, _known_or(next_tokens, 0, out.logits.argmax(dim=-1)), lm_head_indices)
         hidden = out.hidden_states
         *feeding, last = mtp_modules
         for stage, m in enumerate(feeding, start=1):  # vanilla: module m's output and draft feed module m + 1
             step = self.forward_mtp(m, ids, hidden, positions, caches, meta, lm_head_indices)
             new = _known_or(next_tokens, stage, step.logits.argmax(dim=-1))
-            ids, hidden = _shift_in(ids, new, lm_head_indices), step.hidden_states
+            ids, hidden = shift_in(ids, new, lm_head_indices), step.hidden_states
         self.mtp_modules[last].write_cache(ids, hidden, positions, caches[self.cfg.num_hidden_layers + last], meta)
         return out
 
@@ -287,15 +287,6 @@ def _known_or(next_tokens: Optional[torch.Tensor], stage: int, drafts: torch.Ten
         return drafts
     known = next_tokens[:, stage]
     return torch.where(known >= 0, known, drafts)
-
-
-def _shift_in(ids: torch.Tensor, new: torch.Tensor, lm_head_indices: torch.Tensor) -> torch.Tensor:
-    """The next MTP stage's tokens: ids [T] rolled left by one, each sequence's lm_head row set to
-    its new token [B]. A global roll is safe: what crosses a sequence boundary lands on padding
-    rows (decode) or on the lm_head row, which is overwritten."""
-    ids = torch.roll(ids, -1)
-    ids[lm_head_indices] = new
-    return ids
 
 
 def _format(model_dir: str | Path) -> str:
