@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from mindspec.modeling.forward_metadata import (
-    NUM_INPUT_ARRAYS, ModelInputs, build_model_inputs, device_inputs, input_arrays, token_positions,
+    NUM_INPUT_ARRAYS, DeviceInputs, ModelInputs, build_model_inputs, device_inputs, input_arrays, token_positions,
 )
 from mindspec.modeling.hidden_cache import DeviceHiddenCache, HiddenCacheRows, device_rows
 from mindspec.text_generator.sampling.step_targets import TargetRows
@@ -169,24 +169,18 @@ def pad_rows_per_seq(inputs: ModelInputs, rows: int) -> tuple[ModelInputs, np.nd
 def _pad_draft_steps(steps: list[ModelInputs], rows_per_seq: Optional[int],
                      spec: PadSpec) -> tuple[list[ModelInputs], Optional[np.ndarray]]:
     """Each draft step padded to ``spec`` (every sequence to ``rows_per_seq`` rows first, when
-    given) -> (padded steps, new row of each old row or None). A step with the rows of the one
-    before it (MTP Vanilla's share their arrays) takes that one's padding with its own tokens."""
+    given) -> (padded steps, new row of each old row or None). Only the first step's tokens are
+    read (each later step's are rolled in on the device from the step before), so a step with
+    the rows of the one before it (MTP Vanilla's share their arrays) is that step's padded
+    inputs again: the static buffers then hold one copy of them (``StaticInputs``)."""
     padded: list[ModelInputs] = []
-    row_map = real_rows = None
+    row_map = None
     for i, step in enumerate(steps):
         if i and _same_rows(step, steps[i - 1]):
-            if step.input_ids is steps[i - 1].input_ids:  # the same inputs (Vanilla's later steps): the same padding
-                padded.append(padded[-1])
-                continue
-            ids = np.zeros(padded[-1].num_tokens, dtype=np.int64)
-            ids[real_rows] = step.input_ids
-            padded.append(padded[-1].with_(input_ids=ids))
+            padded.append(padded[-1])
             continue
-        if rows_per_seq is None:
-            real_rows = np.arange(step.num_tokens)
-        else:
+        if rows_per_seq is not None:
             step, row_map = pad_rows_per_seq(step, rows_per_seq)
-            real_rows = row_map
         padded.append(pad_inputs(step, spec, 1))
     return padded, row_map
 
@@ -284,16 +278,22 @@ class StaticInputs:
         # host memory already (cpu): each step's values are assigned into these, no staging copy
         self.host = self.layout.host_views(self.buffer) if self.buffer.device.type == "cpu" else None
         views = self.layout.views(self.buffer)
-        n = NUM_INPUT_ARRAYS
-        self.inputs = [device_inputs(views[n * i : n * (i + 1)], t) for i, t in enumerate(templates)]
-        self.extras = views[n * len(templates) :]
+        n, at = NUM_INPUT_ARRAYS, 0
+        self.inputs: list[DeviceInputs] = []
+        for i, t in enumerate(templates):
+            if i and t is templates[i - 1]:  # a step given twice: the same device inputs
+                self.inputs.append(self.inputs[-1])
+                continue
+            self.inputs.append(device_inputs(views[at : at + n], t))
+            at += n
+        self.extras = views[at:]
 
     @staticmethod
     def _arrays(inputs: list[ModelInputs], extras: list[np.ndarray]) -> list[np.ndarray]:
         arrays: list[np.ndarray] = []
         for i, x in enumerate(inputs):
-            if i and x is inputs[i - 1]:  # a step given twice (Vanilla's later draft steps): its arrays again
-                arrays += arrays[-NUM_INPUT_ARRAYS:]
+            if i and x is inputs[i - 1]:  # a step given twice (Vanilla's draft steps): its arrays once
+                continue
             elif i and _same_rows(x, inputs[i - 1]):  # its own tokens (input_arrays' first), the other's rows
                 arrays += [x.input_ids.astype(np.int64, copy=False)] + arrays[1 - NUM_INPUT_ARRAYS:]
             else:
@@ -522,8 +522,9 @@ class DecodeGraphRunner:
                                                 len(padded[0].lm_head_indices), main_map, self.wrapper.config.vocab_size),
                                   np.arange(main_spec.num_seqs, dtype=np.int64) * q)
         sampled = hidden_cache is not None and hidden_cache.targets is not None  # targets sampled inside
-        key = ("speculative", main_spec.num_seqs, q, per_seq, tuple(mtp_modules), lm_per_seq, hidden_cache is not None,
-               host is not None) + (("sampled",) if sampled else ())
+        shared = tuple(p is before for p, before in zip(sub_padded[1:], sub_padded))  # the static buffers' layout
+        key = ("speculative", main_spec.num_seqs, q, per_seq, tuple(mtp_modules), shared, lm_per_seq,
+               hidden_cache is not None, host is not None) + (("sampled",) if sampled else ())
         modules = list(mtp_modules)
         buffer = None if hidden_cache is None else hidden_cache.buffer
         if buffer is not None and self.capture and key in self._entries and self._entries[key].cache is not buffer:
