@@ -7,7 +7,7 @@ AttentionMetadata the model consumes.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields
 from typing import Optional, Sequence
 
 import numpy as np
@@ -47,7 +47,17 @@ class ModelInputs:
         return np.concatenate([[0], np.cumsum(self.q_lens, dtype=np.int64)]).astype(np.int32)
 
     def with_(self, **changes) -> "ModelInputs":
-        return replace(self, **changes)
+        """A copy with ``changes`` (dataclasses.replace's result, without its __init__ call: a
+        decode step makes a dozen of these)."""
+        if not changes.keys() <= _MODEL_INPUT_FIELDS:
+            raise TypeError(f"ModelInputs has no field(s) {sorted(changes.keys() - _MODEL_INPUT_FIELDS)}")
+        new = object.__new__(ModelInputs)
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(changes)
+        return new
+
+
+_MODEL_INPUT_FIELDS = frozenset(f.name for f in fields(ModelInputs))
 
 
 def pad_block_tables(block_tables: Sequence[Sequence[int]], min_width: int = 1) -> np.ndarray:

@@ -120,6 +120,12 @@ def pad_inputs(inputs: ModelInputs, spec: PadSpec, lm_rows_per_seq: int) -> Mode
     pad = _padding(spec, real_seqs, real_tokens, lm_rows_per_seq)
     tables = np.full((real_seqs + len(pad.q_lens), spec.width), spec.dummy_block, dtype=np.int32)
     tables[:real_seqs, : inputs.block_tables.shape[1]] = inputs.block_tables
+    if not len(pad.q_lens):  # the batch fills its bucket: only the tables widen
+        return ModelInputs(
+            input_ids=inputs.input_ids, positions=inputs.positions, slots=inputs.slots, block_tables=tables,
+            seq_lens=inputs.seq_lens, q_lens=inputs.q_lens, lm_head_indices=inputs.lm_head_indices,
+            is_prefill=False, block_size=inputs.block_size,
+        )
     return ModelInputs(
         input_ids=np.concatenate([inputs.input_ids, np.zeros(len(pad.positions), dtype=np.int64)]),
         positions=np.concatenate([inputs.positions, pad.positions]),

@@ -67,6 +67,9 @@ def _fill_sub(steps: list[ModelInputs], placeholder: DecodeLayout, final: Decode
     seq_of_lm = np.arange(len(lm))
     out = []
     for s, step in enumerate(steps):
+        if s and step is steps[s - 1]:  # MTP Vanilla's later steps: step 0's inputs again
+            out.append(out[-1])
+            continue
         ids, slots = step.input_ids, step.slots
         if s == 0:
             ids = ids.copy()

@@ -27,7 +27,7 @@ from typing import Optional
 
 import numpy as np
 
-from mindspec.modeling.forward_metadata import ModelInputs, pad_block_tables, row_grid, slots_for, token_positions
+from mindspec.modeling.forward_metadata import ModelInputs, pad_block_tables, row_grid, slots_for
 
 
 @dataclass
@@ -77,11 +77,10 @@ def main_inputs(last_tokens: np.ndarray, num_tokens: np.ndarray, tables: np.ndar
     (ragged q_lens when the counts differ; the model places each MTP draft by
     ``draft_rows.verify_source``). ``host_drafts`` {b: drafts}: sequences that verify drafts made
     on the host instead (counts[b] = len(drafts)), written into their rows here."""
-    q_lens = np.empty(len(num_tokens), dtype=np.int32)
-    q_lens[:] = np.asarray(counts) + 1
-    seq_idx, positions = token_positions(num_tokens - 1, q_lens)
+    rows = _verify_rows(np.broadcast_to(np.asarray(counts, dtype=np.int64), num_tokens.shape).tobytes())
+    q_lens, first = rows.q_lens, rows.first
+    positions = (num_tokens - 1)[rows.seq_idx] + rows.offsets
     ids = np.zeros(len(positions), dtype=np.int64)
-    first = np.cumsum(q_lens) - q_lens
     ids[first] = last_tokens  # MTP drafts go to the other rows inside the model
     in_inputs = None
     if host_drafts:
@@ -92,15 +91,38 @@ def main_inputs(last_tokens: np.ndarray, num_tokens: np.ndarray, tables: np.ndar
     return ModelInputs(
         input_ids=ids,
         positions=positions,
-        slots=slots_for(tables, seq_idx, positions, block_size),
+        slots=slots_for(tables, rows.seq_idx, positions, block_size),
         block_tables=tables,
         seq_lens=(num_tokens - 1 + q_lens).astype(np.int32),
         q_lens=q_lens,
-        lm_head_indices=np.arange(len(positions), dtype=np.int64),
+        lm_head_indices=rows.every,
         is_prefill=False,
         block_size=block_size,
         drafts_in_inputs=in_inputs,
     )
+
+
+@dataclass(frozen=True)
+class _VerifyRows:
+    """The row structure of a verification whose sequence b verifies counts[b] drafts (read-only,
+    kept per counts: steps repeat a few)."""
+
+    q_lens: np.ndarray  # [B] int32 counts + 1
+    seq_idx: np.ndarray  # [R] each row's sequence
+    offsets: np.ndarray  # [R] each row's place in its sequence
+    first: np.ndarray  # [B] each sequence's first row
+    every: np.ndarray  # [R] 0..R-1: every row is an lm_head row
+
+
+@functools.lru_cache(maxsize=256)
+def _verify_rows(counts_key: bytes) -> _VerifyRows:
+    q_lens = (np.frombuffer(counts_key, dtype=np.int64) + 1).astype(np.int32)
+    seq_idx, offsets = row_grid(q_lens)
+    rows = _VerifyRows(q_lens, seq_idx, offsets, np.cumsum(q_lens, dtype=np.int64) - q_lens,
+                       np.arange(len(seq_idx), dtype=np.int64))
+    for a in (rows.q_lens, rows.first, rows.every):
+        a.setflags(write=False)
+    return rows
 
 
 def verify_grid(counts: np.ndarray, k: int) -> np.ndarray:
@@ -142,7 +164,8 @@ def sub_inputs(
 ) -> list[ModelInputs]:
     """One ModelInputs per MTP step; step 0 carries the tokens (``token_ids[b]``: sequence b's
     last tokens, at least the h + a its window feeds, e.g. ``window_tokens``), later steps'
-    tokens come from the device-side roll.
+    tokens come from the device-side roll (their own are never read: MTP Vanilla's later steps
+    are step 0's inputs again).
 
     Rows whose hidden state this node does not have (positions before ``hidden_from``: the first
     decode of a sequence prefilled on another node, fed zeros) write to the dummy block, so the MTP
@@ -163,10 +186,9 @@ def sub_inputs(
     # only (causal: the lm_head rows never look there); widen the table so every op can index them.
     tables = _widen(tables, int(seq_lens.max()) + (k - 1 if mode == "eagle" else 0), block_size)
     steps = []
-    later_ids = np.zeros_like(ids)  # vanilla's later steps: their tokens are rolled in on the device
     for s in range(k):
-        if mode != "eagle" and s > 0:  # vanilla: every step has step 0's rows (shared arrays)
-            steps.append(steps[0].with_(input_ids=later_ids))
+        if mode != "eagle" and s > 0:  # vanilla: every step has step 0's rows, its tokens rolled in on the device
+            steps.append(steps[0])
             continue
         shift = s if mode == "eagle" else 0
         step_slots = slots

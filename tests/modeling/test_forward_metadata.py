@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from mindspec.modeling.forward_metadata import (
-    GRID_CACHED_ROWS, build_decode_inputs, build_model_inputs, row_grid, token_positions,
+    GRID_CACHED_ROWS, ModelInputs, build_decode_inputs, build_model_inputs, row_grid, token_positions,
 )
 
 
@@ -51,3 +51,13 @@ def test_row_grids_of_prefills_are_not_kept():
     first, again = row_grid(q_lens), row_grid(q_lens)
     assert first[0] is not again[0] and np.array_equal(first[0], again[0]) and np.array_equal(first[1], again[1])
     assert first[1].tolist() == list(range(GRID_CACHED_ROWS + 1)) + [0, 1]
+
+
+def test_with_is_dataclasses_replace():
+    x = build_model_inputs([[1, 2], [3]], [4, 5], [[1, 2], [3]], 16)
+    ids = np.array([7, 8, 9])
+    got, want = x.with_(input_ids=ids, is_prefill=True), dataclasses.replace(x, input_ids=ids, is_prefill=True)
+    assert type(got) is ModelInputs and got is not x and x.input_ids is not ids
+    assert vars(got).keys() == vars(want).keys() and all(vars(got)[k] is v for k, v in vars(want).items())
+    with pytest.raises(TypeError, match="no field.*'tokens'"):
+        x.with_(tokens=ids)

@@ -109,8 +109,7 @@ def _speculative_inputs(checkpoint_cfg, mode, tables):
 def test_draft_steps_sharing_rows_are_padded_once_as_the_first_would_be_alone(checkpoint, uniform):
     _, cfg = checkpoint
     _, _, subs, _ = _speculative_inputs(cfg, "vanilla", _tables(SEQ_LENS, K + 1))
-    assert subs[1].positions is subs[0].positions and subs[1].slots is subs[0].slots  # MTP Vanilla's shared rows
-    subs[1] = subs[1].with_(input_ids=np.arange(subs[1].num_tokens) + 7)  # tokens of its own: never read
+    subs[1] = subs[1].with_(input_ids=np.arange(subs[1].num_tokens) + 7)  # the same rows, tokens of its own: never read
     per_seq = draft_rows_bucket(int(subs[0].q_lens.max())) if uniform else None
     spec = PadSpec(4, int(subs[0].q_lens[0]), 4 * (per_seq or 8), 8, NUM_BLOCKS - 1, BLOCK_SIZE, slack_seq=not uniform)
     if uniform:
@@ -303,6 +302,11 @@ def test_padding_rows_live_in_the_dummy_block_only():
     # two lm_head rows per sequence (verification): the last two rows of each padding sequence
     two = pad_inputs(inputs.with_(lm_head_indices=np.array([1, 2, 4, 5])), PadSpec(3, 3, 9, 6, 63, BLOCK_SIZE), 2)
     assert two.lm_head_indices.tolist() == [1, 2, 4, 5, 7, 8]
+    # a batch that fills its bucket: its own rows, the tables widened with the dummy block
+    full = pad_inputs(inputs, PadSpec(2, 3, 6, 6, 63, BLOCK_SIZE), 1)
+    for name in ("input_ids", "positions", "slots", "seq_lens", "q_lens", "lm_head_indices"):
+        assert np.array_equal(getattr(full, name), getattr(inputs, name)), name
+    assert full.block_tables.shape == (2, 6) and (full.block_tables[1, 4:] == 63).all() and not full.is_prefill
 
 
 def test_draft_rows_buckets_are_one_for_steady_steps_then_powers_of_two():
@@ -493,14 +497,14 @@ def test_static_inputs_load_steps_that_share_rows_with_their_own_tokens(wrapper)
 
 
 def test_vanilla_later_draft_steps_are_one_padded_step(checkpoint):
-    """MTP Vanilla's steps share their rows (the later ones their zero tokens, never read):
-    padded once, given to the static buffers as one step repeated."""
+    """MTP Vanilla's draft steps are one step's inputs (later steps' tokens are rolled in on the
+    device): padded once, given to the static buffers as one step repeated."""
     _, cfg = checkpoint
     k, num_tokens = 3, np.array(SEQ_LENS)
     tokens = [list(range(2, 2 + n)) for n in SEQ_LENS]
     layout = di.decode_layout(num_tokens, np.array(LAST_ACCEPTED), k, "vanilla")
     subs = di.sub_inputs(tokens, layout, di.block_tables(_tables(SEQ_LENS, k + 1)), BLOCK_SIZE, k, "vanilla")
-    assert all(s.input_ids is subs[1].input_ids for s in subs[1:]) and not subs[1].input_ids.any()
+    assert all(s is subs[0] for s in subs)
     spec = PadSpec(4, int(subs[0].q_lens[0]), 4 * 8, 8, NUM_BLOCKS - 1, BLOCK_SIZE, slack_seq=True)
     got, _ = _pad_draft_steps(subs, None, spec)
     assert got[2] is got[1] is got[0]

@@ -41,7 +41,6 @@ def test_window_rows_and_sub_inputs_follow_the_layout_row_by_row(mode):
         assert first.input_ids[r] == (tokens[b][e + 1] if v else 0)  # entry i carries token i + 1
         assert first.slots[r] == (tables[b, e // BLOCK_SIZE] * BLOCK_SIZE + e % BLOCK_SIZE if v else -1)
     if mode == "vanilla":
-        assert all(s.input_ids is steps[1].input_ids for s in steps[1:]) and not steps[1].input_ids.any()
-        assert all(s.positions is first.positions and s.slots is first.slots for s in steps[1:])
+        assert all(s is first for s in steps)  # later steps' tokens are rolled in on the device
     else:
         assert [s.positions.tolist() for s in steps] == [(first.positions + s).tolist() for s in range(k)]
