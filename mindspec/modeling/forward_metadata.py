@@ -44,7 +44,8 @@ class ModelInputs:
 
     @property
     def q_start_loc(self) -> np.ndarray:
-        return np.concatenate([[0], np.cumsum(self.q_lens, dtype=np.int64)]).astype(np.int32)
+        """[B + 1] int32 cumulative q_lens (read-only where kept: ``start_locations``)."""
+        return start_locations(self.q_lens)
 
     def with_(self, **changes) -> "ModelInputs":
         """A copy with ``changes`` (dataclasses.replace's result, without its __init__ call: a
@@ -88,6 +89,26 @@ def row_grid(q_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 GRID_CACHED_SEQS, GRID_CACHED_ROWS = 256, 64  # at most 16K rows a grid, 256 grids
+
+
+def start_locations(q_lens: np.ndarray) -> np.ndarray:
+    """[B + 1] int32: 0, then the cumulative q_lens; kept per q_lens for decode steps (read-only),
+    as ``row_grid``'s grids."""
+    q_lens = np.asarray(q_lens)
+    if q_lens.size > GRID_CACHED_SEQS:
+        return _start_locations(q_lens)
+    return _cached_start_locations(q_lens.astype(np.int64, copy=False).tobytes())
+
+
+def _start_locations(q_lens: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(q_lens, dtype=np.int64)]).astype(np.int32)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_start_locations(q_key: bytes) -> np.ndarray:
+    starts = _start_locations(np.frombuffer(q_key, dtype=np.int64))
+    starts.setflags(write=False)
+    return starts
 
 
 @functools.lru_cache(maxsize=256)

@@ -124,11 +124,11 @@ def to_device_packed(arrays: Sequence[np.ndarray], device: torch.device | str,
                      staging: Staging | None = None) -> list[torch.Tensor]:
     """The arrays as device tensors (views of one buffer), moved in one copy, through
     ``staging`` when the caller keeps one. On cpu nothing moves: the tensors share the arrays'
-    memory."""
+    memory (read-only arrays, kept and shared by the host's builders, are copied)."""
     if not isinstance(device, torch.device):
         device = torch.device(device)
     if device.type == "cpu":  # (several calls a step: no new objects where none are needed)
-        return [torch.from_numpy(a if a.flags.c_contiguous else np.ascontiguousarray(a)) for a in arrays]
+        return [torch.from_numpy(a if a.flags.c_contiguous and a.flags.writeable else a.copy()) for a in arrays]
     layout = PackedLayout.of(arrays)
     if staging is None:
         return layout.views(layout.stage(arrays, pinned=pinned_staging(device)).to(device, non_blocking=True))

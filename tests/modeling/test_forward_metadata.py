@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from mindspec.modeling.forward_metadata import (
-    GRID_CACHED_ROWS, ModelInputs, build_decode_inputs, build_model_inputs, row_grid, token_positions,
+    GRID_CACHED_ROWS, GRID_CACHED_SEQS, ModelInputs, build_decode_inputs, build_model_inputs, row_grid,
+    start_locations, token_positions,
 )
 
 
@@ -61,3 +62,12 @@ def test_with_is_dataclasses_replace():
     assert vars(got).keys() == vars(want).keys() and all(vars(got)[k] is v for k, v in vars(want).items())
     with pytest.raises(TypeError, match="no field.*'tokens'"):
         x.with_(tokens=ids)
+
+
+@pytest.mark.parametrize("q_lens", [[1], [4, 1, 3], [2] * (GRID_CACHED_SEQS + 1)])
+def test_start_locations_are_cumulative_q_lens(q_lens):
+    for dtype in (np.int32, np.int64):
+        got = start_locations(np.array(q_lens, dtype=dtype))
+        assert got.dtype == np.int32 and got.tolist() == [0, *np.cumsum(q_lens).tolist()]
+    kept = len(q_lens) <= GRID_CACHED_SEQS  # decode steps' are kept and shared, read-only
+    assert (start_locations(np.array(q_lens)) is got) == kept and got.flags.writeable != kept

@@ -66,6 +66,17 @@ def test_to_device_views_equal_the_zero_copy_cpu_tensors():
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
+def test_cpu_tensors_of_read_only_arrays_are_copies(recwarn):
+    """Arrays the host's builders keep and share are read-only: a cpu tensor gets its own copy
+    (torch warns about, and may write into, a non-writable array's memory)."""
+    shared, own = np.arange(4, dtype=np.int64), np.arange(3, dtype=np.int32)
+    shared.setflags(write=False)
+    got_shared, got_own = to_device_packed([shared, own], "cpu")
+    assert got_shared.tolist() == [0, 1, 2, 3] and got_shared.data_ptr() != shared.ctypes.data
+    assert got_own.data_ptr() == own.ctypes.data  # zero-copy otherwise
+    assert not [w for w in recwarn if "not writable" in str(w.message)]
+
+
 def test_staging_reuses_one_host_buffer_and_grows_for_a_larger_layout():
     from mindspec.modeling.packed_transfer import Staging
 
