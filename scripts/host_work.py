@@ -9,9 +9,11 @@ on cpu a real package evicts them, and the same work takes longer in place. Each
 must give the recorded tokens (checked). 1 thread, greedy, 12 held-out mixed prompts one at a
 time, or with ``--batch B`` 6 x B prompts, B at a time.
 
-    python scripts/host_work.py [--configs off,plain,k3] [--batch 1] [--new-tokens 128] [--replays 3] [--out DIR]
+    python scripts/host_work.py [--configs off,plain,k3] [--mode vanilla] [--batch 1] [--new-tokens 128]
+                                [--replays 3] [--out DIR]
 
-``plain``: the MTP engine (vanilla K=3) with every step plain; ``kN``: every step N drafts.
+``plain``: the MTP engine (K=3, ``--mode`` vanilla or eagle) with every step plain; ``kN``: every
+step N drafts.
 Writes DIR/host_work.json and .png (host_work_bB.* for a batch B > 1; DIR: benchmarks/out).
 """
 from __future__ import annotations
@@ -79,9 +81,9 @@ class Tape:
         plugin_manager.PluginManager.generate_token = noting_prefill
 
 
-def engine(config: str, model: str, batch: int) -> LLM:
+def engine(config: str, model: str, batch: int, mode: str = "vanilla") -> LLM:
     llm = LLM(model=model, cpu_threads=1, max_batch_size=batch, decode_graphs=True, progress=False,
-              plugin_params=None if config == "off" else speed.mtp(K, "vanilla", adaptive=False))
+              plugin_params=None if config == "off" else speed.mtp(K, mode, adaptive=False))
     llm.engine.model_wrapper.compiled.prefill_max_rows = 0  # prefills eager: only decode steps are packages
     if config != "off":
         drafts = 0 if config == "plain" else int(config[1:])
@@ -89,10 +91,11 @@ def engine(config: str, model: str, batch: int) -> LLM:
     return llm
 
 
-def measure(config: str, model: str, prompts, params: SamplingParams, replays: int, batch: int) -> dict:
+def measure(config: str, model: str, prompts, params: SamplingParams, replays: int, batch: int,
+            mode: str = "vanilla") -> dict:
     tape = TAPE
     tape.mode, tape.calls, tape.step_seconds = "off", [], []
-    llm = engine(config, model, batch)
+    llm = engine(config, model, batch, mode)
     warm, prompts = prompts[: max(2, batch)], prompts[max(2, batch):]
     groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
     llm.generate(warm, params)  # every shape's package loaded (or compiled) first
@@ -108,7 +111,7 @@ def measure(config: str, model: str, prompts, params: SamplingParams, replays: i
     tape.mode = "off"
     llm.engine.close()
     tokens = sum(len(t) for g in want for t in g) * replays
-    return {"config": config, "batch": batch, "decode_steps": len(ms), "tokens_per_step": tokens / len(ms),
+    return {"config": config, "mode": None if config == "off" else mode, "batch": batch, "decode_steps": len(ms), "tokens_per_step": tokens / len(ms),
             "host_ms_median": statistics.median(ms), "host_ms_p10": ms[len(ms) // 10], "host_ms_p90": ms[9 * len(ms) // 10],
             "host_ms_mean": statistics.mean(ms)}
 
@@ -136,6 +139,7 @@ TAPE = Tape()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="off,plain,k3")
+    ap.add_argument("--mode", default="vanilla", choices=["vanilla", "eagle"])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--replays", type=int, default=3)
@@ -150,7 +154,7 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     rows = []
     for config in args.configs.split(","):
-        rows.append(measure(config, model, prompts, params, args.replays, args.batch))
+        rows.append(measure(config, model, prompts, params, args.replays, args.batch, args.mode))
         r = rows[-1]
         print(f"{config:6s} {r['decode_steps']:5d} decode steps, {r['tokens_per_step']:.2f} tokens each: host "
               f"{r['host_ms_median']:.3f} ms per step (p10 {r['host_ms_p10']:.3f}, p90 {r['host_ms_p90']:.3f})")

@@ -146,30 +146,53 @@ def pad_rows_per_seq(inputs: ModelInputs, rows: int) -> tuple[ModelInputs, np.nd
     rows are spread over sequences. Padding rows repeat their sequence's last token position
     (always a valid rope row), write nothing (slot -1) and come after the real rows, so the causal
     mask keeps every real row from seeing them; their outputs are dropped."""
-    q = inputs.q_lens.astype(np.int64)
-    if (q < 1).any() or (q > rows).any():
-        raise ValueError(f"q_lens {q.tolist()} do not fit {rows} rows per sequence")
-    if (q == rows).all():  # already in shape (a steady speculative step's draft rows): nothing moves
+    spread = _row_spread(inputs.q_lens.astype(np.int64, copy=False).tobytes(), rows)
+    if spread is None:  # already in shape (a steady speculative step's draft rows): nothing moves
         return inputs, np.arange(inputs.num_tokens)
-    num_seqs = len(q)
-    seq_idx = np.repeat(np.arange(num_seqs), q)
-    row_map = seq_idx * rows + np.arange(len(seq_idx)) - np.repeat(np.cumsum(q) - q, q)
-    last = inputs.positions[np.cumsum(q) - 1]
-
-    def spread(values: np.ndarray, fill: np.ndarray) -> np.ndarray:
-        out = np.repeat(fill, rows) if fill.ndim else np.full(num_seqs * rows, fill, dtype=values.dtype)
-        out[row_map] = values
-        return out
-
+    row_map = spread.row_map
+    total = len(spread.q_lens) * rows
+    ids = np.zeros(total, dtype=np.int64)
+    ids[row_map] = inputs.input_ids
+    positions = np.repeat(inputs.positions[spread.last_rows], rows)
+    positions[row_map] = inputs.positions
+    slots = np.full(total, -1, dtype=np.int64)
+    slots[row_map] = inputs.slots
     padded = inputs.with_(
-        input_ids=spread(inputs.input_ids, np.int64(0)),
-        positions=spread(inputs.positions, last),
-        slots=spread(inputs.slots, np.int64(-1)),
-        seq_lens=(inputs.seq_lens + (rows - q)).astype(np.int32),
-        q_lens=np.full(num_seqs, rows, dtype=np.int32),
+        input_ids=ids, positions=positions, slots=slots,
+        seq_lens=(inputs.seq_lens + spread.added).astype(np.int32),
+        q_lens=spread.q_lens,
         lm_head_indices=row_map[inputs.lm_head_indices],
     )
     return padded, row_map
+
+
+@dataclass(frozen=True)
+class _RowSpread:
+    """Where ``pad_rows_per_seq`` puts each row of sequences of given q_lens (read-only)."""
+
+    row_map: np.ndarray  # [T] new row of each old row
+    last_rows: np.ndarray  # [B] each sequence's last old row
+    added: np.ndarray  # [B] padding rows of each sequence
+    q_lens: np.ndarray  # [B] int32, every one ``rows``
+
+
+@functools.lru_cache(maxsize=256)
+def _row_spread(q_key: bytes, rows: int) -> Optional[_RowSpread]:
+    """Kept per (q_lens, rows): a speculative step's draft steps share their q_lens, and steps
+    repeat them. None where every sequence has ``rows`` rows already."""
+    q = np.frombuffer(q_key, dtype=np.int64)
+    if (q < 1).any() or (q > rows).any():
+        raise ValueError(f"q_lens {q.tolist()} do not fit {rows} rows per sequence")
+    if (q == rows).all():
+        return None
+    num_seqs = len(q)
+    seq_idx = np.repeat(np.arange(num_seqs), q)
+    starts = np.cumsum(q) - q
+    spread = _RowSpread(row_map=seq_idx * rows + np.arange(len(seq_idx)) - np.repeat(starts, q),
+                        last_rows=starts + q - 1, added=rows - q, q_lens=np.full(num_seqs, rows, dtype=np.int32))
+    for a in (spread.row_map, spread.last_rows, spread.added, spread.q_lens):
+        a.setflags(write=False)
+    return spread
 
 
 def _pad_draft_steps(steps: list[ModelInputs], rows_per_seq: Optional[int],
@@ -554,7 +577,7 @@ class DecodeGraphRunner:
         else:
             rows = hidden_states.shape[0]
             if row_map is not None:  # padding rows keep finite values: zeros, then earlier steps' hidden states
-                entry.hidden.index_copy_(0, torch.from_numpy(row_map).to(entry.hidden.device), hidden_states)
+                entry.hidden.index_copy_(0, torch.from_numpy(row_map.copy()).to(entry.hidden.device), hidden_states)
             else:
                 entry.hidden[:rows].copy_(hidden_states)
                 if rows < entry.hidden.shape[0]:
@@ -681,7 +704,7 @@ def _sliced(out, num_logits: int, num_rows: int, num_seqs: Optional[int], row_ma
     back in their original order. Rows of a captured graph's outputs are views of its static
     buffers, valid until the runner's next step: an engine step consumes them (sampling,
     verification, the drafter's caches) before the next one runs."""
-    index = None if row_map is None else torch.from_numpy(row_map).to(out.logits.device, non_blocking=True)
+    index = None if row_map is None else torch.from_numpy(row_map.copy()).to(out.logits.device, non_blocking=True)
 
     def rows(t: Optional[torch.Tensor], n: int, per_token: bool = True) -> Optional[torch.Tensor]:
         if t is None:

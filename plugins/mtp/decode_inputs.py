@@ -185,30 +185,22 @@ def sub_inputs(
     # Eagle's later steps see up to K-1 positions past the main model's last one, on padding rows
     # only (causal: the lm_head rows never look there); widen the table so every op can index them.
     tables = _widen(tables, int(seq_lens.max()) + (k - 1 if mode == "eagle" else 0), block_size)
-    steps = []
-    for s in range(k):
-        if mode != "eagle" and s > 0:  # vanilla: every step has step 0's rows, its tokens rolled in on the device
-            steps.append(steps[0])
-            continue
-        shift = s if mode == "eagle" else 0
-        step_slots = slots
-        if mode == "eagle" and s > 0:
-            step_slots = np.full_like(slots, -1)
-            lm = layout.sub_lm_rows
-            step_slots[lm] = slots_for(tables, np.arange(len(lm)), positions[lm] + shift, block_size)
-        steps.append(
-            ModelInputs(
-                input_ids=ids if s == 0 else np.zeros_like(ids),
-                positions=positions + shift,
-                slots=step_slots,
-                block_tables=tables,
-                seq_lens=seq_lens + shift,
-                q_lens=q_lens,
-                lm_head_indices=layout.sub_lm_rows,
-                is_prefill=False,
-                block_size=block_size,
-            )
-        )
+    lm = layout.sub_lm_rows
+    step0 = ModelInputs(input_ids=ids, positions=positions, slots=slots, block_tables=tables, seq_lens=seq_lens,
+                        q_lens=q_lens, lm_head_indices=lm, is_prefill=False, block_size=block_size)
+    if mode != "eagle":  # vanilla: every step has step 0's rows, its tokens rolled in on the device
+        return [step0] * k
+    # Eagle's step s: positions and lengths shifted by s, only the lm_head rows write (at their
+    # shifted positions); its tokens are rolled in on the device (these zeros are never read).
+    shifts = np.arange(1, k)
+    lm_slots = slots_for(tables, np.repeat(np.arange(len(lm)), k - 1), (positions[lm][:, None] + shifts).reshape(-1),
+                         block_size).reshape(len(lm), k - 1)  # [B, k - 1]
+    later_ids = np.zeros_like(ids)
+    steps = [step0]
+    for s in range(1, k):
+        step_slots = np.full_like(slots, -1)
+        step_slots[lm] = lm_slots[:, s - 1]
+        steps.append(step0.with_(input_ids=later_ids, positions=positions + s, slots=step_slots, seq_lens=seq_lens + s))
     return steps
 
 
