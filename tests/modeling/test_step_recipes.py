@@ -1,6 +1,7 @@
 """A step saved as a recipe (what a compile worker exports from, step_recipes.py) and exported
 from it with the model loaded again from the checkpoint computes what the serving process's
 step computes: plain, MTP speculative and draft-tree steps, on the inputs the engine padded."""
+import gc
 import os
 import sys
 from pathlib import Path
@@ -88,10 +89,12 @@ class _files_run:
 
         def trace(frame, event, arg):
             name = frame.f_code.co_filename
-            if name.startswith(repo) and not name.startswith(tests):
+            # (a finalizer the garbage collector runs here belongs to an earlier object, not to the export)
+            if name.startswith(repo) and not name.startswith(tests) and frame.f_code.co_name != "__del__":
                 names.add(name)
             return None  # no line events
 
+        gc.collect()
         sys.settrace(trace)
         return names
 
