@@ -9,11 +9,13 @@ on cpu a real package evicts them, and the same work takes longer in place. Each
 must give the recorded tokens (checked). 1 thread, greedy, 12 held-out mixed prompts one at a
 time, or with ``--batch B`` 6 x B prompts, B at a time.
 
-    python scripts/host_work.py [--configs off,plain,k3] [--mode vanilla] [--batch 1] [--new-tokens 128]
-                                [--replays 3] [--out DIR]
+    python scripts/host_work.py [--configs off,plain,k3] [--mode vanilla] [--staged] [--batch 1]
+                                [--new-tokens 128] [--replays 3] [--out DIR]
 
 ``plain``: the MTP engine (K=3, ``--mode`` vanilla or eagle) with every step plain; ``kN``: every
-step N drafts.
+step N drafts. ``--staged``: the graph runner loads each step's static inputs through its staging
+buffer, as on a GPU (where the packed arrays then go to the device in one copy), instead of
+assigning them into the cpu buffer's own views.
 Writes DIR/host_work.json and .png (host_work_bB.* for a batch B > 1; DIR: benchmarks/out).
 """
 from __future__ import annotations
@@ -33,7 +35,7 @@ from mindspec.bench import speed, workloads  # noqa: E402
 from mindspec.config.defaults import default_model_dir  # noqa: E402
 from mindspec.engine import llm_engine  # noqa: E402
 from mindspec.llm import LLM  # noqa: E402
-from mindspec.modeling import aoti_runner  # noqa: E402
+from mindspec.modeling import aoti_runner, graph_runner  # noqa: E402
 from mindspec.text_generator import plugin_manager  # noqa: E402
 from mindspec.text_generator.sampling.params import SamplingParams  # noqa: E402
 from tests.support.draft_counts import ScriptedSpeculation  # noqa: E402
@@ -79,6 +81,17 @@ class Tape:
         aoti_runner.ReleasedRunner.__call__ = replayed
         llm_engine.LLMEngine.step = timed_step
         plugin_manager.PluginManager.generate_token = noting_prefill
+
+
+def stage_static_inputs() -> None:
+    """Every StaticInputs made from now on loads through its Staging, as on a GPU."""
+    init = graph_runner.StaticInputs.__init__
+
+    def staged(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.host = None
+
+    graph_runner.StaticInputs.__init__ = staged
 
 
 def engine(config: str, model: str, batch: int, mode: str = "vanilla") -> LLM:
@@ -140,6 +153,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="off,plain,k3")
     ap.add_argument("--mode", default="vanilla", choices=["vanilla", "eagle"])
+    ap.add_argument("--staged", action="store_true", help="static inputs through the staging copy (a GPU's path)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--replays", type=int, default=3)
@@ -147,6 +161,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     TAPE.install()
+    if args.staged:
+        stage_static_inputs()
     model = str(default_model_dir())
     from transformers import AutoTokenizer
     groups = 12 if args.batch == 1 else 6  # (the held-out set has ~190 prompts)
@@ -161,7 +177,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "host_work" if args.batch == 1 else f"host_work_b{args.batch}"
-    (out / f"{name}.json").write_text(json.dumps({"torch": torch.__version__, "rows": rows}, indent=2))
+    (out / f"{name}.json").write_text(json.dumps({"torch": torch.__version__, "staged": args.staged, "rows": rows},
+                                                 indent=2))
     plot(rows, out / f"{name}.png")
 
 

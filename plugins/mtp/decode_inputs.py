@@ -77,7 +77,8 @@ def main_inputs(last_tokens: np.ndarray, num_tokens: np.ndarray, tables: np.ndar
     (ragged q_lens when the counts differ; the model places each MTP draft by
     ``draft_rows.verify_source``). ``host_drafts`` {b: drafts}: sequences that verify drafts made
     on the host instead (counts[b] = len(drafts)), written into their rows here."""
-    rows = _verify_rows(np.broadcast_to(np.asarray(counts, dtype=np.int64), num_tokens.shape).tobytes())
+    counts = np.asarray(counts, dtype=np.int64)
+    rows = _verify_rows((counts if counts.ndim else np.full(len(num_tokens), counts)).tobytes())
     q_lens, first = rows.q_lens, rows.first
     positions = (num_tokens - 1)[rows.seq_idx] + rows.offsets
     ids = np.zeros(len(positions), dtype=np.int64)

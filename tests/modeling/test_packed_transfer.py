@@ -92,6 +92,31 @@ def test_staging_reuses_one_host_buffer_and_grows_for_a_larger_layout():
     assert grown.numel() == 8 * layout.nbytes and np.array_equal(grown.numpy().view(np.int64), bigger[0])
     with pytest.raises(ValueError, match="do not fit"):
         staging.fill(layout, bigger)
+    # back to the first layout (and an equal one): its views are made again over the grown buffer
+    for again_layout in (layout, PackedLayout.of(arrays)):
+        values = [_changed(a, 1) for a in arrays]
+        host = staging.fill(again_layout, values)
+        assert all(np.array_equal(t.numpy(), a) for t, a in zip(again_layout.views(host), values))
+
+
+def _changed(a: np.ndarray, k: int) -> np.ndarray:
+    return ~a if a.dtype == np.bool_ else (a * k + 1).astype(a.dtype)
+
+
+def test_staging_assigns_into_views_it_keeps_for_its_last_layout(monkeypatch):
+    """A graph runner sends one layout every step: the buffer's typed views are made once."""
+    from mindspec.modeling.packed_transfer import Staging
+
+    staging, arrays = Staging("cpu"), _arrays()
+    layout = PackedLayout.of(arrays)
+    staging.fill(layout, arrays)
+    made = []
+    monkeypatch.setattr(PackedLayout, "host_views", lambda self, buffer: made.append(1) or [])
+    for step in range(3):
+        values = [_changed(a, step + 2) for a in arrays]
+        host = staging.fill(layout, values)
+        assert all(np.array_equal(t.numpy(), a) for t, a in zip(layout.views(host), values))
+    assert made == []
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked staging and its event need CUDA")
