@@ -370,6 +370,20 @@ def test_accepts_only_uniform_decode_batches(wrapper):
     assert runner.accepts(decode, [sub_ok]) and not runner.accepts(decode, [sub_prefill])
 
 
+def test_static_inputs_loaded_through_staging_equal_the_host_views():
+    """A GPU's static inputs are loaded through the staging buffer (the views it keeps): step
+    after step they hold what the cpu's own views hold."""
+    first = build_model_inputs([[1], [2]], [3, 4], [[1], [2, 3]], BLOCK_SIZE)
+    views = StaticInputs([first, first.with_()], [np.array([0, 1])], torch.device("cpu"))
+    staged = StaticInputs([first, first.with_()], [np.array([0, 1])], torch.device("cpu"))
+    staged.host = None  # the path a GPU takes
+    for step in range(3):
+        x = build_model_inputs([[7 + step], [8]], [5 + step, 6], [[4, 5], [6, 9 + step]], BLOCK_SIZE)
+        for statics in (views, staged):
+            statics.load([x, first], [np.array([step, 1])])
+        assert torch.equal(staged.buffer, views.buffer) and staged.inputs[0].input_ids.tolist() == [7 + step, 8]
+
+
 def test_static_inputs_load_one_step_in_one_buffer(wrapper):
     """A bucket's padded inputs (and extra arrays) live in one device buffer; each load rewrites
     it in place with the next step's values, and the DeviceInputs views see them."""
