@@ -8,10 +8,9 @@ Back, a step's outputs laid out in one buffer are read with one copy (``packed_s
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
-
-import math
 
 import numpy as np
 import torch
