@@ -124,7 +124,8 @@ def measure(config: str, model: str, prompts, params: SamplingParams, replays: i
     tape.mode = "off"
     llm.engine.close()
     tokens = sum(len(t) for g in want for t in g) * replays
-    return {"config": config, "mode": None if config == "off" else mode, "batch": batch, "decode_steps": len(ms), "tokens_per_step": tokens / len(ms),
+    return {"config": config, "mode": None if config == "off" else mode, "batch": batch, "decode_steps": len(ms),
+            "tokens_per_step": tokens / len(ms),
             "host_ms_median": statistics.median(ms), "host_ms_p10": ms[len(ms) // 10], "host_ms_p90": ms[9 * len(ms) // 10],
             "host_ms_mean": statistics.mean(ms)}
 

@@ -321,11 +321,7 @@ class StaticInputs:
     def _arrays(inputs: list[ModelInputs], extras: list[np.ndarray]) -> list[np.ndarray]:
         arrays: list[np.ndarray] = []
         for i, x in enumerate(inputs):
-            if i and x is inputs[i - 1]:  # a step given twice (Vanilla's draft steps): its arrays once
-                continue
-            elif i and _same_rows(x, inputs[i - 1]):  # its own tokens (input_arrays' first), the other's rows
-                arrays += [x.input_ids.astype(np.int64, copy=False)] + arrays[1 - NUM_INPUT_ARRAYS:]
-            else:
+            if not (i and x is inputs[i - 1]):  # a step given twice (Vanilla's draft steps): its arrays once
                 arrays += input_arrays(x)
         return arrays + [_extra(e) for e in extras]
 

@@ -78,8 +78,6 @@ def _fill_sub(steps: list[ModelInputs], placeholder: DecodeLayout, final: Decode
         if mode == "eagle" and s > 0:  # only the lm_head row writes: at its new place
             slots = np.full_like(slots, -1)
             slots[lm] = slots_for(step.block_tables, seq_of_lm, step.positions[lm], step.block_size)
-        elif s > 0 and slots is steps[0].slots:  # vanilla's steps share step 0's rows: they still do
-            slots = out[0].slots
         else:
             slots = slots.copy()
             slots[dropped] = -1

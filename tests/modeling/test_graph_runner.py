@@ -491,8 +491,8 @@ def test_verification_with_a_draft_count_per_sequence_equals_unpadded(wrapper, c
 
 
 def test_static_inputs_load_steps_that_share_rows_with_their_own_tokens(wrapper):
-    """Draft steps with the rows of the step before them are loaded from that step's arrays, each
-    with its own tokens; a step given twice is one set of device inputs."""
+    """Draft steps with the rows of the step before them keep their own tokens; a step given
+    twice is one set of device inputs."""
     main = build_model_inputs([[1], [2]], [3, 4], [[1], [2, 3]], BLOCK_SIZE)
     d0 = build_model_inputs([[5, 6], [7]], [2, 3], [[1], [2, 3]], BLOCK_SIZE)
     d1 = d0.with_(input_ids=np.zeros(3, dtype=np.int64))
