@@ -117,7 +117,8 @@ class Staging:
             self._pending = False
         if self.buffer.numel() < layout.nbytes:
             size = max(layout.nbytes, 2 * self.buffer.numel())
-            self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
+            # zeros: the alignment gaps between fields are copied too, and stay defined
+            self.buffer = torch.zeros(size, dtype=torch.uint8, pin_memory=self.pinned)
             self._views = (None, [])
         kept, views = self._views
         if kept is not layout and kept != layout:
