@@ -545,6 +545,15 @@ def accept_drafts(buffer, targets, exact, hidden, drafts, starts, counts, keep_r
     return accepted
 
 
+def keep_hidden_rows(buffer: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor) -> None:
+    """A plain decode step's hidden states into the drafter's hidden cache: hidden row b [B,
+    hidden] goes to buffer row rows[b] [B] int64; rows 0 (padding sequences) write zeros to row
+    0, which stays zero."""
+    src = torch.where((rows > 0)[:, None], hidden.to(buffer.dtype), torch.zeros((), dtype=buffer.dtype,
+                                                                                device=buffer.device))
+    buffer.index_copy_(0, rows, src)
+
+
 # --------------------------------------------------------------------------------------------
 # Registry
 # --------------------------------------------------------------------------------------------

@@ -138,11 +138,12 @@ def default_configs(ks: list[int], mtp_modules: int, bos: int, eos: int, compile
     if trees:
         out += tree_configs(mtp_modules, medusa)
     if compiled:
-        out += [Config("mtp off +compile", decode_graphs=True),
-                Config(f"{best} K=3 +compile", mtp(3, best), decode_graphs=True),
-                Config(f"{best} K=3 adaptive +compile", mtp(3, best, adaptive=True), decode_graphs=True),
-                # what the compiled prefill is worth, side by side
-                Config("mtp off +compile +eager prefill", decode_graphs=True, compile_prefill=False),
+        out.append(Config("mtp off +compile", decode_graphs=True))
+        for mode in dict.fromkeys([best, "eagle"]):  # both modes compiled: their steps cost differently
+            out += [Config(f"{mode} K=3 +compile", mtp(3, mode), decode_graphs=True),
+                    Config(f"{mode} K=3 adaptive +compile", mtp(3, mode, adaptive=True), decode_graphs=True)]
+        # what the compiled prefill is worth, side by side
+        out += [Config("mtp off +compile +eager prefill", decode_graphs=True, compile_prefill=False),
                 Config(f"{best} K=3 +compile +eager prefill", mtp(3, best), decode_graphs=True, compile_prefill=False),
                 Config(f"{best} K=3 adaptive +compile +eager prefill", mtp(3, best, adaptive=True), decode_graphs=True,
                        compile_prefill=False)]
@@ -150,7 +151,6 @@ def default_configs(ks: list[int], mtp_modules: int, bos: int, eos: int, compile
         out += [Config("mtp off +compile +async", decode_graphs=True, async_scheduling=True),
                 Config(f"{best} K=3 +compile +async", mtp(3, best), decode_graphs=True, async_scheduling=True)]
     if compiled and trees:  # the smallest trees compiled, beside the compiled chains of both modes
-        out.append(Config("eagle K=3 +compile", mtp(3, "eagle"), decode_graphs=True))
         out += [Config(f"{c.name} +compile", c.plugin_params, decode_graphs=True) for c in tree_configs(mtp_modules)
                 if c.name in ("eagle tree d4 k2 n6", "vanilla tree d3 k3 n8")]
     return out

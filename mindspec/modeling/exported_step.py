@@ -45,6 +45,7 @@ from typing import Callable, Optional
 
 import torch
 
+from mindspec.backend import keep_hidden_rows
 from mindspec.modeling.aoti_runner import ReleasedRunner, open_released
 from mindspec.modeling.background_compiles import DONE, PENDING, BackgroundCompiles
 from mindspec.modeling.eager_runs import DEFAULT_COMPILE_S, EagerRuns, prefills_compile_at_once
@@ -167,24 +168,33 @@ class ExportedSteps:
         }
 
     # ---- entry points --------------------------------------------------------------------------
-    def forward(self, input_ids, positions, caches, meta, lm_head_indices, targets=None):
+    def forward(self, input_ids, positions, caches, meta, lm_head_indices, targets=None, keep=None):
         """A padded decode step; ``targets`` (``TargetRows.arrays()``): its rows' tokens sampled
-        inside (``greedy_tokens``, -1 where undecided; else the argmax), a package of its own."""
+        inside (``greedy_tokens``, -1 where undecided; else the argmax), a package of its own.
+        ``keep`` (hidden cache, rows): the step writes its hidden states there (``keep_hidden_rows``;
+        the cache's row count a dynamic size), inside the package or after the eager forward."""
         from mindspec.models.deepseekv2.flash_causal_deepseekv2 import ModelOutput
 
         b = self.backend
         tree = [] if meta.tree_mask is None else [(meta.tree_mask, {})]  # a tree verification's mask
         sampling = [(t, {}) for t in targets or []]
+        kept = [] if keep is None else [(keep[0], {0: "cache_rows"}), (keep[1], {})]
         tensors, dims = _flatten([
-            (input_ids, {}), (positions, {}), (lm_head_indices, {}), *tree, *sampling,
+            (input_ids, {}), (positions, {}), (lm_head_indices, {}), *tree, *sampling, *kept,
             *b.step_tensors(meta, "m"), *b.cache_tensors(caches),
         ])
-        key = (DECODE, _signature(tensors, dims))
-        args = {"meta": meta, "n_meta": len(tensors) - 3 - len(tree) - len(sampling) - len(caches), "tree": bool(tree),
-                "targets": bool(sampling)}
+        key = (DECODE, _signature(tensors, dims)) + (("keep",) if kept else ())
+        n_meta = len(tensors) - 3 - len(tree) - len(sampling) - len(kept) - len(caches)
+        args = {"meta": meta, "n_meta": n_meta, "tree": bool(tree), "targets": bool(sampling), "keep": bool(kept)}
         outputs = self._run(key, args, caches, tensors, dims)
         if outputs is None:  # eagerly: the caller samples the targets (no greedy_tokens)
-            return self.eagerly(lambda: self.model.forward(input_ids, positions, caches, meta, lm_head_indices))
+            def run():
+                out = self.model.forward(input_ids, positions, caches, meta, lm_head_indices)
+                if keep is not None:
+                    keep_hidden_rows(keep[0], out.hidden_states, keep[1])
+                return out
+
+            return self.eagerly(run)
         return ModelOutput(logits=outputs[0], hidden_states=outputs[1], greedy_tokens=outputs[2])
 
     def forward_prefill(self, input_ids, positions, caches, meta, lm_head_indices):

@@ -41,7 +41,7 @@ import torch
 from mindspec.modeling.forward_metadata import (
     NUM_INPUT_ARRAYS, DeviceInputs, ModelInputs, build_model_inputs, device_inputs, input_arrays, token_positions,
 )
-from mindspec.modeling.hidden_cache import DeviceHiddenCache, HiddenCacheRows, device_rows
+from mindspec.modeling.hidden_cache import DeviceHiddenCache, HiddenCacheRows, HiddenKeep, device_rows
 from mindspec.text_generator.sampling.step_targets import TargetRows
 from mindspec.modeling.packed_transfer import PackedLayout, Staging, packed_span
 from mindspec.modeling.step_accounting import outside_accounting
@@ -452,13 +452,22 @@ class DecodeGraphRunner:
         seqs, q = self.bucket(inputs.num_seqs), int(inputs.q_lens[0])
         return PadSpec(seqs, q, seqs * q, self.width, self.dummy_block, self.block_size)
 
-    def _entry(self, key: tuple, padded: list[ModelInputs], extras: list[np.ndarray], make_fn) -> _Entry:
+    def _entry(self, key: tuple, padded: list[ModelInputs], extras: list[np.ndarray], make_fn,
+               cache: Optional[torch.Tensor] = None) -> _Entry:
+        """``cache``: the drafter's hidden cache the step reads or writes (set before the step is made)."""
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = _Entry(StaticInputs(padded, extras, self.wrapper.device))
             entry.step = self._make_step(key, entry, make_fn(entry))
+        entry.cache = cache  # (a step run eagerly or compiled reads it at each call: it may have moved)
         entry.statics.load(padded, extras)
         return entry
+
+    def _drop_if_moved(self, key: tuple, cache: torch.Tensor) -> None:
+        """A captured graph reads addresses: when the hidden cache grew into a new buffer, the
+        step that uses it is captured again."""
+        if self.capture and key in self._entries and self._entries[key].cache is not cache:
+            del self._entries[key]
 
     # ---- plain decode ----------------------------------------------------------------------------
     def _uniform_rows(self, inputs: ModelInputs) -> tuple[ModelInputs, Optional[np.ndarray]]:
@@ -468,29 +477,37 @@ class DecodeGraphRunner:
         return pad_verify_rows(inputs)
 
     def forward(self, inputs: ModelInputs, tree_mask: Optional[torch.Tensor] = None,
-                targets: Optional[TargetRows] = None):
+                targets: Optional[TargetRows] = None, keep: Optional[HiddenKeep] = None):
         """``tree_mask`` [B, q, q] on the device: a tree verification (the mask is a static buffer
         too; padding sequences attend causally). ``targets``: each logits row's token sampled
-        inside the step too (padding rows greedy)."""
+        inside the step too (padding rows greedy). ``keep``: a step of one row per sequence
+        writes its hidden states into the drafter's hidden cache inside too (padding rows none)."""
         real, (inputs, row_map) = inputs, self._uniform_rows(inputs)
         num_seqs = inputs.num_seqs
         lm_per_seq = len(inputs.lm_head_indices) // num_seqs
         spec = self._spec(inputs)
         key = ("decode", spec.num_seqs, spec.q, lm_per_seq) + (("tree",) if tree_mask is not None else ()) \
-            + (("sampled",) if targets is not None else ())
+            + (("sampled",) if targets is not None else ()) + (("keep",) if keep is not None else ())
         padded = pad_inputs(inputs, spec, lm_per_seq)
         extras = [] if targets is None else \
             targets.padded(len(padded.lm_head_indices), row_map, self.wrapper.config.vocab_size).arrays()
+        if keep is not None:
+            if spec.q != 1:
+                raise ValueError("a step keeps its hidden states with one row per sequence")
+            extras.append(np.pad(keep.rows, (0, spec.num_seqs - num_seqs)))  # padding sequences: row 0, none
+            self._drop_if_moved(key, keep.buffer)
 
         def make_fn(e: _Entry):
             static = e.statics.inputs[0]
             if tree_mask is not None:
                 causal = torch.ones(spec.q, spec.q, dtype=torch.bool, device=tree_mask.device).tril()
                 static.meta.tree_mask = causal.expand(spec.num_seqs, -1, -1).clone()
-            sampling = e.statics.extras if targets is not None else None
-            return lambda: self.wrapper.forward(static, padded=True, targets=sampling)
+            sampling = e.statics.extras[:4] if targets is not None else None
+            rows = e.statics.extras[-1] if keep is not None else None
+            return lambda: self.wrapper.forward(static, padded=True, targets=sampling,
+                                                keep=None if rows is None else (e.cache, rows))
 
-        entry = self._entry(key, [padded], extras, make_fn)
+        entry = self._entry(key, [padded], extras, make_fn, None if keep is None else keep.buffer)
         if tree_mask is not None:
             entry.statics.inputs[0].meta.tree_mask[:num_seqs].copy_(tree_mask)
         out = self._replay(entry)
@@ -552,8 +569,8 @@ class DecodeGraphRunner:
                hidden_cache is not None, host is not None) + (("sampled",) if sampled else ())
         modules = list(mtp_modules)
         buffer = None if hidden_cache is None else hidden_cache.buffer
-        if buffer is not None and self.capture and key in self._entries and self._entries[key].cache is not buffer:
-            del self._entries[key]  # the cache grew into a new buffer: a graph reads addresses, capture again
+        if buffer is not None:
+            self._drop_if_moved(key, buffer)
 
         def make_fn(e: _Entry):
             statics = e.statics
@@ -567,10 +584,8 @@ class DecodeGraphRunner:
                 statics.inputs[0], statics.inputs[1:], modules, e.hidden, statics.extras[0], padded=True,
                 verify_source=source)
 
-        entry = self._entry(key, padded, extras, make_fn)
-        if buffer is not None:
-            entry.cache = buffer
-        else:
+        entry = self._entry(key, padded, extras, make_fn, buffer)
+        if buffer is None:
             rows = hidden_states.shape[0]
             if row_map is not None:  # padding rows keep finite values: zeros, then earlier steps' hidden states
                 entry.hidden.index_copy_(0, torch.from_numpy(row_map.copy()).to(entry.hidden.device), hidden_states)

@@ -58,6 +58,15 @@ class HiddenCacheRows:
 
 
 @dataclass
+class HiddenKeep:
+    """Where a plain decode step (one row per sequence) keeps its hidden states in the drafter's
+    hidden cache, inside the step (Backend ``keep_hidden_rows``) rather than by a write after it."""
+
+    buffer: torch.Tensor  # [R, hidden] on the device; row 0 is zero
+    rows: np.ndarray  # [B] int64 cache row of each sequence's hidden state (0: none)
+
+
+@dataclass
 class DeviceHiddenCache:
     """``HiddenCacheRows`` on the device, as a step takes it."""
 

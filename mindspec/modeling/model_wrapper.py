@@ -14,12 +14,12 @@ from typing import Optional
 import numpy as np
 import torch
 
-from mindspec.backend import Backend, LatentCache, get_backend
+from mindspec.backend import Backend, LatentCache, get_backend, keep_hidden_rows
 from mindspec.modeling.forward_metadata import DeviceInputs, ModelInputs, build_model_inputs, to_device
 from mindspec.modeling.draft_rows import lm_rows_only_steps, on_lm_rows, verify_source
 from mindspec.modeling.exported_step import ExportedSteps
 from mindspec.modeling.graph_runner import DecodeGraphRunner, maybe_graph_runner
-from mindspec.modeling.hidden_cache import DeviceHiddenCache, HiddenCacheRows, device_rows, speculative_step
+from mindspec.modeling.hidden_cache import DeviceHiddenCache, HiddenCacheRows, HiddenKeep, device_rows, speculative_step
 from mindspec.modeling.launch_signal import LaunchSignal
 from mindspec.modeling.packed_transfer import to_device_packed
 from mindspec.modeling.loader import read_hf_config
@@ -117,37 +117,49 @@ class ModelWrapper:
         for x in inputs:
             self.backend.prepare(x.meta)
 
-    def forward(self, inputs: DeviceInputs, padded: bool = False, targets: Optional[list[torch.Tensor]] = None):
+    def forward(self, inputs: DeviceInputs, padded: bool = False, targets: Optional[list[torch.Tensor]] = None,
+                keep: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
         """One forward, eagerly; replayed graphs take host inputs: ``forward_host``. ``padded``:
         a decode step the graph runner padded to a bucket, which runs compiled where the backend
         exports steps. ``targets`` (``TargetRows.arrays()`` on the device, one row per logits
-        row): the step also samples each row's token (``greedy_tokens``: the targets, or -1)."""
+        row): the step also samples each row's token (``greedy_tokens``: the targets, or -1).
+        ``keep`` (the drafter's hidden cache [R, hidden], rows [T] on the device): a step of one
+        row per sequence also writes its hidden states there (``keep_hidden_rows``)."""
         self._prepare(inputs)
         args = (inputs.input_ids, inputs.positions, self.caches, inputs.meta, inputs.lm_head_indices)
-        if self.compiled and padded:  # (fires the launch signal itself)
-            out = self.compiled.forward(*args, targets=targets)
+        if self.compiled and padded:  # (fires the launch signal itself; keeps inside, or eagerly)
+            out = self.compiled.forward(*args, targets=targets, keep=keep)
         else:
             self.launch.fire()
             out = self.model.forward(*args)
+            if keep is not None:
+                keep_hidden_rows(keep[0], out.hidden_states, keep[1])
         if targets is not None and out.greedy_tokens is None:  # run eagerly: sample here
             out.greedy_tokens = decided_targets(out.logits, targets, self.whole_rows)
         return out
 
     def forward_host(self, inputs: ModelInputs, tree_mask: Optional[torch.Tensor] = None,
-                     targets: Optional[TargetRows] = None):
+                     targets: Optional[TargetRows] = None, keep: Optional[HiddenKeep] = None):
         """``forward`` from host inputs: a decode batch the graph runner takes is padded and
         replayed, anything else moves to the device and runs eagerly."""
         if self.graph_runner is not None and self.graph_runner.accepts(inputs, tree_mask=tree_mask):
-            return self.graph_runner.forward(inputs, tree_mask, targets)
+            return self.graph_runner.forward(inputs, tree_mask, targets, keep)
+        if keep is not None:  # (a plain decode step: no prefill padding)
+            (rows,) = to_device_packed([keep.rows], self.device)
+            return self.forward(to_device(inputs, self.device), targets=self._device_targets(targets),
+                                keep=(keep.buffer, rows))
         padded = self._padded_prefill(inputs) if tree_mask is None and targets is None else None
         if padded is not None:
             out = self._run_padded(padded, lambda x: self.compiled.forward_prefill(
                 x.input_ids, x.positions, self.caches, x.meta, x.lm_head_indices))
             if out is not None:
                 return out
-        device_targets = None if targets is None else to_device_packed(targets.arrays(), self.device)
+        device_targets = self._device_targets(targets)
         return self._eagerly(padded, lambda: self.forward(to_device(inputs, self.device, tree_mask),
                                                           targets=device_targets))
+
+    def _device_targets(self, targets: Optional[TargetRows]) -> Optional[list[torch.Tensor]]:
+        return None if targets is None else to_device_packed(targets.arrays(), self.device)
 
     def _padded_prefill(self, inputs: ModelInputs) -> Optional[PaddedPrefill]:
         """``inputs`` padded to a compiled prefill's bucket, or None: it runs eagerly."""

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from mindspec.backend import AttentionMetadata
+from mindspec.backend import AttentionMetadata, keep_hidden_rows
 from mindspec.modeling.hidden_cache import DeviceHiddenCache, speculative_step
 from mindspec.text_generator.sampling.step_targets import decided_targets
 
@@ -63,20 +63,25 @@ def trace_fn(kind: str, model, backend, caches: list, args: dict) -> Callable:
     return builders[kind](model, backend, caches, **args)
 
 
-def _decode(model, b, caches, meta: AttentionMetadata, n_meta: int, tree: bool, targets: bool = False) -> Callable:
+def _decode(model, b, caches, meta: AttentionMetadata, n_meta: int, tree: bool, targets: bool = False,
+            keep: bool = False) -> Callable:
     """A plain decode step (``tree``: a tree verification's mask comes first after the inputs);
     it also gives each logits row's argmax (greedy sampling's token, no op after the step), or
     with ``targets`` (TargetRows.arrays() after the mask) each row's sampled token
-    (step_targets.decided_targets)."""
+    (step_targets.decided_targets). ``keep``: the drafter's hidden cache and each row's cache row
+    come next, and the step writes its hidden states there (keep_hidden_rows)."""
 
     def run(ids, pos, lm, *rest):
         if tree:
             mask, rest = rest[0], rest[1:]
         sampling, rest = (rest[:4], rest[4:]) if targets else (None, rest)
+        kept, rest = (rest[:2], rest[2:]) if keep else (None, rest)
         m = b.bind_step_tensors(meta, list(rest[:n_meta]))
         if tree:
             m.tree_mask = mask
         out = model.forward(ids, pos, b.bind_cache_tensors(caches, list(rest[n_meta:])), m, lm)
+        if kept is not None:
+            keep_hidden_rows(kept[0], out.hidden_states, kept[1])
         tokens = (out.logits.argmax(dim=-1) if sampling is None
                   else decided_targets(out.logits, sampling, b.steps_branch))
         return out.logits, out.hidden_states, tokens

@@ -22,7 +22,7 @@ from mindspec.distributed.parallel_state import ParallelContext
 from mindspec.modeling.draft_rows import lm_rows_only_steps
 from mindspec.modeling.forward_metadata import ModelInputs, to_device
 from mindspec.modeling.graph_runner import PadSpec, pad_inputs
-from mindspec.modeling.hidden_cache import HiddenCacheRows
+from mindspec.modeling.hidden_cache import HiddenCacheRows, HiddenKeep
 from mindspec.modeling.model_wrapper import ModelWrapper
 from mindspec.modeling.draft_tree import TreeShape
 from mindspec.modeling.tree_padding import TreePad, draft_rows, pad_tree_step, real_outputs
@@ -80,6 +80,7 @@ class Generator:
         draft_logits=None,
         hidden_cache: Optional[HiddenCacheRows] = None,
         targets: Optional[TargetRows] = None,
+        keep: Optional[HiddenKeep] = None,
     ) -> GeneratorOutput:
         """Plain forward; with ``mtp_modules`` a prefill that also fills the MTP caches
         (``mtp_next_tokens`` [B, modules]: prompt tokens after a prefill chunk, -1 unknown); with
@@ -92,7 +93,9 @@ class Generator:
         may accept and keep rows inside: modeling/hidden_cache.py); with dp > 1 they are gathered
         first and acceptance stays on the host (each rank keeps every sequence's rows).
         ``targets``: a plain step (one rank) samples each logits row's token inside too
-        (``greedy_tokens``; all -1 where it could not decide them: sampling/step_targets.py)."""
+        (``greedy_tokens``; all -1 where it could not decide them: sampling/step_targets.py).
+        ``keep``: a plain decode step (one rank) writes its hidden states into the drafter's
+        hidden cache inside too."""
         if tree_mask is not None:  # a verification of trees drafted on the host side (Medusa)
             if self.dp_size > 1:
                 return self._verify_tree_dp(model_inputs, tree_mask.to(self.device))
@@ -102,7 +105,9 @@ class Generator:
             lm_head_local_dp = None if sub_model_inputs is None else sub_model_inputs[0].lm_head_indices
             return self._run(model_inputs, sub_model_inputs, hidden_states, mtp_modules, lm_head_local_dp,
                              next_tokens=mtp_next_tokens, draft_logits=draft_logits, hidden_cache=hidden_cache,
-                             targets=targets)
+                             targets=targets, keep=keep)
+        if keep is not None:
+            raise ValueError("with dp > 1 the drafter keeps the gathered hidden states itself")
         if hidden_cache is not None:
             hidden_states = hidden_cache.gathered()
         if mtp_next_tokens is not None:
@@ -220,7 +225,8 @@ class Generator:
     # ---- one rank's forward ------------------------------------------------------------------
     def _run(self, inputs, subs, hidden_states, mtp_modules, lm_head_local_dp, lm_rows_only=None,
              next_tokens: Optional[np.ndarray] = None, draft_logits=None,
-             hidden_cache: Optional[HiddenCacheRows] = None, targets: Optional[TargetRows] = None) -> GeneratorOutput:
+             hidden_cache: Optional[HiddenCacheRows] = None, targets: Optional[TargetRows] = None,
+             keep: Optional[HiddenKeep] = None) -> GeneratorOutput:
         w = self.model_wrapper
         if subs is not None:
             hidden = None if hidden_states is None else hidden_states.to(self.device)
@@ -229,7 +235,7 @@ class Generator:
         elif mtp_modules:
             out = w.forward_prefill_mtp_host(inputs, mtp_modules, next_tokens)
         else:
-            out = w.forward_host(inputs, targets=targets)
+            out = w.forward_host(inputs, targets=targets, keep=keep)
         return GeneratorOutput(logits=out.logits, hidden_states=out.hidden_states, draft_tokens=out.draft_tokens,
                                greedy_tokens=out.greedy_tokens, accepted_drafts=out.accepted_drafts)
 

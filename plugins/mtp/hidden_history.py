@@ -69,11 +69,14 @@ class HiddenHistory:
 
     def write_rows(self, slots: list[int], positions: list[int], hidden: torch.Tensor) -> None:
         """One row per sequence (a plain step's): hidden row b [B, hidden] is the state of
-        position positions[b] of the sequence in slot slots[b]. ``rows`` in Python ints: at a few
-        sequences numpy's per-call cost would be most of the write."""
-        rows = np.array([1 + s * self.keep + p % self.keep for s, p in zip(slots, positions)], dtype=np.int64)
-        (dst,) = to_device_packed([rows], self.buf.device, self._write_staging)
+        position positions[b] of the sequence in slot slots[b]."""
+        (dst,) = to_device_packed([self.rows_of(slots, positions)], self.buf.device, self._write_staging)
         self._put(dst, hidden)
+
+    def rows_of(self, slots: list[int], positions: list[int]) -> np.ndarray:
+        """``rows`` of one position per sequence, in Python ints: at a few sequences numpy's
+        per-call cost would be most of it (a plain step's write, or the rows it keeps itself)."""
+        return np.array([1 + s * self.keep + p % self.keep for s, p in zip(slots, positions)], dtype=np.int64)
 
     def _put(self, dst: torch.Tensor, rows: torch.Tensor) -> None:
         """rows [R, hidden] into buffer rows dst [R] (on the buffer's device), in its dtype."""

@@ -55,7 +55,7 @@ import torch
 
 from mindspec.config.plugin_params import PluginParamsError
 from mindspec.modeling.forward_metadata import row_grid
-from mindspec.modeling.hidden_cache import HiddenCacheRows
+from mindspec.modeling.hidden_cache import HiddenCacheRows, HiddenKeep
 from mindspec.modeling.loader import checkpoint_keys
 from mindspec.models.deepseekv2.config import DeepseekV2Config
 from mindspec.models.deepseekv2.weights import mtp_modules_in
@@ -148,8 +148,7 @@ class MtpPlugin(Plugin):
         if self.trees:
             if self.tree_choice.tree_step(len(batch)):
                 return self._tree_inputs(batch, inputs)
-            inputs.extra["mtp_k"] = 0  # a plain decode step (tree_choice.py)
-            return inputs
+            return self._plain_inputs(batch, inputs)  # (tree_choice.py)
         kinds = _kinds(batch)
         counts = np.asarray(self.adaptive.draft_counts([s.seq_id for s in batch.seqs], kinds), dtype=np.int64)
         # A sequence left out of a drafting step would leave its entries unwritten for good; in a
@@ -159,9 +158,8 @@ class MtpPlugin(Plugin):
             if behind.any():
                 counts[behind] = np.maximum(counts[behind], min(a for a in self.adaptive.arms if a))
         host_drafts = self._suffix_choice(batch, inputs, kinds, counts) if self.suffix else {}
-        if not host_drafts and not counts.any():  # a plain decode step: the base inputs as composed
-            inputs.extra["mtp_k"] = 0
-            return inputs
+        if not host_drafts and not counts.any():
+            return self._plain_inputs(batch, inputs)
         mtp = np.ones(len(counts), dtype=bool)
         for b, drafts in host_drafts.items():
             counts[b], mtp[b] = len(drafts), False
@@ -173,6 +171,17 @@ class MtpPlugin(Plugin):
             return self._suffix_inputs(batch, inputs, counts, host_drafts)
         inputs = self._speculative_inputs(batch, inputs, self._window(batch.seqs, k), k, counts, host_drafts)
         inputs.extra["hidden_cache"] = self._hidden_cache(batch, inputs)
+        return inputs
+
+    def _plain_inputs(self, batch: StepBatch, inputs: StepInputs) -> StepInputs:
+        """A plain decode step: the base inputs as composed. On one rank the step itself keeps
+        each sequence's hidden state in the history (``keep_hidden``; else ``_plain_done``
+        writes it after the step)."""
+        inputs.extra["mtp_k"] = 0
+        if self.generator.dp_size == 1 and bool((inputs.model_inputs.q_lens == 1).all()):
+            states = [self.states[s.seq_id] for s in batch.seqs]
+            rows = self.history.rows_of([st.slot for st in states], [st.hidden_end for st in states])
+            inputs.extra["keep_hidden"] = HiddenKeep(self.history.buf, rows)
         return inputs
 
     def _mixed_inputs(self, batch: StepBatch, inputs: StepInputs) -> StepInputs:
@@ -299,7 +308,7 @@ class MtpPlugin(Plugin):
         if not self._speculating(batch, inputs):
             return generator.forward(inputs.model_inputs, mtp_modules=inputs.extra.get("mtp_modules"),
                                      mtp_next_tokens=inputs.extra.get("mtp_next_tokens"),
-                                     targets=inputs.extra.get("targets"))
+                                     targets=inputs.extra.get("targets"), keep=inputs.extra.get("keep_hidden"))
         return generator.forward(
             inputs.model_inputs,
             sub_model_inputs=inputs.sub_model_inputs,
@@ -383,12 +392,14 @@ class MtpPlugin(Plugin):
 
     def _plain_done(self, batch: StepBatch, inputs: StepInputs, outputs: StepOutputs) -> None:
         """After a decode step without drafts, each sequence's one row: the hidden state of its
-        newest position into the history, and every module one entry further behind. The general
+        newest position into the history (unless the step kept it), and every module one entry
+        further behind. The general
         path's per-step arrays (rows, counts, catch-ups) are all ones or zeros here, and a plain
         step runs at ~1 ms at batch 1 (compiled, cpu): what it adds is what MTP costs over MTP off
         where no draft count pays."""
         states = [self.states[seq.seq_id] for seq in batch.seqs]
-        self.history.write_rows([st.slot for st in states], [st.hidden_end for st in states], outputs.hidden_states)
+        if "keep_hidden" not in inputs.extra:  # (kept by the step itself: _plain_inputs)
+            self.history.write_rows([st.slot for st in states], [st.hidden_end for st in states], outputs.hidden_states)
         self._advance(states, [1] * len(states), 0, outputs.accepted)
         if self.suffix:  # proposals not verified are scored against the tokens emitted
             self._record_suffix(batch, inputs.extra.get("suffix_proposals", {}), {}, outputs)

@@ -340,6 +340,8 @@ def test_default_configs_leave_graphs_to_the_backend():
     assert eager_prefill == {"mtp off +compile +eager prefill", "vanilla K=3 +compile +eager prefill",
                              "vanilla K=3 adaptive +compile +eager prefill"}
     assert all(c.decode_graphs for c in configs if c.name in eager_prefill)
+    modes = {c.plugin_params["mtp_mode"] for c in configs if c.decode_graphs and c.plugin_params}
+    assert modes == {"vanilla", "eagle"}  # both modes' compiled steps, side by side
 
 
 def test_configs_are_chosen_by_name():

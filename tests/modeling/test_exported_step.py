@@ -13,6 +13,7 @@ from mindspec.modeling import exported_step
 from mindspec.modeling.prefill_padding import PREFILL_ENV
 from mindspec.modeling.step_cache import CACHE_GB_ENV
 from tests.support.checkpoints import make_self_predicting_checkpoint, tiny_v3_config
+from tests.support.draft_counts import script_mtp_counts
 from tests.support.in_step_acceptance import record_acceptance, record_plain_sampling
 
 K = 2
@@ -299,6 +300,49 @@ def test_a_compiled_step_launches_few_ops_outside_its_package(checkpoint, cache_
     assert 'mindspec_compiled_step_packages{state="failed"} 0.0' in text
     assert 'mindspec_compiled_step_packages{state="compiling"} 0.0' in text
     assert f"mindspec_compiled_decode_steps {float(llm.engine.model_wrapper.compiled.stats.calls)}" in text
+
+
+@pytest.mark.slow
+def test_compiled_plain_mtp_steps_keep_the_hidden_history_inside_their_package(checkpoint, cache_dir):
+    """The MTP engine's plain steps (adaptive speculation's plain arm) write each sequence's
+    hidden state into the drafter's history inside their package: no op outside it, and the
+    speculative steps after them, which read that history, keep the eager engine's drafts."""
+    from mindspec.modeling.step_accounting import account_decode_steps
+
+    pattern = [0, 0, True, 0, True]
+
+    def run(compiled: bool):
+        llm = _llm(checkpoint, VANILLA, decode_graphs=compiled)
+        script_mtp_counts(llm, pattern)
+        steps = record_mtp_steps_accepted(llm)
+        history = llm.engine.plugin_manager.plugins[0].history
+        if history.buf is not None:  # what the compiled engine's warm-up left there
+            history.buf.zero_()
+        return llm, _tokens(llm, GREEDY), steps, history.buf
+
+    _, expected, eager_accepted, eager_history = run(False)
+    llm, tokens, accepted, history = run(True)
+    assert tokens == expected and accepted == eager_accepted and sum(map(sum, accepted)) > 0
+    torch.testing.assert_close(history, eager_history, atol=1e-4, rtol=1e-4)
+    assert any(key[0] == "decode" and key[-1] == "keep" for key in llm.engine.model_wrapper.compiled._runners)
+    script_mtp_counts(llm, [0])  # plain steps only
+    counts = account_decode_steps(llm, _prompts()[1], steps=4, by_op=True)
+    assert counts["ops_outside_graphs"] == 0 and counts["ops"] == {}
+
+
+def record_mtp_steps_accepted(llm) -> list[list[int]]:
+    """Drafts each sequence kept, per verification step of ``llm``'s MTP plugin from now on."""
+    plugin = llm.engine.plugin_manager.plugins[0]
+    accepted, verify = [], plugin.plugin_verify
+
+    def spy(batch, inputs, outputs):
+        out = verify(batch, inputs, outputs)
+        if out.num_draft_accepted is not None:
+            accepted.append(list(out.num_draft_accepted))
+        return out
+
+    plugin.plugin_verify = spy
+    return accepted
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ from mindspec.modeling.graph_runner import (
     verify_source_rows,
 )
 from mindspec.modeling.model_wrapper import ModelWrapper
+from mindspec.modeling.hidden_cache import HiddenKeep
 from mindspec.plugins.mtp import decode_inputs as di
 from mindspec.plugins.mtp.decoding_policy import strict_accept
 from tests.support.checkpoints import make_self_predicting_checkpoint, tiny_v3_config
@@ -262,6 +263,41 @@ def test_plain_decode_padded_equals_unpadded(wrapper, checkpoint):
     expected, got = _eager_then_runner(wrapper, host, DecodeGraphRunner(wrapper, buckets=(1, 2, 4, 8), capture=False))
     assert got.logits.shape == expected.logits.shape and got.hidden_states.shape == expected.hidden_states.shape
     assert list(wrapper.graph_runner._entries) == [("decode", 4, 1, 1)]
+
+
+@pytest.mark.parametrize("capture", [False, True], ids=["eager-step", "captured"])
+def test_plain_decode_keeps_its_hidden_states_as_the_eager_step_does(wrapper, checkpoint, capture):
+    """A plain step given a hidden cache and rows (an MTP engine's plain step) writes its hidden
+    states there inside the step: what the eager step writes, padding sequences nothing; a
+    captured step whose cache grew into a new buffer is captured again, on the new one."""
+    _, cfg = checkpoint
+    tables = _tables(SEQ_LENS, 1)
+    tokens = [np.random.default_rng(6).integers(2, cfg.vocab_size, s).tolist() for s in SEQ_LENS]
+    _prefill(wrapper, tokens, tables)
+    host = build_model_inputs([[7], [8], [9]], SEQ_LENS, tables, BLOCK_SIZE)
+    rows = np.array([3, 11, 6], dtype=np.int64)
+    before = _snapshot(wrapper)
+
+    def step(buffer):
+        _restore(wrapper, before)
+        with torch.inference_mode():
+            return wrapper.forward_host(host, keep=HiddenKeep(buffer, rows))
+
+    eager = torch.zeros(16, cfg.hidden_size)
+    expected = step(eager)
+    torch.testing.assert_close(eager[rows], expected.hidden_states)
+    assert eager[[r for r in range(16) if r not in rows]].abs().sum() == 0  # row 0 and the others untouched
+    if capture:
+        wrapper.backend = _CapturingCpu()
+    wrapper.graph_runner = DecodeGraphRunner(wrapper, buckets=(4,), capture=capture)
+    for buffer in (torch.zeros(16, cfg.hidden_size), torch.zeros(24, cfg.hidden_size)):  # then it "grew"
+        got = step(buffer)
+        torch.testing.assert_close(got.hidden_states, expected.hidden_states, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(buffer[:16], eager, atol=1e-6, rtol=1e-6)  # the padding sequence wrote nothing
+        assert buffer[16:].abs().sum() == 0
+    assert list(wrapper.graph_runner._entries) == [("decode", 4, 1, 1, "keep")]
+    if capture:
+        assert wrapper.backend.captures == 2
 
 
 def _eager_then_runner(wrapper, host, runner):

@@ -69,3 +69,53 @@ def test_one_row_per_sequence_from_a_padded_step_in_another_dtype():
     assert h.buf.dtype == torch.float32
     assert torch.equal(h.read(slots[[0, 2]], np.array([9, 5])), step[[3, 1]].float())
     assert torch.equal(h.read(slots[[1]], np.array([5])), torch.zeros(1, 4))  # sequence 8 wrote nothing
+
+
+def test_plain_steps_keep_the_history_a_write_after_them_would(tmp_path, monkeypatch):
+    """An MTP engine's plain steps keep each sequence's hidden state in the history inside the
+    step (``keep_hidden``): the same history, drafts and tokens as writing it after the step,
+    with no write left to do after it."""
+    from mindspec import LLM, SamplingParams
+    from mindspec.plugins.mtp.mtp_plugin import MtpPlugin
+    from tests.support.checkpoints import make_self_predicting_checkpoint, tiny_v3_config
+    from tests.support.draft_counts import script_mtp_counts
+
+    cfg = tiny_v3_config(initializer_range=0.2, num_nextn_predict_layers=2)
+    path = make_self_predicting_checkpoint(tmp_path, cfg, seed=3, residual_scale=0.01)
+    params = {"plugin_type": "mtp", "num_speculative_tokens": 2, "adaptive_speculation": False}
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    writes, accepted = [], []
+    real_write, verify = HiddenHistory.write_rows, MtpPlugin.plugin_verify
+    monkeypatch.setattr(HiddenHistory, "write_rows", lambda self, *a: writes.append(1) or real_write(self, *a))
+
+    def spy(self, batch, inputs, outputs):  # drafts kept per step: the drafts read the history
+        out = verify(self, batch, inputs, outputs)
+        if out.num_draft_accepted is not None:
+            accepted.append(list(out.num_draft_accepted))
+        return out
+
+    monkeypatch.setattr(MtpPlugin, "plugin_verify", spy)
+
+    def run():
+        writes.clear()
+        accepted.clear()
+        llm = LLM(model=str(path), dtype="float32", cache_block_size=4, num_blocks=64, progress=False,
+                  plugin_params=params, max_batch_size=2)
+        scripted = script_mtp_counts(llm, [0, 0, 0, True, 0, True, True])  # plain steps before and between K=2
+        out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))
+        plugin = llm.engine.plugin_manager.plugins[0]
+        return [o.token_ids for o in out], list(accepted), plugin.history.buf.clone(), len(writes), scripted.log
+
+    tokens, kept, history, written, drafts = run()
+    plain_inputs = MtpPlugin._plain_inputs
+
+    def writing_after(self, batch, inputs):
+        inputs = plain_inputs(self, batch, inputs)
+        inputs.extra.pop("keep_hidden", None)  # as before: _plain_done writes the states after the step
+        return inputs
+
+    monkeypatch.setattr(MtpPlugin, "_plain_inputs", writing_after)
+    tokens_after, kept_after, history_after, written_after, _ = run()
+    assert written == 0 and written_after > 0 and 0 in drafts and sum(map(sum, kept)) > 0
+    assert tokens == tokens_after and kept == kept_after
+    assert torch.equal(history, history_after)
