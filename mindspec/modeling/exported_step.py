@@ -45,7 +45,6 @@ from typing import Callable, Optional
 
 import torch
 
-from mindspec.backend import keep_hidden_rows
 from mindspec.modeling.aoti_runner import ReleasedRunner, open_released
 from mindspec.modeling.background_compiles import DONE, PENDING, BackgroundCompiles
 from mindspec.modeling.eager_runs import DEFAULT_COMPILE_S, EagerRuns, prefills_compile_at_once
@@ -171,8 +170,8 @@ class ExportedSteps:
     def forward(self, input_ids, positions, caches, meta, lm_head_indices, targets=None, keep=None):
         """A padded decode step; ``targets`` (``TargetRows.arrays()``): its rows' tokens sampled
         inside (``greedy_tokens``, -1 where undecided; else the argmax), a package of its own.
-        ``keep`` (hidden cache, rows): the step writes its hidden states there (``keep_hidden_rows``;
-        the cache's row count a dynamic size), inside the package or after the eager forward."""
+        ``keep`` (hidden cache, rows): the package writes its hidden states there
+        (``keep_hidden_rows``; the cache's row count a dynamic size); run eagerly, the caller does."""
         from mindspec.models.deepseekv2.flash_causal_deepseekv2 import ModelOutput
 
         b = self.backend
@@ -187,14 +186,8 @@ class ExportedSteps:
         n_meta = len(tensors) - 3 - len(tree) - len(sampling) - len(kept) - len(caches)
         args = {"meta": meta, "n_meta": n_meta, "tree": bool(tree), "targets": bool(sampling), "keep": bool(kept)}
         outputs = self._run(key, args, caches, tensors, dims)
-        if outputs is None:  # eagerly: the caller samples the targets (no greedy_tokens)
-            def run():
-                out = self.model.forward(input_ids, positions, caches, meta, lm_head_indices)
-                if keep is not None:
-                    keep_hidden_rows(keep[0], out.hidden_states, keep[1])
-                return out
-
-            return self.eagerly(run)
+        if outputs is None:  # eagerly: the caller keeps and samples the targets (no greedy_tokens)
+            return self.eagerly(lambda: self.model.forward(input_ids, positions, caches, meta, lm_head_indices))
         return ModelOutput(logits=outputs[0], hidden_states=outputs[1], greedy_tokens=outputs[2])
 
     def forward_prefill(self, input_ids, positions, caches, meta, lm_head_indices):

@@ -127,15 +127,16 @@ class ModelWrapper:
         row per sequence also writes its hidden states there (``keep_hidden_rows``)."""
         self._prepare(inputs)
         args = (inputs.input_ids, inputs.positions, self.caches, inputs.meta, inputs.lm_head_indices)
-        if self.compiled and padded:  # (fires the launch signal itself; keeps inside, or eagerly)
+        if self.compiled and padded:  # (fires the launch signal itself)
             out = self.compiled.forward(*args, targets=targets, keep=keep)
         else:
             self.launch.fire()
             out = self.model.forward(*args)
+        if out.greedy_tokens is None:  # run eagerly (a package gives its tokens): keep and sample here
             if keep is not None:
                 keep_hidden_rows(keep[0], out.hidden_states, keep[1])
-        if targets is not None and out.greedy_tokens is None:  # run eagerly: sample here
-            out.greedy_tokens = decided_targets(out.logits, targets, self.whole_rows)
+            if targets is not None:
+                out.greedy_tokens = decided_targets(out.logits, targets, self.whole_rows)
         return out
 
     def forward_host(self, inputs: ModelInputs, tree_mask: Optional[torch.Tensor] = None,
