@@ -67,6 +67,11 @@ DENSE_MAX_TOKENS = 64  # ... of a batch this small (E = 6, top-2: dense 299 / so
 # stage at batch 32 runs 160-192 rows).
 DENSE_MAX_TOKENS_PACKED = 192
 FEW_PAIRS = 8  # otherwise, up to this many (token, expert) pairs run only the chosen experts
+# Inside a compiled step up to this many pairs gather their experts' weights: an MTP Vanilla draft
+# stage at batch 1 (6 rows, 12 pairs) too, where the dense path's gate/up GEMM of every expert ran
+# as a library call (~0.2 ms, twice a K=3 step; vanilla K=3 0.80 -> 0.88x compiled MTP off, paired
+# runs, benchmarks/README.md). Beyond it, dense: gathered lost at batch 2's 16 verification pairs.
+GATHERED_PAIRS = 12
 
 
 def moe_gate(
@@ -133,7 +138,7 @@ def moe_experts(
         return _sorted_experts(x, topk_weights, topk_ids, experts)
     few_experts = E <= DENSE_EXPERTS_PER_CHOICE * k
     if torch.compiler.is_compiling():  # no host round trip inside a compiled graph
-        if T * k <= FEW_PAIRS:
+        if T * k <= GATHERED_PAIRS:
             return _gathered_experts(x, topk_weights, topk_ids, experts)
         dense = few_experts and T * k >= E
         return (_dense_experts if dense else _sorted_experts)(x, topk_weights, topk_ids, experts)

@@ -176,3 +176,23 @@ def test_plan_computed_from_step_tensors_equals_the_host_plan(q_lens, tree):
     w_uk, w_uv = _weights(torch.Generator().manual_seed(2))
     out = _absorbed(be, cache, bound, q_nope, q_pe, w_uk, w_uv)
     torch.testing.assert_close(out.double(), _reference(meta, seqs, q_nope, q_pe, w_uk, w_uv), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("q_lens", [[1, 1, 1], [4, 4, 4], [4, 1, 3]])
+def test_compiled_attention_equals_the_expanded_reference(q_lens):
+    """Inside a compiled step (Inductor, the packages' compiler) the attention binds its metadata
+    from step tensors and takes its traced branch: the same attention as the expanded reference."""
+    seq_lens = [9, 17, 6]
+    be, cache, meta, seqs, q_nope, q_pe = _setup(seq_lens, q_lens, seed=6)
+    meta.block_size = BS
+    w_uk, w_uv = _weights(torch.Generator().manual_seed(7))
+    q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
+    tensors = [t for t, _ in be.step_tensors(meta, "m")]
+
+    def step(q_lat, q_pe, *tensors):
+        return be.mla_attention(q_lat, q_pe, cache, be.bind_step_tensors(meta, list(tensors)), SCALE)
+
+    torch._dynamo.reset()
+    o_lat = torch.compile(step, backend="inductor", fullgraph=True, dynamic=False)(q_lat, q_pe, *tensors)
+    out = torch.einsum("thr,hvr->thv", o_lat, w_uv)
+    torch.testing.assert_close(out.double(), _reference(meta, seqs, q_nope, q_pe, w_uk, w_uv), atol=1e-5, rtol=1e-5)

@@ -252,3 +252,28 @@ def test_experts_keep_one_narrow_copy():
     assert all(torch.equal(w.narrow.float(), w2[e]) for e, w in enumerate(ex.w2_each))
     assert all(w.narrow.untyped_storage().data_ptr() == ex.w2_narrow.untyped_storage().data_ptr() for w in ex.w2_each)
     assert ex.w2_all.narrow is None
+
+
+@pytest.mark.parametrize("num_experts,top_k,tokens,path", [
+    (6, 2, 1, "_gathered_experts"),  # a plain decode step
+    (6, 2, 4, "_gathered_experts"),  # an MTP K=3 verification at batch 1
+    (6, 2, 6, "_gathered_experts"),  # an MTP Vanilla draft stage at batch 1 (6 rows, 12 pairs)
+    (6, 2, 7, "_dense_experts"),  # past GATHERED_PAIRS: every expert on every token
+    (64, 2, 32, "_sorted_experts"),  # many experts and many pairs
+])
+def test_compiled_expert_path_chosen_by_pairs(monkeypatch, num_experts, top_k, tokens, path):
+    """Inside a compiled graph nothing waits for the host: up to moe.GATHERED_PAIRS (token, expert)
+    pairs gather their experts' weights, more run dense (few experts) or sorted."""
+    assert 6 * 2 <= moe.GATHERED_PAIRS < 7 * 2
+    calls = []
+    for name in ("_few_experts", "_gathered_experts", "_dense_experts", "_sorted_experts"):
+        original = getattr(moe, name)
+        monkeypatch.setattr(moe, name, lambda *a, _n=name, _f=original: calls.append(_n) or _f(*a))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    g = torch.Generator().manual_seed(9)
+    ex = ExpertWeights(w13=torch.randn(num_experts, 8, HIDDEN, generator=g), w2=torch.randn(num_experts, HIDDEN, 4, generator=g))
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)])
+    x, w = torch.randn(tokens, HIDDEN, generator=g), torch.rand(tokens, top_k, generator=g)
+    out = moe.moe_experts(x, w, ids, ex)
+    assert calls == [path]
+    torch.testing.assert_close(out.double(), ref.moe_experts(x, w, ids, ex.w13, ex.w2), atol=1e-5, rtol=1e-5)
