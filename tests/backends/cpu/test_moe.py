@@ -168,6 +168,16 @@ def test_every_expert_path_matches_naive_loop(monkeypatch, path, packed):
     torch.testing.assert_close(getattr(moe, path)(x, w, ids, ex).double(), expected, atol=1e-5, rtol=1e-5)
 
 
+
+def _paths_taken(monkeypatch) -> list[str]:
+    """The names of the expert paths moe_experts calls from now on, in order."""
+    calls = []
+    for name in ("_few_experts", "_gathered_experts", "_dense_experts", "_sorted_experts"):
+        original = getattr(moe, name)
+        monkeypatch.setattr(moe, name, lambda *a, _n=name, _f=original: calls.append(_n) or _f(*a))
+    return calls
+
+
 @pytest.mark.parametrize("num_experts,top_k,tokens,path", [
     (6, 2, 1, "_few_experts"),  # one token: only its experts' weights are read
     (6, 2, 2, "_dense_experts"),  # few experts: two batched GEMMs from two tokens on
@@ -178,10 +188,7 @@ def test_every_expert_path_matches_naive_loop(monkeypatch, path, packed):
     (64, 2, 32, "_sorted_experts"),
 ])
 def test_expert_path_chosen_by_cost(monkeypatch, num_experts, top_k, tokens, path):
-    calls = []
-    for name in ("_few_experts", "_gathered_experts", "_dense_experts", "_sorted_experts"):
-        original = getattr(moe, name)
-        monkeypatch.setattr(moe, name, lambda *a, _n=name, _f=original: calls.append(_n) or _f(*a))
+    calls = _paths_taken(monkeypatch)
     g = torch.Generator().manual_seed(7)
     ex = ExpertWeights(w13=torch.randn(num_experts, 8, HIDDEN, generator=g), w2=torch.randn(num_experts, HIDDEN, 4, generator=g))
     ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)])
@@ -192,10 +199,7 @@ def test_expert_path_chosen_by_cost(monkeypatch, num_experts, top_k, tokens, pat
 @pytest.mark.skipif(not packed_linear.packing_enabled(), reason="torch built without oneDNN")
 @pytest.mark.parametrize("tokens,path", [(192, "_dense_experts"), (193, "_sorted_experts")])
 def test_packed_experts_stay_dense_up_to_more_tokens(monkeypatch, tokens, path):
-    calls = []
-    for name in ("_dense_experts", "_sorted_experts"):
-        original = getattr(moe, name)
-        monkeypatch.setattr(moe, name, lambda *a, _n=name, _f=original: calls.append(_n) or _f(*a))
+    calls = _paths_taken(monkeypatch)
     g = torch.Generator().manual_seed(8)
     ex = CpuBackend().expert_weights(w13=torch.randn(6, 8, HIDDEN, generator=g), w2=torch.randn(6, HIDDEN, 4, generator=g))
     ids = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(tokens)])
@@ -265,10 +269,7 @@ def test_compiled_expert_path_chosen_by_pairs(monkeypatch, num_experts, top_k, t
     """Inside a compiled graph nothing waits for the host: up to moe.GATHERED_PAIRS (token, expert)
     pairs gather their experts' weights, more run dense (few experts) or sorted."""
     assert 6 * 2 <= moe.GATHERED_PAIRS < 7 * 2
-    calls = []
-    for name in ("_few_experts", "_gathered_experts", "_dense_experts", "_sorted_experts"):
-        original = getattr(moe, name)
-        monkeypatch.setattr(moe, name, lambda *a, _n=name, _f=original: calls.append(_n) or _f(*a))
+    calls = _paths_taken(monkeypatch)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     g = torch.Generator().manual_seed(9)
     ex = ExpertWeights(w13=torch.randn(num_experts, 8, HIDDEN, generator=g), w2=torch.randn(num_experts, HIDDEN, 4, generator=g))
