@@ -17,6 +17,7 @@ packages.append("mindspec.configs")
 setup(
     packages=packages,
     package_dir=package_dir,
-    package_data={"mindspec": ["assets/**/*"], "mindspec.configs": ["*.json"]},
+    package_data={"mindspec": ["assets/**/*"], "mindspec.configs": ["*.json"],
+                  "mindspec.backends.cpu": ["*.cpp"]},  # rows_gemm.cpp, built at run time
     include_package_data=True,
 )

@@ -118,11 +118,13 @@ class LinearWeight:
     ``Backend.linear_weight``; ``packed`` is the same weight in a layout only that backend reads
     (the cpu backend: oneDNN's blocked layout), or None; ``narrow`` the same values in a
     narrower dtype where every one of them fits it exactly (the cpu backend: a bfloat16
-    checkpoint run in float32), or None."""
+    checkpoint run in float32), or None; ``blocked`` those narrow values in the layout of the
+    backend's few-row GEMM (the cpu backend: rows_gemm.block), or None."""
 
     weight: torch.Tensor  # [out, in]
     packed: Optional[torch.Tensor] = None
     narrow: Optional[torch.Tensor] = None  # [out, in]
+    blocked: Optional[torch.Tensor] = None  # [ceil(out / 16), in, 16] on cpu
 
 
 @dataclass
@@ -220,6 +222,12 @@ class Backend(ABC):
         """Whether decode steps can be exported whole and compiled ahead of time (the cpu
         backend: AOTInductor). Default: no."""
         return False
+
+    def step_kernels(self) -> dict:
+        """The backend's own compiled kernels that exported steps call, loaded into this process
+        (built on first use): AOTInductor's ``aot_inductor.custom_ops_to_c_shims`` for them, so a
+        package calls each directly. Default: none."""
+        return {}
 
     def step_tensors(self, meta: AttentionMetadata, name: str) -> list[tuple[torch.Tensor, dict[int, str]]]:
         """The tensors this backend's ops read from a prepared ``meta``, each with its dynamic

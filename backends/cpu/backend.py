@@ -32,7 +32,7 @@ from mindspec.modeling import quantized
 from mindspec.modeling.quantized import is_quantized
 
 from . import linear as packed_linear
-from . import moe
+from . import moe, rows_gemm
 from .attention_plan import PLAN_KEY, ROWS_KEY, attention_groups, attention_plan, cache_rows, grid_indices, traced_plan
 
 logger = logging.getLogger(__name__)
@@ -274,6 +274,9 @@ class CpuBackend(Backend):
     def supports_step_export(self) -> bool:
         return True
 
+    def step_kernels(self) -> dict:
+        return rows_gemm.c_shims()
+
     def step_tensors(self, meta: AttentionMetadata, name: str) -> list[tuple[torch.Tensor, dict[int, str]]]:
         key_index = self._key_index(meta.max_seq_len, meta.seq_lens.device)
         tensors = [(meta.slots, {}), (meta.seq_lens, {}), (meta.q_lens, {}), (meta.block_tables, {}),
@@ -359,7 +362,10 @@ class CpuBackend(Backend):
     def linear_weight(self, weight: torch.Tensor) -> LinearWeight:
         if is_quantized(weight):
             return LinearWeight(weight)
-        return self._linear_weight(weight, self._narrow(weight))
+        w = self._linear_weight(weight, self._narrow(weight))
+        if w.narrow is not None and rows_gemm.supported():  # compiled steps' few-row GEMMs read it instead
+            return replace(w, narrow=None, blocked=rows_gemm.block(w.narrow))
+        return w
 
     def _linear_weight(self, weight: torch.Tensor, narrow: Optional[torch.Tensor]) -> LinearWeight:
         return LinearWeight(weight, packed_linear.pack(weight, self.pack_weights and self._room_for(weight)), narrow)

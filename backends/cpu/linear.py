@@ -39,6 +39,8 @@ import torch.nn.functional as F
 from mindspec.backend import LinearWeight
 from mindspec.modeling import quantized
 
+from . import rows_gemm
+
 PACKED_MIN_MACS = 384 * 1024  # rows * in * out from which the packed GEMM is faster (table above)
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 ENV_SWITCH = "MINDSPEC_CPU_PACKED_LINEAR"  # "0": plain F.linear everywhere (A/B benchmarks)
@@ -104,7 +106,10 @@ def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
     if not isinstance(w.weight, torch.Tensor):  # quantized (mindspec/modeling/quantized.py)
         return quantized_linear(x, w.weight)
     if torch.compiler.is_compiling():  # first: a traced graph must not touch the oneDNN tensor
-        if w.narrow is not None and x.numel() // w.weight.shape[1] <= THIN_MAX_ROWS:
+        rows = x.numel() // w.weight.shape[1]
+        if w.blocked is not None and rows <= rows_gemm.MAX_ROWS and rows_gemm.available():
+            return rows_gemm.rows_linear(x, w.blocked, w.weight.shape[0])
+        if w.narrow is not None and rows <= THIN_MAX_ROWS:
             return thin_linear(x, w.narrow)
         return F.linear(x, w.weight)
     if w.packed is None or x.dtype != w.packed.dtype:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from mindspec.backend import get_backend
 from mindspec.modeling.exported_step import compile_package, export_recipe, first_line
 from mindspec.modeling.step_recipes import StepRecipe
 
@@ -32,7 +33,8 @@ def main(argv: list[str]) -> int:
         pass
     torch.set_num_threads(threads)
     try:
-        compile_package(export_recipe(StepRecipe.load(recipe)), package)
+        step = StepRecipe.load(recipe)
+        compile_package(export_recipe(step), package, get_backend(step.backend).step_kernels())
     except Exception as exc:
         print(first_line(exc), file=sys.stderr)
         return 1

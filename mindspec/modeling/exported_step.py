@@ -80,6 +80,14 @@ def inductor_configs() -> dict:
     return {} if os.environ.get(AUTOTUNE_ENV) == "0" else dict(INDUCTOR_CONFIGS)
 
 
+def compile_configs(kernels: dict) -> dict:
+    """``inductor_configs`` and the backend's kernels' C shims (a fresh dict: torch adds to it)."""
+    configs = inductor_configs()
+    if kernels:
+        configs["aot_inductor.custom_ops_to_c_shims"] = dict(kernels)
+    return configs
+
+
 def step_cache_dir() -> Path:
     """$MINDSPEC_CACHE_DIR, else $XDG_CACHE_HOME/mindspec, else ~/.cache/mindspec; then /steps."""
     root = os.environ.get(CACHE_ENV) or os.path.join(
@@ -164,6 +172,7 @@ class ExportedSteps:
             "backend": backend.name, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "code": _code_fingerprint(model, backend), "mtp_modules": model.num_mtp_modules,
             "inductor": inductor_configs(),
+            "kernels": sorted(str(op) for op in backend.step_kernels()),  # builds and loads them
         }
 
     # ---- entry points --------------------------------------------------------------------------
@@ -377,7 +386,7 @@ class ExportedSteps:
             start = time.perf_counter()
             program = _export(trace_fn(key[0], self.model, self.backend, caches, args), tensors, dims)
             self.stats.export_s += time.perf_counter() - start
-            compile_package(program, path)
+            compile_package(program, path, self.backend.step_kernels())
             self.stats.compile_s += time.perf_counter() - start
             runner = open_released(path) or torch._inductor.aoti_load_package(str(path))
             self.stats.compiled += 1
@@ -491,9 +500,10 @@ TORCH_COMPILE_NOISE = (
 )
 
 
-def compile_package(program: torch.export.ExportedProgram, path: Path) -> None:
+def compile_package(program: torch.export.ExportedProgram, path: Path, kernels: dict) -> None:
     """AOTInductor-compile ``program`` into the package ``path``, written atomically (another
-    process compiling the same step writes the same file)."""
+    process compiling the same step writes the same file); ``kernels``: the backend's
+    ``step_kernels``, which the package calls directly."""
     start = time.perf_counter()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")
@@ -501,7 +511,7 @@ def compile_package(program: torch.export.ExportedProgram, path: Path) -> None:
         for message, category in TORCH_COMPILE_NOISE:
             warnings.filterwarnings("ignore", message=message, category=category)
         torch._inductor.aoti_compile_and_package(program, package_path=str(tmp),
-                                                  inductor_configs=inductor_configs())  # torch adds to it
+                                                  inductor_configs=compile_configs(kernels))
     os.replace(tmp, path)
     log.info("compiled the %s step %s in %.1f s -> %s", _kind(path), path.name,
              time.perf_counter() - start, path)
@@ -557,7 +567,7 @@ def fingerprinted_files(model, backend) -> list[Path]:
     files = [Path(inspect.getfile(m)) for m in (interface, expert_parallel, parallel_state)]
     for module_file in (inspect.getfile(type(model)), inspect.getfile(type(backend)), __file__,
                         inspect.getfile(step_targets)):
-        files += sorted(Path(module_file).parent.glob("*.py"))
+        files += sorted(Path(module_file).parent.glob("*.py")) + sorted(Path(module_file).parent.glob("*.cpp"))
     here = Path(__file__).parent
     return [f for f in files if not (f.parent == here and f.name in HOST_ONLY_FILES)]
 

@@ -1,0 +1,120 @@
+"""The few-row GEMM of compiled decode steps (``rows_gemm.cpp``): built on first use, loaded into
+the process, and called by AOTInductor packages directly through its C shim.
+
+Inside a compiled step Inductor's GEMM template keeps one accumulator chain per (row, output
+block) and reads each weight again for every row, so a 4-row verification's GEMMs cost several
+times a 1-row step's. ``rows_linear`` widens each bfloat16 weight vector once and multiplies it
+into up to 8 rows; every output sums over its inputs in one order whatever the row count, so a
+row's result is the same alone or in a batch.
+
+The library is compiled with the C++ compiler AOTInductor uses, for AVX-512F cpus only (others
+keep Inductor's GEMMs), into ``<cache>/kernels/`` keyed by its source and torch's version, and
+loaded once per process (a compile worker loads it as it loads the model). A failed build logs
+one warning and the steps compile without it. MINDSPEC_CPU_ROWS_GEMM=0 turns it off (A/B runs).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch.utils import cpp_extension
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("rows_gemm.cpp")
+BLOCK = 16  # outputs per weight block (rows_gemm.cpp)
+MAX_ROWS = 8  # compiled GEMMs of up to this many rows go through rows_linear
+ENV_SWITCH = "MINDSPEC_CPU_ROWS_GEMM"
+FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-w", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]
+C_SHIM = ("AOTITorchError aoti_torch_cpu_rows_linear(AtenTensorHandle x, AtenTensorHandle blocked, "
+          "int64_t n, AtenTensorHandle* ret0)")
+
+
+def supported() -> bool:
+    """Whether this cpu runs the kernel (AVX-512F) and it is not switched off; builds nothing.
+    The cpu backend keeps its weights blocked for it where this holds."""
+    return os.environ.get(ENV_SWITCH, "1") != "0" and torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX")
+
+
+def available() -> bool:
+    """Whether compiled steps call rows_linear in this process (built and loaded on first call)."""
+    return _loaded() is not None
+
+
+def c_shims() -> dict:
+    """aot_inductor.custom_ops_to_c_shims for the packages: the op's calls become direct C calls."""
+    return {torch.ops.mindspec.rows_linear.default: [C_SHIM]} if available() else {}
+
+
+def block(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] (bfloat16) -> [ceil(N / 16), K, 16]: 16 outputs' weights per k, contiguous."""
+    n, k = weight.shape
+    blocks = -(-n // BLOCK)
+    padded = torch.zeros(blocks * BLOCK, k, dtype=weight.dtype)
+    padded[:n] = weight
+    return padded.view(blocks, BLOCK, k).transpose(1, 2).contiguous()
+
+
+def rows_linear(x: torch.Tensor, blocked: torch.Tensor, n: int) -> torch.Tensor:
+    """x [..., K] float32 @ the blocked weight's [n, K].T -> [..., n] float32."""
+    if not available():
+        raise RuntimeError("rows_linear: the kernel is not loaded (unsupported cpu, switched off, or its build failed)")
+    return torch.ops.mindspec.rows_linear(x, blocked, n)
+
+
+@functools.lru_cache(maxsize=1)
+def _loaded() -> Optional[Path]:
+    if not supported():
+        return None
+    try:
+        path = _built()
+        ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)  # global: packages resolve the C shim against it
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("the few-row GEMM kernel did not build (%s): compiled steps use Inductor's GEMMs", e)
+        return None
+    torch.library.register_fake("mindspec::rows_linear")(_shape)
+    return path
+
+
+def _shape(x: torch.Tensor, blocked: torch.Tensor, n: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], n)
+
+
+def _built() -> Path:
+    """The library for this source and torch, compiled into the cache unless it is there."""
+    from mindspec.modeling.exported_step import step_cache_dir  # the steps' cache, beside them
+
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(FLAGS).encode()).hexdigest()
+    path = step_cache_dir().parent / "kernels" / f"rows_gemm-{key[:16]}.so"
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        subprocess.run(_command(Path(tmp)), check=True, capture_output=True, text=True, timeout=600)
+        os.replace(tmp, path)  # atomic: another process building the same key writes the same bytes
+    except subprocess.CalledProcessError as e:
+        raise subprocess.SubprocessError(e.stderr.strip().splitlines()[-1] if e.stderr.strip() else str(e)) from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def _command(out: Path) -> list[str]:
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    return [get_cpp_compiler(), *FLAGS, abi, *includes, str(SOURCE), f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}",
+            "-ltorch", "-ltorch_cpu", "-lc10", "-o", str(out)]

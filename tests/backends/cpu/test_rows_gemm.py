@@ -1,0 +1,148 @@
+"""The few-row GEMM of compiled cpu steps (backends/cpu/rows_gemm.py, rows_gemm.cpp)."""
+import logging
+import subprocess
+import zipfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mindspec.backend import LinearWeight
+from mindspec.backends.cpu import linear as packed_linear
+from mindspec.backends.cpu import rows_gemm
+from mindspec.backends.cpu.backend import CpuBackend
+
+needs_kernel = pytest.mark.skipif(not rows_gemm.supported(), reason="rows_gemm needs an AVX-512F cpu")
+
+
+def _bf16_weight(out: int, inp: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(out, inp, generator=g) * 0.1).to(torch.bfloat16)
+
+
+def test_block_layout_holds_16_outputs_per_k_and_zero_padding():
+    w = _bf16_weight(37, 5)
+    b = rows_gemm.block(w)
+    assert b.shape == (3, 5, 16) and b.dtype == torch.bfloat16
+    for out in (0, 15, 16, 36):
+        assert torch.equal(b[out // 16, :, out % 16], w[out])
+    assert not b[2, :, 5:].any()  # outputs 37..47 do not exist
+
+
+@needs_kernel
+@pytest.mark.parametrize("out", [6, 16, 80, 192, 1000])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 8, 9, 20])
+def test_rows_linear_equals_x_times_w_transposed(rows, out):
+    w = _bf16_weight(out, 96)
+    x = torch.randn(rows, 96)
+    y = rows_gemm.rows_linear(x, rows_gemm.block(w), out)
+    assert y.shape == (rows, out) and y.dtype == torch.float32
+    torch.testing.assert_close(y, (x.double() @ w.double().T).float(), atol=2e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_a_row_gets_the_same_bits_alone_and_in_any_batch():
+    """Each output sums over k in one order whatever the row count: a decode step's row and the
+    same row in an MTP verification (or a bigger batch) agree bitwise."""
+    w = rows_gemm.block(_bf16_weight(4096, 192))
+    x = torch.randn(13, 192)
+    alone = rows_gemm.rows_linear(x[5:6], w, 4096)
+    for rows in (slice(5, 7), slice(2, 8), slice(0, 13)):
+        together = rows_gemm.rows_linear(x[rows], w, 4096)
+        assert torch.equal(together[5 - rows.start], alone[0])
+
+
+@needs_kernel
+def test_leading_dims_and_strided_inputs():
+    w = _bf16_weight(48, 32)
+    x = torch.randn(2, 3, 64)[..., ::2]  # [2, 3, 32], not contiguous
+    y = rows_gemm.rows_linear(x, rows_gemm.block(w), 48)
+    assert y.shape == (2, 3, 48)
+    torch.testing.assert_close(y, x @ w.float().T, atol=2e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_bad_inputs_name_what_is_wrong():
+    w = rows_gemm.block(_bf16_weight(32, 16))
+    with pytest.raises(RuntimeError, match="float32 x and bfloat16 blocked weight"):
+        rows_gemm.rows_linear(torch.randn(2, 16, dtype=torch.float64), w, 32)
+    with pytest.raises(RuntimeError, match="does not hold 40 outputs of 16 inputs"):
+        rows_gemm.rows_linear(torch.randn(2, 16), w, 40)
+
+
+@needs_kernel
+def test_cpu_backend_keeps_bfloat16_exact_weights_blocked():
+    """A bfloat16 checkpoint's float32 weight keeps one bfloat16 copy, in the kernel's layout
+    (no row-major ``narrow`` beside it); a weight off the bfloat16 grid keeps none."""
+    exact = _bf16_weight(40, 24).float()
+    w = CpuBackend().linear_weight(exact)
+    assert w.narrow is None and torch.equal(w.blocked, rows_gemm.block(exact.to(torch.bfloat16)))
+    off_grid = exact.clone()
+    off_grid[1, 2] += 2.0 ** -20
+    assert CpuBackend().linear_weight(off_grid).blocked is None
+
+
+@needs_kernel
+def test_compiled_linear_takes_rows_linear_up_to_max_rows(monkeypatch):
+    """Inside a traced step a GEMM of up to MAX_ROWS rows against a blocked weight runs
+    rows_linear; more rows run F.linear on the float32 weight (the two hold different values
+    here to tell them apart)."""
+    w = LinearWeight(_bf16_weight(24, 16).float(), blocked=rows_gemm.block(_bf16_weight(24, 16, seed=1)))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    few = torch.randn(rows_gemm.MAX_ROWS, 16)
+    torch.testing.assert_close(packed_linear.linear(few, w), few @ _bf16_weight(24, 16, seed=1).float().T)
+    more = torch.randn(rows_gemm.MAX_ROWS + 1, 16)
+    torch.testing.assert_close(packed_linear.linear(more, w), F.linear(more, w.weight))
+
+
+class _TwoGemms(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("w1", rows_gemm.block(_bf16_weight(64, 32)))
+        self.register_buffer("w2", rows_gemm.block(_bf16_weight(20, 64, seed=1)))
+
+    def forward(self, x):
+        return rows_gemm.rows_linear(torch.relu(rows_gemm.rows_linear(x, self.w1, 64)), self.w2, 20)
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_package_calls_the_c_shim_directly(tmp_path, monkeypatch):
+    """An AOTInductor package of a step calling rows_linear calls the kernel's C function (no
+    proxy executor) and computes what the op computes eagerly."""
+    from mindspec.modeling import exported_step
+
+    monkeypatch.setenv(exported_step.AUTOTUNE_ENV, "0")
+    module, x = _TwoGemms(), torch.randn(4, 32)
+    program = torch.export.export(module, (x,))
+    path = tmp_path / "two_gemms.pt2"
+    exported_step.compile_package(program, path, CpuBackend().step_kernels())
+    with zipfile.ZipFile(path) as z:
+        wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith(".wrapper.cpp"))
+    assert wrapper.count("aoti_torch_cpu_rows_linear(") >= 2 and "proxy_executor_call_function" not in wrapper
+    runner = torch._inductor.aoti_load_package(str(path))
+    assert torch.equal(runner(x), module(x))
+
+
+def test_a_failed_build_leaves_compiled_steps_on_inductors_gemms(monkeypatch, caplog):
+    def broken():
+        raise subprocess.SubprocessError("rows_gemm.cpp:1: error: no compiler here")
+
+    monkeypatch.setattr(rows_gemm, "supported", lambda: True)
+    monkeypatch.setattr(rows_gemm, "_built", broken)
+    with caplog.at_level(logging.WARNING, logger=rows_gemm.__name__):
+        assert rows_gemm._loaded.__wrapped__() is None
+    assert "no compiler here" in caplog.text and "Inductor's GEMMs" in caplog.text
+
+
+def test_build_errors_carry_the_compilers_message(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINDSPEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(rows_gemm, "_command", lambda out: ["sh", "-c", "echo 'bad.cpp:3: error: nope' >&2; exit 1"])
+    with pytest.raises(subprocess.SubprocessError, match="bad.cpp:3: error: nope"):
+        rows_gemm._built()
+    assert not list((tmp_path / "kernels").iterdir())  # no half-written library left behind
+
+
+def test_switched_off_by_env(monkeypatch):
+    monkeypatch.setenv(rows_gemm.ENV_SWITCH, "0")
+    assert not rows_gemm.supported()
