@@ -393,10 +393,18 @@ class CpuBackend(Backend):
         w13, w2 = (quantized.dense(w) for w in (w13, w2))
         E, two_i, H = w13.shape
         # One bfloat16 copy per tensor; the per-expert and side-by-side weights take views of it.
+        # Where the cpu runs rows_gemm that copy is blocked for it instead.
         w13_narrow, w2_narrow = self._narrow(w13), self._narrow(w2)
+        w13_blocked = w2_blocked = None
+        if w13_narrow is not None and w2_narrow is not None and rows_gemm.supported():
+            w13_blocked, w2_blocked = rows_gemm.block_experts(w13_narrow), rows_gemm.block_experts(w2_narrow)
+            w13_narrow = w2_narrow = None
 
-        def expert(narrow: Optional[torch.Tensor], e: int) -> Optional[torch.Tensor]:
-            return None if narrow is None else narrow[e]
+        def expert(copy: Optional[torch.Tensor], e: int) -> Optional[torch.Tensor]:
+            return None if copy is None else copy[e]
+
+        def each(w: torch.Tensor, narrow: Optional[torch.Tensor], blocked: Optional[torch.Tensor], e: int):
+            return replace(self._linear_weight(w[e], expert(narrow, e)), blocked=expert(blocked, e))
 
         return moe.CpuExpertWeights(
             w13=w13, w2=w2,
@@ -404,9 +412,9 @@ class CpuBackend(Backend):
                                         None if w13_narrow is None else w13_narrow.view(E * two_i, H)),
             # Only experts few enough to run dense need it (DeepSeek-V2/V3's 64/256 never do).
             w2_all=self._linear_weight(moe._down_side_by_side(w2).contiguous(), None) if E <= moe.DENSE_MAX_EXPERTS else None,
-            w13_each=[self._linear_weight(w13[e], expert(w13_narrow, e)) for e in range(E)],
-            w2_each=[self._linear_weight(w2[e], expert(w2_narrow, e)) for e in range(E)],
-            w13_narrow=w13_narrow, w2_narrow=w2_narrow,
+            w13_each=[each(w13, w13_narrow, w13_blocked, e) for e in range(E)],
+            w2_each=[each(w2, w2_narrow, w2_blocked, e) for e in range(E)],
+            w13_narrow=w13_narrow, w2_narrow=w2_narrow, w13_blocked=w13_blocked, w2_blocked=w2_blocked,
         )
 
     # ---- norms and activations -------------------------------------------------------------

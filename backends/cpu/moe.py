@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from mindspec.backend import ExpertWeights, LinearWeight, RouterConfig
 from mindspec.modeling.quantized import QuantizedWeight
 
+from . import rows_gemm
 from .linear import linear, quantized_linear
 
 
@@ -49,6 +50,9 @@ class CpuExpertWeights(ExpertWeights):
     # w13 / w2 in bfloat16 where every value is one (linear.narrow): the gathered path reads these
     w13_narrow: Optional[torch.Tensor] = None  # [E, 2I, H]
     w2_narrow: Optional[torch.Tensor] = None  # [E, H, I]
+    # or, where the cpu runs rows_gemm, the same values blocked for it (and no narrow copies)
+    w13_blocked: Optional[torch.Tensor] = None  # [E, ceil(2I / 16), H, 16]
+    w2_blocked: Optional[torch.Tensor] = None  # [E, ceil(H / 16), I, 16]
 
 
 @dataclass
@@ -72,6 +76,9 @@ FEW_PAIRS = 8  # otherwise, up to this many (token, expert) pairs run only the c
 # as a library call (~0.2 ms, twice a K=3 step; vanilla K=3 0.80 -> 0.88x compiled MTP off, paired
 # runs, benchmarks/README.md). Beyond it, dense: gathered lost at batch 2's 16 verification pairs.
 GATHERED_PAIRS = 12
+# Inside a compiled step experts blocked for rows_gemm run its rows_experts up to this many tokens
+# (an MTP verification at batch 16): each chosen expert once, on all its tokens.
+ROWS_EXPERTS_MAX_TOKENS = 64
 
 
 def moe_gate(
@@ -138,6 +145,9 @@ def moe_experts(
         return _sorted_experts(x, topk_weights, topk_ids, experts)
     few_experts = E <= DENSE_EXPERTS_PER_CHOICE * k
     if torch.compiler.is_compiling():  # no host round trip inside a compiled graph
+        blocked = _blocked(experts)
+        if blocked is not None and T <= ROWS_EXPERTS_MAX_TOKENS and rows_gemm.available():
+            return rows_gemm.rows_experts(x, topk_ids, topk_weights, *blocked, experts.w13.shape[1] // 2)
         if T * k <= GATHERED_PAIRS:
             return _gathered_experts(x, topk_weights, topk_ids, experts)
         dense = few_experts and T * k >= E
@@ -219,6 +229,12 @@ def _gathered_experts(x, topk_weights, topk_ids, experts: ExpertWeights) -> torc
         h = _silu_and_mul((w13[ids].to(x.dtype) * xs[:, None, :]).sum(dim=-1))  # [T*k, I]
         y = (w2[ids].to(x.dtype) * h[:, None, :]).sum(dim=-1)  # [T*k, H]
     return (y * w).to(x.dtype).view(T, k, H).sum(dim=1)
+
+
+def _blocked(experts: ExpertWeights) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    if isinstance(experts, CpuExpertWeights) and experts.w13_blocked is not None and experts.w2_blocked is not None:
+        return experts.w13_blocked, experts.w2_blocked
+    return None
 
 
 def _narrow(experts: ExpertWeights) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:

@@ -9,6 +9,10 @@
 // a direct call from AOTInductor's generated code (config aot_inductor.custom_ops_to_c_shims).
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
@@ -61,6 +65,16 @@ using BlocksFn = void (*)(const float*, int64_t, const uint16_t*, float*, int64_
 constexpr BlocksFn BLOCKS[MAX_ROWS] = {blocks<1>, blocks<2>, blocks<3>, blocks<4>,
                                        blocks<5>, blocks<6>, blocks<7>, blocks<8>};
 
+// y[M, n] = x[M, k_dim] @ W.T for any M, MAX_ROWS rows per pass over the weight's blocks [b0, b1).
+void rows(const float* x, int64_t rows, int64_t k_dim, const uint16_t* w, float* y, int64_t n, int64_t b0, int64_t b1) {
+  for (int64_t m0 = 0; m0 < rows; m0 += MAX_ROWS) {
+    const int64_t m = std::min<int64_t>(MAX_ROWS, rows - m0);
+    BLOCKS[m - 1](x + m0 * k_dim, k_dim, w, y + m0 * n, n, b0, b1);
+  }
+}
+
+inline int64_t num_blocks(int64_t n) { return (n + BLOCK - 1) / BLOCK; }
+
 }  // namespace
 
 at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& blocked, int64_t n) {
@@ -69,7 +83,7 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& blocked, int64_t n
               blocked.scalar_type());
   const at::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
   const at::Tensor w = blocked.contiguous();
-  const int64_t rows = x2.size(0), k_dim = x2.size(1), nblocks = w.size(0);
+  const int64_t m_all = x2.size(0), k_dim = x2.size(1), nblocks = w.size(0);
   TORCH_CHECK(w.dim() == 3 && w.size(1) == k_dim && w.size(2) == BLOCK && nblocks == (n + BLOCK - 1) / BLOCK,
               "rows_linear: blocked weight ", w.sizes(), " does not hold ", n, " outputs of ", k_dim, " inputs");
   std::vector<int64_t> sizes = x.sizes().vec();
@@ -78,18 +92,77 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& blocked, int64_t n
   const float* xp = x2.data_ptr<float>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, nblocks, GRAIN, [&](int64_t b0, int64_t b1) {
-    for (int64_t m0 = 0; m0 < rows; m0 += MAX_ROWS) {
-      const int64_t m = std::min<int64_t>(MAX_ROWS, rows - m0);
-      BLOCKS[m - 1](xp + m0 * k_dim, k_dim, wp, yp + m0 * n, n, b0, b1);
-    }
-  });
+  at::parallel_for(0, nblocks, GRAIN, [&](int64_t b0, int64_t b1) { rows(xp, m_all, k_dim, wp, yp, n, b0, b1); });
   return y;
 }
 
-TORCH_LIBRARY(mindspec, m) { m.def("rows_linear(Tensor x, Tensor blocked, int n) -> Tensor"); }
+// DeepSeekMoE's routed experts for a few tokens: out[t] = sum_j w[t, j] * down_e(silu(gate_e(x[t]))
+// * up_e(x[t])), e = ids[t, j]. Each expert chosen by some token runs once on all its tokens
+// (MAX_ROWS at a time), so its weights are read once; experts run in ascending id and each
+// weighted output is added to its token's sum in that order (transformers' order). An id
+// outside [0, E) (another rank's expert) adds nothing.
+at::Tensor rows_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                        const at::Tensor& w13, const at::Tensor& w2, int64_t inter) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weights.scalar_type() == at::kFloat && ids.scalar_type() == at::kLong &&
+                  w13.scalar_type() == at::kBFloat16 && w2.scalar_type() == at::kBFloat16,
+              "rows_experts: float32 x and weights, int64 ids, bfloat16 blocked expert weights");
+  const int64_t tokens = x.size(0), hidden = x.size(1), k = ids.size(1), experts = w13.size(0);
+  TORCH_CHECK(ids.size(0) == tokens && weights.sizes() == ids.sizes(), "rows_experts: ids ", ids.sizes(),
+              " and weights ", weights.sizes(), " do not match ", tokens, " tokens");
+  TORCH_CHECK(w13.dim() == 4 && w13.size(1) == num_blocks(2 * inter) && w13.size(2) == hidden &&
+                  w2.dim() == 4 && w2.size(0) == experts && w2.size(1) == num_blocks(hidden) && w2.size(2) == inter,
+              "rows_experts: blocked weights ", w13.sizes(), " / ", w2.sizes(), " do not hold ", experts,
+              " experts of ", hidden, " -> ", inter);
+  const at::Tensor xc = x.contiguous(), idc = ids.contiguous(), wc = weights.contiguous();
+  const at::Tensor g = w13.contiguous(), d = w2.contiguous();
+  at::Tensor out = at::zeros({tokens, hidden}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const int64_t* idp = idc.data_ptr<int64_t>();
+  const float* wp = wc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const auto* gp = reinterpret_cast<const uint16_t*>(g.data_ptr());
+  const auto* dp = reinterpret_cast<const uint16_t*>(d.data_ptr());
+  const int64_t g_stride = g.stride(0), d_stride = d.stride(0);
+  std::vector<int64_t> tok;
+  std::vector<float> scale;
+  std::vector<float> xs(MAX_ROWS * hidden), gu(MAX_ROWS * 2 * inter), h(MAX_ROWS * inter), y(MAX_ROWS * hidden);
+  for (int64_t e = 0; e < experts; ++e) {
+    tok.clear();
+    scale.clear();
+    for (int64_t p = 0; p < tokens * k; ++p)
+      if (idp[p] == e) {
+        tok.push_back(p / k);
+        scale.push_back(wp[p]);
+      }
+    for (size_t r0 = 0; r0 < tok.size(); r0 += MAX_ROWS) {
+      const int64_t m = std::min<int64_t>(MAX_ROWS, tok.size() - r0);
+      for (int64_t r = 0; r < m; ++r) std::copy_n(xp + tok[r0 + r] * hidden, hidden, xs.data() + r * hidden);
+      rows(xs.data(), m, hidden, gp + e * g_stride, gu.data(), 2 * inter, 0, num_blocks(2 * inter));
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t i = 0; i < inter; ++i) {
+          const float gate = gu[r * 2 * inter + i];
+          h[r * inter + i] = gate / (1.0f + std::exp(-gate)) * gu[r * 2 * inter + inter + i];
+        }
+      rows(h.data(), m, inter, dp + e * d_stride, y.data(), hidden, 0, num_blocks(hidden));
+      for (int64_t r = 0; r < m; ++r) {
+        float* o = op + tok[r0 + r] * hidden;
+        const float s = scale[r0 + r];
+        for (int64_t c = 0; c < hidden; ++c) o[c] += y[r * hidden + c] * s;
+      }
+    }
+  }
+  return out;
+}
 
-TORCH_LIBRARY_IMPL(mindspec, CPU, m) { m.impl("rows_linear", rows_linear); }
+TORCH_LIBRARY(mindspec, m) {
+  m.def("rows_linear(Tensor x, Tensor blocked, int n) -> Tensor");
+  m.def("rows_experts(Tensor x, Tensor ids, Tensor weights, Tensor w13, Tensor w2, int inter) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mindspec, CPU, m) {
+  m.impl("rows_linear", rows_linear);
+  m.impl("rows_experts", rows_experts);
+}
 
 extern "C" AOTITorchError aoti_torch_cpu_rows_linear(AtenTensorHandle x, AtenTensorHandle blocked, int64_t n,
                                                      AtenTensorHandle* ret0) {
@@ -97,5 +170,17 @@ extern "C" AOTITorchError aoti_torch_cpu_rows_linear(AtenTensorHandle x, AtenTen
     at::Tensor y = rows_linear(*torch::aot_inductor::tensor_handle_to_tensor_pointer(x),
                                *torch::aot_inductor::tensor_handle_to_tensor_pointer(blocked), n);
     *ret0 = torch::aot_inductor::new_tensor_handle(std::move(y));
+  });
+}
+
+extern "C" AOTITorchError aoti_torch_cpu_rows_experts(AtenTensorHandle x, AtenTensorHandle ids, AtenTensorHandle weights,
+                                                      AtenTensorHandle w13, AtenTensorHandle w2, int64_t inter,
+                                                      AtenTensorHandle* ret0) {
+  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    at::Tensor out = rows_experts(*tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(ids),
+                                  *tensor_handle_to_tensor_pointer(weights), *tensor_handle_to_tensor_pointer(w13),
+                                  *tensor_handle_to_tensor_pointer(w2), inter);
+    *ret0 = torch::aot_inductor::new_tensor_handle(std::move(out));
   });
 }

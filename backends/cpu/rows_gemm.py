@@ -34,8 +34,13 @@ BLOCK = 16  # outputs per weight block (rows_gemm.cpp)
 MAX_ROWS = 8  # compiled GEMMs of up to this many rows go through rows_linear
 ENV_SWITCH = "MINDSPEC_CPU_ROWS_GEMM"
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-w", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]
-C_SHIM = ("AOTITorchError aoti_torch_cpu_rows_linear(AtenTensorHandle x, AtenTensorHandle blocked, "
-          "int64_t n, AtenTensorHandle* ret0)")
+C_SHIMS = {
+    "rows_linear": "AOTITorchError aoti_torch_cpu_rows_linear(AtenTensorHandle x, AtenTensorHandle blocked, "
+                   "int64_t n, AtenTensorHandle* ret0)",
+    "rows_experts": "AOTITorchError aoti_torch_cpu_rows_experts(AtenTensorHandle x, AtenTensorHandle ids, "
+                    "AtenTensorHandle weights, AtenTensorHandle w13, AtenTensorHandle w2, int64_t inter, "
+                    "AtenTensorHandle* ret0)",
+}
 
 
 def supported() -> bool:
@@ -50,8 +55,10 @@ def available() -> bool:
 
 
 def c_shims() -> dict:
-    """aot_inductor.custom_ops_to_c_shims for the packages: the op's calls become direct C calls."""
-    return {torch.ops.mindspec.rows_linear.default: [C_SHIM]} if available() else {}
+    """aot_inductor.custom_ops_to_c_shims for the packages: the ops' calls become direct C calls."""
+    if not available():
+        return {}
+    return {getattr(torch.ops.mindspec, name).default: [shim] for name, shim in C_SHIMS.items()}
 
 
 def block(weight: torch.Tensor) -> torch.Tensor:
@@ -63,11 +70,28 @@ def block(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(blocks, BLOCK, k).transpose(1, 2).contiguous()
 
 
+def block_experts(weights: torch.Tensor) -> torch.Tensor:
+    """Experts' weights [E, N, K] (bfloat16) -> [E, ceil(N / 16), K, 16], each expert as ``block``."""
+    return torch.stack([block(w) for w in weights])
+
+
+def rows_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                 inter: int) -> torch.Tensor:
+    """The routed experts of a few tokens (rows_gemm.cpp): x [T, H] float32, ids / weights [T, k]
+    (int64 / float32), w13 / w2 the blocked gate-up [E, 2I, H] and down [E, H, I] -> [T, H]."""
+    _require()
+    return torch.ops.mindspec.rows_experts(x, ids, weights, w13, w2, inter)
+
+
 def rows_linear(x: torch.Tensor, blocked: torch.Tensor, n: int) -> torch.Tensor:
     """x [..., K] float32 @ the blocked weight's [n, K].T -> [..., n] float32."""
-    if not available():
-        raise RuntimeError("rows_linear: the kernel is not loaded (unsupported cpu, switched off, or its build failed)")
+    _require()
     return torch.ops.mindspec.rows_linear(x, blocked, n)
+
+
+def _require() -> None:
+    if not available():
+        raise RuntimeError("rows_gemm: the kernel is not loaded (unsupported cpu, switched off, or its build failed)")
 
 
 @functools.lru_cache(maxsize=1)
@@ -80,12 +104,17 @@ def _loaded() -> Optional[Path]:
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("the few-row GEMM kernel did not build (%s): compiled steps use Inductor's GEMMs", e)
         return None
-    torch.library.register_fake("mindspec::rows_linear")(_shape)
+    torch.library.register_fake("mindspec::rows_linear")(_linear_shape)
+    torch.library.register_fake("mindspec::rows_experts")(_experts_shape)
     return path
 
 
-def _shape(x: torch.Tensor, blocked: torch.Tensor, n: int) -> torch.Tensor:
+def _linear_shape(x: torch.Tensor, blocked: torch.Tensor, n: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], n)
+
+
+def _experts_shape(x, ids, weights, w13, w2, inter: int) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
 def _built() -> Path:

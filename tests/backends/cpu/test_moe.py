@@ -8,6 +8,7 @@ import op_references as ref
 from mindspec.backend import ExpertWeights, RouterConfig
 from mindspec.backends.cpu import CpuBackend, moe
 from mindspec.backends.cpu import linear as packed_linear
+from mindspec.backends.cpu import rows_gemm
 
 HIDDEN, E, T = 32, 16, 23
 
@@ -223,10 +224,11 @@ def test_gathered_top2_sums_alike_in_either_order():
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_gathered_experts_read_the_narrow_weights():
+def test_gathered_experts_read_the_narrow_weights(monkeypatch):
     """Experts whose float32 values are all bfloat16 keep bfloat16 copies, which the gathered path
-    (compiled decode steps) reads: the same sums as the float32 experts', and a token's result
-    does not depend on the tokens beside it."""
+    (compiled decode steps on a cpu without rows_gemm) reads: the same sums as the float32
+    experts', and a token's result does not depend on the tokens beside it."""
+    monkeypatch.setattr(rows_gemm, "supported", lambda: False)
     g = torch.Generator().manual_seed(10)
     exact = ExpertWeights(w13=torch.randn(E, 8, HIDDEN, generator=g).to(torch.bfloat16).float(),
                           w2=torch.randn(E, HIDDEN, 4, generator=g).to(torch.bfloat16).float())
@@ -243,9 +245,10 @@ def test_gathered_experts_read_the_narrow_weights():
     assert not torch.allclose(moe._gathered_experts(x, w, ids, other), out)
 
 
-def test_experts_keep_one_narrow_copy():
+def test_experts_keep_one_narrow_copy(monkeypatch):
     """The per-expert GEMM weights and the side-by-side gate/up weight read views of the experts'
     one bfloat16 copy, not copies of their own: bfloat16 copies add half the float32 size."""
+    monkeypatch.setattr(rows_gemm, "supported", lambda: False)
     g = torch.Generator().manual_seed(11)
     w13 = torch.randn(E, 8, HIDDEN, generator=g).to(torch.bfloat16).float()
     w2 = torch.randn(E, HIDDEN, 4, generator=g).to(torch.bfloat16).float()
@@ -278,3 +281,39 @@ def test_compiled_expert_path_chosen_by_pairs(monkeypatch, num_experts, top_k, t
     out = moe.moe_experts(x, w, ids, ex)
     assert calls == [path]
     torch.testing.assert_close(out.double(), ref.moe_experts(x, w, ids, ex.w13, ex.w2), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not rows_gemm.supported(), reason="rows_gemm needs an AVX-512F cpu")
+def test_experts_keep_one_blocked_copy_where_rows_gemm_runs():
+    """Where the cpu runs rows_gemm the experts' one bfloat16 copy is blocked for it (no narrow
+    copies beside it) and each expert's GEMM weight reads its slice."""
+    g = torch.Generator().manual_seed(12)
+    w13 = torch.randn(E, 8, HIDDEN, generator=g).to(torch.bfloat16).float()
+    w2 = torch.randn(E, HIDDEN, 4, generator=g).to(torch.bfloat16).float()
+    ex = CpuBackend().expert_weights(w13, w2)
+    assert ex.w13_narrow is None and ex.w2_narrow is None
+    assert torch.equal(ex.w13_blocked, rows_gemm.block_experts(w13.to(torch.bfloat16)))
+    assert torch.equal(ex.w2_blocked, rows_gemm.block_experts(w2.to(torch.bfloat16)))
+    base = ex.w13_blocked.untyped_storage().data_ptr()
+    assert all(w.blocked.untyped_storage().data_ptr() == base and w.narrow is None for w in ex.w13_each)
+    assert all(torch.equal(w.blocked, ex.w2_blocked[e]) for e, w in enumerate(ex.w2_each))
+
+
+@pytest.mark.skipif(not rows_gemm.supported(), reason="rows_gemm needs an AVX-512F cpu")
+@pytest.mark.parametrize("tokens,rows_experts", [(1, True), (4, True), (64, True), (65, False)])
+def test_compiled_blocked_experts_run_rows_experts(monkeypatch, tokens, rows_experts):
+    """Inside a compiled graph experts blocked for rows_gemm run rows_experts up to
+    ROWS_EXPERTS_MAX_TOKENS tokens, the other paths beyond."""
+    calls = _paths_taken(monkeypatch)
+    original = rows_gemm.rows_experts
+    monkeypatch.setattr(rows_gemm, "rows_experts", lambda *a: calls.append("rows_experts") or original(*a))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    g = torch.Generator().manual_seed(13)
+    w13 = torch.randn(E, 8, HIDDEN, generator=g).to(torch.bfloat16).float()
+    w2 = torch.randn(E, HIDDEN, 4, generator=g).to(torch.bfloat16).float()
+    ex = CpuBackend().expert_weights(w13, w2)
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(tokens)])
+    x, w = torch.randn(tokens, HIDDEN, generator=g), torch.rand(tokens, 2, generator=g)
+    out = moe.moe_experts(x, w, ids, ex)
+    assert len(calls) == 1 and (calls[0] == "rows_experts") == rows_experts
+    torch.testing.assert_close(out.double(), ref.moe_experts(x, w, ids, w13, w2), atol=1e-5, rtol=1e-5)

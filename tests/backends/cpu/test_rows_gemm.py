@@ -95,14 +95,75 @@ def test_compiled_linear_takes_rows_linear_up_to_max_rows(monkeypatch):
     torch.testing.assert_close(packed_linear.linear(more, w), F.linear(more, w.weight))
 
 
-class _TwoGemms(torch.nn.Module):
+def _experts(num: int, hidden: int, inter: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(num, 2 * inter, hidden, generator=g) * 0.1).to(torch.bfloat16)
+    w2 = (torch.randn(num, hidden, inter, generator=g) * 0.1).to(torch.bfloat16)
+    return w13, w2
+
+
+@needs_kernel
+@pytest.mark.parametrize("tokens,top_k", [(1, 2), (4, 2), (6, 2), (13, 3), (40, 2)])
+@pytest.mark.parametrize("hidden,inter", [(48, 24), (40, 20)])  # 40: a partial block of outputs
+def test_rows_experts_equals_the_reference_experts(tokens, top_k, hidden, inter):
+    import op_references as ref
+
+    w13, w2 = _experts(6, hidden, inter)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(tokens, hidden, generator=g)
+    ids = torch.stack([torch.randperm(6, generator=g)[:top_k] for _ in range(tokens)])
+    w = torch.rand(tokens, top_k, generator=g)
+    out = rows_gemm.rows_experts(x, ids, w, rows_gemm.block_experts(w13), rows_gemm.block_experts(w2), inter)
+    expected = ref.moe_experts(x, w, ids, w13.float(), w2.float())
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_rows_experts_skip_other_ranks_experts_and_keep_a_tokens_bits():
+    """An id outside [0, E) adds nothing; a token's output is bitwise the same alone and among
+    other tokens (its experts' rows sum in one order whatever runs beside them)."""
+    import op_references as ref
+
+    w13, w2 = _experts(6, 32, 16, seed=2)
+    b13, b2 = rows_gemm.block_experts(w13), rows_gemm.block_experts(w2)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(11, 32, generator=g)
+    ids = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(11)])
+    ids[4, 0], ids[7, 1] = -1, 6
+    w = torch.rand(11, 2, generator=g)
+    out = rows_gemm.rows_experts(x, ids, w, b13, b2, 16)
+    keep = (ids >= 0) & (ids < 6)
+    torch.testing.assert_close(out.double(), ref.moe_experts(x, w * keep, ids.clamp(0, 5), w13.float(), w2.float()),
+                               atol=2e-5, rtol=1e-5)
+    for t in (0, 4, 10):
+        assert torch.equal(rows_gemm.rows_experts(x[t:t + 1], ids[t:t + 1], w[t:t + 1], b13, b2, 16)[0], out[t])
+
+
+@needs_kernel
+def test_rows_experts_bad_shapes_name_what_is_wrong():
+    w13, w2 = _experts(6, 32, 16)
+    b13, b2 = rows_gemm.block_experts(w13), rows_gemm.block_experts(w2)
+    x, ids, w = torch.randn(3, 32), torch.zeros(3, 2, dtype=torch.int64), torch.rand(3, 2)
+    with pytest.raises(RuntimeError, match="do not hold 6 experts of 32 -> 24"):
+        rows_gemm.rows_experts(x, ids, w, b13, b2, 24)
+    with pytest.raises(RuntimeError, match="do not match 3 tokens"):
+        rows_gemm.rows_experts(x, ids[:2], w[:2], b13, b2, 16)
+
+
+class _Gemms(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.register_buffer("w1", rows_gemm.block(_bf16_weight(64, 32)))
         self.register_buffer("w2", rows_gemm.block(_bf16_weight(20, 64, seed=1)))
 
+        w13, w2 = _experts(4, 20, 8)
+        self.register_buffer("w13", rows_gemm.block_experts(w13))
+        self.register_buffer("e2", rows_gemm.block_experts(w2))
+
     def forward(self, x):
-        return rows_gemm.rows_linear(torch.relu(rows_gemm.rows_linear(x, self.w1, 64)), self.w2, 20)
+        h = rows_gemm.rows_linear(torch.relu(rows_gemm.rows_linear(x, self.w1, 64)), self.w2, 20)
+        ids = torch.topk(h[:, :4], 2, dim=-1)[1]
+        return rows_gemm.rows_experts(h, ids, torch.ones_like(h[:, :2]), self.w13, self.e2, 8)
 
 
 @needs_kernel
@@ -113,13 +174,14 @@ def test_package_calls_the_c_shim_directly(tmp_path, monkeypatch):
     from mindspec.modeling import exported_step
 
     monkeypatch.setenv(exported_step.AUTOTUNE_ENV, "0")
-    module, x = _TwoGemms(), torch.randn(4, 32)
+    module, x = _Gemms(), torch.randn(4, 32)
     program = torch.export.export(module, (x,))
-    path = tmp_path / "two_gemms.pt2"
+    path = tmp_path / "gemms.pt2"
     exported_step.compile_package(program, path, CpuBackend().step_kernels())
     with zipfile.ZipFile(path) as z:
         wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith(".wrapper.cpp"))
-    assert wrapper.count("aoti_torch_cpu_rows_linear(") >= 2 and "proxy_executor_call_function" not in wrapper
+    assert wrapper.count("aoti_torch_cpu_rows_linear(") >= 2 and wrapper.count("aoti_torch_cpu_rows_experts(") >= 1
+    assert "proxy_executor_call_function" not in wrapper
     runner = torch._inductor.aoti_load_package(str(path))
     assert torch.equal(runner(x), module(x))
 
