@@ -20,7 +20,9 @@ weights take twice their memory on the cpu backend (packing stops while a quarte
 machine's memory is still free: CpuBackend._room_for); MINDSPEC_CPU_PACKED_LINEAR=0 turns it off.
 
 Inside a compiled decode step the weights stream from memory every step. A float32 weight whose
-values are all bfloat16 (a bfloat16 checkpoint run in float32) also keeps a bfloat16 copy,
+values are all bfloat16 (a bfloat16 checkpoint run in float32) also keeps a bfloat16 copy. On an
+AVX-512 cpu it is ``blocked`` for rows_gemm.cpp, and every GEMM of up to rows_gemm.MAX_ROWS rows
+runs ``rows_linear`` on it (one pass over the weight for all rows; rows_gemm.py). Elsewhere it is
 ``narrow``, and a GEMM of one or two rows reads it in ``thin_linear``: the same float32 products
 from half the bytes. Its kernel sums each output with one horizontal reduction, which costs per
 row, so more rows go to Inductor's GEMM on the float32 weight (per GEMM, weights cycled from

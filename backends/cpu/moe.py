@@ -19,6 +19,10 @@ the FLOPs needed, which a prefill pays for: beyond DENSE_MAX_TOKENS tokens the e
 loop grouped on the host: it reads k experts' weights, not E); beyond that, tokens are sorted by
 expert and each active expert runs once on its tokens.
 
+Inside a compiled step experts blocked for rows_gemm (a bfloat16 checkpoint run in float32 on an
+AVX-512 cpu) run as one ``rows_gemm.rows_experts`` call up to ROWS_EXPERTS_MAX_TOKENS tokens:
+each chosen expert once on all its tokens, its weights read once, nothing waiting for the host.
+
 Experts kept quantized (``QuantizedExpertWeights``: block FP8 or GGUF blocks,
 mindspec/modeling/quantized.py) run only the chosen experts, each dequantized into the
 activations' dtype when tokens are routed to it: a decode step reads k experts' quantized bytes

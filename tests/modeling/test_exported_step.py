@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mindspec import LLM, SamplingParams
+from mindspec.backends.cpu import rows_gemm
 from mindspec.modeling import exported_step
 from mindspec.modeling.prefill_padding import PREFILL_ENV
 from mindspec.modeling.step_cache import CACHE_GB_ENV
@@ -109,8 +110,9 @@ def test_compiled_steps_give_the_eager_tokens_and_a_restart_loads_them(checkpoin
 @pytest.mark.slow
 def test_a_bfloat16_checkpoint_compiles_against_its_narrow_weights(tmp_path_factory, cache_dir):
     """A bfloat16 checkpoint run in float32: compiled steps read the weights' bfloat16 copies
-    (thin GEMMs and gathered experts, backends/cpu/linear.py) and give the eager tokens, with MTP
-    off and with MTP, whose verification computes each row as a plain step does."""
+    (rows_gemm's kernels on an AVX-512 cpu, else thin GEMMs and gathered experts,
+    backends/cpu/linear.py) and give the eager tokens, with MTP off and with MTP, whose
+    verification computes each row as a plain step does."""
     cfg = tiny_v3_config(initializer_range=0.2, num_hidden_layers=2, num_nextn_predict_layers=K)
     path = make_self_predicting_checkpoint(tmp_path_factory.mktemp("bf16"), cfg, seed=3, residual_scale=0.005,
                                            dtype=torch.bfloat16)
@@ -118,7 +120,10 @@ def test_a_bfloat16_checkpoint_compiles_against_its_narrow_weights(tmp_path_fact
     for plugin_params in (None, VANILLA):
         llm = _llm(path, plugin_params, decode_graphs=True)
         model = llm.engine.model_wrapper.model
-        assert model.lm_head.weight.dtype == torch.float32 and model.lm_head.narrow.dtype == torch.bfloat16
+        copy = model.lm_head.blocked if rows_gemm.supported() else model.lm_head.narrow
+        assert model.lm_head.weight.dtype == torch.float32 and copy.dtype == torch.bfloat16
+        kernels = llm.engine.model_wrapper.compiled._identity["kernels"]
+        assert kernels == (sorted(str(op) for op in rows_gemm.c_shims()) if rows_gemm.supported() else [])
         assert _tokens(llm, GREEDY) == expected
         assert llm.engine.model_wrapper.compiled.stats.calls > 0
 
