@@ -124,7 +124,7 @@ class LinearWeight:
     weight: torch.Tensor  # [out, in]
     packed: Optional[torch.Tensor] = None
     narrow: Optional[torch.Tensor] = None  # [out, in]
-    blocked: Optional[torch.Tensor] = None  # [ceil(out / 16), in, 16] on cpu
+    blocked: Optional[torch.Tensor] = None  # [ceil(out / 32), in, 32] on cpu
 
 
 @dataclass

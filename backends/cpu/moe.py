@@ -55,8 +55,8 @@ class CpuExpertWeights(ExpertWeights):
     w13_narrow: Optional[torch.Tensor] = None  # [E, 2I, H]
     w2_narrow: Optional[torch.Tensor] = None  # [E, H, I]
     # or, where the cpu runs rows_gemm, the same values blocked for it (and no narrow copies)
-    w13_blocked: Optional[torch.Tensor] = None  # [E, ceil(2I / 16), H, 16]
-    w2_blocked: Optional[torch.Tensor] = None  # [E, ceil(H / 16), I, 16]
+    w13_blocked: Optional[torch.Tensor] = None  # [E, ceil(2I / 32), H, 32]
+    w2_blocked: Optional[torch.Tensor] = None  # [E, ceil(H / 32), I, 32]
 
 
 @dataclass

@@ -1,64 +1,71 @@
 // rows_linear: y[M, N] = x[M, K] @ W[N, K]^T for the few rows of a decode step, float32 x and
-// output, W a bfloat16 checkpoint's exact values in blocks of 16 outputs ([ceil(N/16), K, 16]).
+// output, W a bfloat16 checkpoint's exact values in blocks of 32 outputs ([ceil(N/32), K, 32]):
+// for each k, 16 dwords whose low halves are outputs 0..15 and high halves outputs 16..31, so a
+// shift and a mask widen them to float32 (no shuffles).
 //
 // Each weight vector is loaded and widened once and multiplied into up to 8 rows, so a 4-row
 // verification reads its weights once, as a 1-row step does. Every output sums over k in order,
 // whatever the row count: a row's result does not depend on the rows beside it.
 //
-// Built at run time by rows_gemm.py (AVX-512F); compiled steps call it through the C shim below,
-// a direct call from AOTInductor's generated code (config aot_inductor.custom_ops_to_c_shims).
+// Built at run time by rows_gemm.py (AVX-512F); compiled steps call it through the C shims below,
+// direct calls from AOTInductor's generated code (config aot_inductor.custom_ops_to_c_shims).
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cmath>
 #include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
 
 namespace {
 
-constexpr int BLOCK = 16;     // outputs per weight block: one zmm of float32
+constexpr int BLOCK = 32;     // outputs per weight block: two zmm of float32
 constexpr int MAX_ROWS = 8;   // rows sharing one pass over the weights
-constexpr int64_t GRAIN = 32; // weight blocks per thread chunk (an lm_head has hundreds)
+constexpr int64_t GRAIN = 16; // weight blocks per thread chunk (an lm_head has hundreds)
 
-inline __m512 widen(const uint16_t* p) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// M rows x CB weight blocks: M * CB accumulators, one weight load per block and k.
+// M rows x CB weight blocks: 2 * M * CB accumulators; per block and k one load, a shift and a mask.
 template <int M, int CB>
 void tile(const float* x, int64_t k_dim, const uint16_t* w, float* y, int64_t n, int64_t col0) {
-  __m512 acc[M][CB];
+  __m512 acc[M][2 * CB];
   for (int m = 0; m < M; ++m)
-    for (int c = 0; c < CB; ++c) acc[m][c] = _mm512_setzero_ps();
+    for (int c = 0; c < 2 * CB; ++c) acc[m][c] = _mm512_setzero_ps();
   const int64_t block_stride = k_dim * BLOCK;
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t k = 0; k < k_dim; ++k) {
-    __m512 wv[CB];
-    for (int c = 0; c < CB; ++c) wv[c] = widen(w + c * block_stride + k * BLOCK);
+    __m512 wv[2 * CB];
+    for (int c = 0; c < CB; ++c) {
+      const __m512i pairs = _mm512_loadu_si512(w + c * block_stride + k * BLOCK);
+      wv[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+      wv[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
+    }
     for (int m = 0; m < M; ++m) {
       const __m512 xv = _mm512_set1_ps(x[m * k_dim + k]);
-      for (int c = 0; c < CB; ++c) acc[m][c] = _mm512_fmadd_ps(xv, wv[c], acc[m][c]);
+      for (int c = 0; c < 2 * CB; ++c) acc[m][c] = _mm512_fmadd_ps(xv, wv[c], acc[m][c]);
     }
   }
-  for (int c = 0; c < CB; ++c) {
-    const int64_t col = col0 + c * BLOCK, left = n - col;
-    const __mmask16 mask = left >= BLOCK ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+  for (int c = 0; c < 2 * CB; ++c) {
+    const int64_t col = col0 + c * 16, left = n - col;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
     for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(y + m * n + col, mask, acc[m][c]);
   }
 }
 
-// Blocks [b0, b1) for M rows. Fewer rows take more blocks at once, so that enough independent
-// accumulators hide the FMA latency.
+// Blocks [b, b1) for M rows, CB blocks at a time, then the rest in halves.
+template <int M, int CB>
+void blocks_by(const float* x, int64_t k_dim, const uint16_t* w, float* y, int64_t n, int64_t b, int64_t b1) {
+  for (; b + CB <= b1; b += CB) tile<M, CB>(x, k_dim, w + b * k_dim * BLOCK, y, n, b * BLOCK);
+  if constexpr (CB > 1) blocks_by<M, CB / 2>(x, k_dim, w, y, n, b, b1);
+}
+
+// Fewer rows take more blocks at once, so that enough independent accumulators (8 or more)
+// hide the FMA latency; 8 rows keep 16 accumulators and 2 weight vectors in registers.
 template <int M>
 void blocks(const float* x, int64_t k_dim, const uint16_t* w, float* y, int64_t n, int64_t b0, int64_t b1) {
-  constexpr int CB = M == 1 ? 8 : (M <= 3 ? 4 : 2);
-  int64_t b = b0;
-  for (; b + CB <= b1; b += CB) tile<M, CB>(x, k_dim, w + b * k_dim * BLOCK, y, n, b * BLOCK);
-  for (; b < b1; ++b) tile<M, 1>(x, k_dim, w + b * k_dim * BLOCK, y, n, b * BLOCK);
+  blocks_by<M, (M == 1 ? 4 : (M <= 3 ? 2 : 1))>(x, k_dim, w, y, n, b0, b1);
 }
 
 using BlocksFn = void (*)(const float*, int64_t, const uint16_t*, float*, int64_t, int64_t, int64_t);
@@ -75,21 +82,39 @@ void rows(const float* x, int64_t rows, int64_t k_dim, const uint16_t* w, float*
 
 inline int64_t num_blocks(int64_t n) { return (n + BLOCK - 1) / BLOCK; }
 
+// h[i] = silu(gu[i]) * gu[inter + i], silu(g) = g / (1 + exp(-g)) with ATen's vectorized exp.
+void silu_and_mul(const float* gu, float* h, int64_t inter) {
+  using Vec = at::vec::Vectorized<float>;
+  int64_t i = 0;
+  for (; i + Vec::size() <= inter; i += Vec::size()) {
+    const Vec g = Vec::loadu(gu + i);
+    (g / (Vec(1.0f) + g.neg().exp()) * Vec::loadu(gu + inter + i)).store(h + i);
+  }
+  if (i < inter) {
+    const int64_t left = inter - i;
+    const Vec g = Vec::loadu(gu + i, left);
+    (g / (Vec(1.0f) + g.neg().exp()) * Vec::loadu(gu + inter + i, left)).store(h + i, left);
+  }
+}
+
 }  // namespace
 
 at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& blocked, int64_t n) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && blocked.scalar_type() == at::kBFloat16,
               "rows_linear: float32 x and bfloat16 blocked weight, got ", x.scalar_type(), " and ",
               blocked.scalar_type());
-  const at::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
-  const at::Tensor w = blocked.contiguous();
-  const int64_t m_all = x2.size(0), k_dim = x2.size(1), nblocks = w.size(0);
-  TORCH_CHECK(w.dim() == 3 && w.size(1) == k_dim && w.size(2) == BLOCK && nblocks == (n + BLOCK - 1) / BLOCK,
+  // A contiguous input (every call from a package) is read in place: no tensor is made for it.
+  const at::Tensor x2 = x.is_contiguous() ? at::Tensor() : x.contiguous();
+  const at::Tensor& xc = x.is_contiguous() ? x : x2;
+  const at::Tensor w = blocked.is_contiguous() ? blocked : blocked.contiguous();
+  const int64_t k_dim = x.size(-1), m_all = k_dim ? x.numel() / k_dim : 0, nblocks = w.size(0);
+  TORCH_CHECK(w.dim() == 3 && w.size(1) == k_dim && w.size(2) == BLOCK && nblocks == num_blocks(n),
               "rows_linear: blocked weight ", w.sizes(), " does not hold ", n, " outputs of ", k_dim, " inputs");
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = n;
   at::Tensor y = at::empty(sizes, x.options());
-  const float* xp = x2.data_ptr<float>();
+  if (m_all == 0) return y;
+  const float* xp = xc.data_ptr<float>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, nblocks, GRAIN, [&](int64_t b0, int64_t b1) { rows(xp, m_all, k_dim, wp, yp, n, b0, b1); });
@@ -138,11 +163,7 @@ at::Tensor rows_experts(const at::Tensor& x, const at::Tensor& ids, const at::Te
       const int64_t m = std::min<int64_t>(MAX_ROWS, tok.size() - r0);
       for (int64_t r = 0; r < m; ++r) std::copy_n(xp + tok[r0 + r] * hidden, hidden, xs.data() + r * hidden);
       rows(xs.data(), m, hidden, gp + e * g_stride, gu.data(), 2 * inter, 0, num_blocks(2 * inter));
-      for (int64_t r = 0; r < m; ++r)
-        for (int64_t i = 0; i < inter; ++i) {
-          const float gate = gu[r * 2 * inter + i];
-          h[r * inter + i] = gate / (1.0f + std::exp(-gate)) * gu[r * 2 * inter + inter + i];
-        }
+      for (int64_t r = 0; r < m; ++r) silu_and_mul(gu.data() + r * 2 * inter, h.data() + r * inter, inter);
       rows(h.data(), m, inter, dp + e * d_stride, y.data(), hidden, 0, num_blocks(hidden));
       for (int64_t r = 0; r < m; ++r) {
         float* o = op + tok[r0 + r] * hidden;

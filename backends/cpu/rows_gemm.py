@@ -30,10 +30,11 @@ from torch.utils import cpp_extension
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("rows_gemm.cpp")
-BLOCK = 16  # outputs per weight block (rows_gemm.cpp)
+BLOCK = 32  # outputs per weight block (rows_gemm.cpp)
 MAX_ROWS = 8  # compiled GEMMs of up to this many rows go through rows_linear
 ENV_SWITCH = "MINDSPEC_CPU_ROWS_GEMM"
-FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-w", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]
+FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-w", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mfma",
+         "-DCPU_CAPABILITY_AVX512"]  # ATen's vectorized exp, as Inductor's kernels build it
 C_SHIMS = {
     "rows_linear": "AOTITorchError aoti_torch_cpu_rows_linear(AtenTensorHandle x, AtenTensorHandle blocked, "
                    "int64_t n, AtenTensorHandle* ret0)",
@@ -62,16 +63,19 @@ def c_shims() -> dict:
 
 
 def block(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] (bfloat16) -> [ceil(N / 16), K, 16]: 16 outputs' weights per k, contiguous."""
+    """weight [N, K] (bfloat16) -> [ceil(N / 32), K, 32]: per block and k, outputs j and 16 + j
+    side by side (j < 16), so that one 32-bit lane holds both and a shift or a mask widens
+    either to float32; outputs past N are zeros."""
     n, k = weight.shape
     blocks = -(-n // BLOCK)
     padded = torch.zeros(blocks * BLOCK, k, dtype=weight.dtype)
     padded[:n] = weight
-    return padded.view(blocks, BLOCK, k).transpose(1, 2).contiguous()
+    halves = padded.view(blocks, 2, BLOCK // 2, k).permute(0, 3, 2, 1)  # [blocks, K, 16, 2]
+    return halves.reshape(blocks, k, BLOCK).contiguous()
 
 
 def block_experts(weights: torch.Tensor) -> torch.Tensor:
-    """Experts' weights [E, N, K] (bfloat16) -> [E, ceil(N / 16), K, 16], each expert as ``block``."""
+    """Experts' weights [E, N, K] (bfloat16) -> [E, ceil(N / 32), K, 32], each expert as ``block``."""
     return torch.stack([block(w) for w in weights])
 
 

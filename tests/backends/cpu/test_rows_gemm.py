@@ -20,17 +20,24 @@ def _bf16_weight(out: int, inp: int, seed: int = 0) -> torch.Tensor:
     return (torch.randn(out, inp, generator=g) * 0.1).to(torch.bfloat16)
 
 
-def test_block_layout_holds_16_outputs_per_k_and_zero_padding():
-    w = _bf16_weight(37, 5)
+def test_block_layout_pairs_outputs_j_and_16_plus_j_per_k():
+    """Per block of 32 outputs and per input, 32-bit lane j holds output j (its low half) and
+    output 16 + j (its high half); outputs past N are zeros."""
+    w = _bf16_weight(70, 5)
     b = rows_gemm.block(w)
-    assert b.shape == (3, 5, 16) and b.dtype == torch.bfloat16
-    for out in (0, 15, 16, 36):
-        assert torch.equal(b[out // 16, :, out % 16], w[out])
-    assert not b[2, :, 5:].any()  # outputs 37..47 do not exist
+    assert b.shape == (3, 5, 32) and b.dtype == torch.bfloat16
+    for out in (0, 15, 16, 31, 32, 69):
+        j = out % 32
+        lane = 2 * j if j < 16 else 2 * (j - 16) + 1
+        assert torch.equal(b[out // 32, :, lane], w[out])
+    lanes = b.view(torch.int32)  # [3, 5, 16] little-endian lanes: low half = output j
+    assert torch.equal((lanes[0] << 16).view(torch.float32), w[:16].T.float())
+    assert torch.equal((lanes[0] & -65536).view(torch.float32), w[16:32].T.float())
+    assert not b[2, :, 12:].any() and not b[2, :, 1:12:2].any()  # outputs 70..95 do not exist
 
 
 @needs_kernel
-@pytest.mark.parametrize("out", [6, 16, 80, 192, 1000])
+@pytest.mark.parametrize("out", [6, 16, 17, 80, 192, 1000])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 8, 9, 20])
 def test_rows_linear_equals_x_times_w_transposed(rows, out):
     w = _bf16_weight(out, 96)
