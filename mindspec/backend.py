@@ -128,6 +128,16 @@ class LinearWeight:
 
 
 @dataclass
+class HeadWeight:
+    """Per-head weights as bmm takes them (MLA's absorbed W_UK and W_UV^T): head h's rows times
+    weight[h]. Built once at load by ``Backend.head_weight``; ``blocked`` the same values in a
+    layout only that backend reads (the cpu backend: rows_gemm.block_heads), or None."""
+
+    weight: torch.Tensor  # [H, in, out]
+    blocked: Optional[torch.Tensor] = None
+
+
+@dataclass
 class IndexedRows:
     """buffer[rows], left for the op that reads them to gather (an MTP step's first hidden
     states: rows of the drafter's hidden cache, read by ``Backend.mtp_eh_proj``)."""
@@ -313,6 +323,14 @@ class Backend(ABC):
     def linear(self, x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
         """x [..., in] -> x @ w.weight.T [..., out]."""
         return F.linear(x, w.weight)
+
+    def head_weight(self, weight: torch.Tensor) -> HeadWeight:
+        """Loaded per-head weights [H, in, out] -> what ``head_linear`` takes."""
+        return HeadWeight(weight)
+
+    def head_linear(self, x: torch.Tensor, w: HeadWeight) -> torch.Tensor:
+        """x [T, H, in] -> [T, H, out]: each head's rows times its weight."""
+        return torch.bmm(x.transpose(0, 1), w.weight).transpose(0, 1)
 
     def linear_rows(
         self, x: torch.Tensor, rows: torch.Tensor, w: LinearWeight, float_out: bool = False

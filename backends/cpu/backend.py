@@ -23,6 +23,7 @@ from mindspec.backend import (
     AttentionMetadata,
     Backend,
     ExpertWeights,
+    HeadWeight,
     LatentCache,
     LinearWeight,
     RotaryEmbedding,
@@ -366,6 +367,16 @@ class CpuBackend(Backend):
         if w.narrow is not None and rows_gemm.supported():  # compiled steps' few-row GEMMs read it instead
             return replace(w, narrow=None, blocked=rows_gemm.block(w.narrow))
         return w
+
+    def head_weight(self, weight: torch.Tensor) -> HeadWeight:
+        half = self._narrow(weight) if rows_gemm.supported() else None
+        return HeadWeight(weight, None if half is None else rows_gemm.block_heads(half))
+
+    def head_linear(self, x: torch.Tensor, w: HeadWeight) -> torch.Tensor:
+        if (torch.compiler.is_compiling() and w.blocked is not None and x.shape[0] <= rows_gemm.HEAD_MAX_TOKENS
+                and rows_gemm.available()):
+            return rows_gemm.rows_heads(x, w.blocked, w.weight.shape[-1])
+        return super().head_linear(x, w)
 
     def _linear_weight(self, weight: torch.Tensor, narrow: Optional[torch.Tensor]) -> LinearWeight:
         return LinearWeight(weight, packed_linear.pack(weight, self.pack_weights and self._room_for(weight)), narrow)

@@ -26,9 +26,19 @@ constexpr int BLOCK = 32;     // outputs per weight block: two zmm of float32
 constexpr int MAX_ROWS = 8;   // rows sharing one pass over the weights
 constexpr int64_t GRAIN = 16; // weight blocks per thread chunk (an lm_head has hundreds)
 
+// Row-major operands: row m of x at x + m * ldx (k_dim floats), of y at y + m * ldy (n floats).
+struct Operands {
+  const float* x;
+  int64_t ldx;
+  float* y;
+  int64_t ldy;
+
+  Operands from(int64_t m) const { return {x + m * ldx, ldx, y + m * ldy, ldy}; }
+};
+
 // M rows x CB weight blocks: 2 * M * CB accumulators; per block and k one load, a shift and a mask.
 template <int M, int CB>
-void tile(const float* x, int64_t k_dim, const uint16_t* w, float* y, int64_t n, int64_t col0) {
+void tile(const Operands& o, int64_t k_dim, const uint16_t* w, int64_t n, int64_t col0) {
   __m512 acc[M][2 * CB];
   for (int m = 0; m < M; ++m)
     for (int c = 0; c < 2 * CB; ++c) acc[m][c] = _mm512_setzero_ps();
@@ -42,7 +52,7 @@ void tile(const float* x, int64_t k_dim, const uint16_t* w, float* y, int64_t n,
       wv[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
     }
     for (int m = 0; m < M; ++m) {
-      const __m512 xv = _mm512_set1_ps(x[m * k_dim + k]);
+      const __m512 xv = _mm512_set1_ps(o.x[m * o.ldx + k]);
       for (int c = 0; c < 2 * CB; ++c) acc[m][c] = _mm512_fmadd_ps(xv, wv[c], acc[m][c]);
     }
   }
@@ -50,33 +60,33 @@ void tile(const float* x, int64_t k_dim, const uint16_t* w, float* y, int64_t n,
     const int64_t col = col0 + c * 16, left = n - col;
     if (left <= 0) break;
     const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-    for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(y + m * n + col, mask, acc[m][c]);
+    for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(o.y + m * o.ldy + col, mask, acc[m][c]);
   }
 }
 
 // Blocks [b, b1) for M rows, CB blocks at a time, then the rest in halves.
 template <int M, int CB>
-void blocks_by(const float* x, int64_t k_dim, const uint16_t* w, float* y, int64_t n, int64_t b, int64_t b1) {
-  for (; b + CB <= b1; b += CB) tile<M, CB>(x, k_dim, w + b * k_dim * BLOCK, y, n, b * BLOCK);
-  if constexpr (CB > 1) blocks_by<M, CB / 2>(x, k_dim, w, y, n, b, b1);
+void blocks_by(const Operands& o, int64_t k_dim, const uint16_t* w, int64_t n, int64_t b, int64_t b1) {
+  for (; b + CB <= b1; b += CB) tile<M, CB>(o, k_dim, w + b * k_dim * BLOCK, n, b * BLOCK);
+  if constexpr (CB > 1) blocks_by<M, CB / 2>(o, k_dim, w, n, b, b1);
 }
 
 // Fewer rows take more blocks at once, so that enough independent accumulators (8 or more)
 // hide the FMA latency; 8 rows keep 16 accumulators and 2 weight vectors in registers.
 template <int M>
-void blocks(const float* x, int64_t k_dim, const uint16_t* w, float* y, int64_t n, int64_t b0, int64_t b1) {
-  blocks_by<M, (M == 1 ? 4 : (M <= 3 ? 2 : 1))>(x, k_dim, w, y, n, b0, b1);
+void blocks(const Operands& o, int64_t k_dim, const uint16_t* w, int64_t n, int64_t b0, int64_t b1) {
+  blocks_by<M, (M == 1 ? 4 : (M <= 3 ? 2 : 1))>(o, k_dim, w, n, b0, b1);
 }
 
-using BlocksFn = void (*)(const float*, int64_t, const uint16_t*, float*, int64_t, int64_t, int64_t);
+using BlocksFn = void (*)(const Operands&, int64_t, const uint16_t*, int64_t, int64_t, int64_t);
 constexpr BlocksFn BLOCKS[MAX_ROWS] = {blocks<1>, blocks<2>, blocks<3>, blocks<4>,
                                        blocks<5>, blocks<6>, blocks<7>, blocks<8>};
 
 // y[M, n] = x[M, k_dim] @ W.T for any M, MAX_ROWS rows per pass over the weight's blocks [b0, b1).
-void rows(const float* x, int64_t rows, int64_t k_dim, const uint16_t* w, float* y, int64_t n, int64_t b0, int64_t b1) {
-  for (int64_t m0 = 0; m0 < rows; m0 += MAX_ROWS) {
-    const int64_t m = std::min<int64_t>(MAX_ROWS, rows - m0);
-    BLOCKS[m - 1](x + m0 * k_dim, k_dim, w, y + m0 * n, n, b0, b1);
+void rows(const Operands& o, int64_t count, int64_t k_dim, const uint16_t* w, int64_t n, int64_t b0, int64_t b1) {
+  for (int64_t m0 = 0; m0 < count; m0 += MAX_ROWS) {
+    const int64_t m = std::min<int64_t>(MAX_ROWS, count - m0);
+    BLOCKS[m - 1](o.from(m0), k_dim, w, n, b0, b1);
   }
 }
 
@@ -117,7 +127,8 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& blocked, int64_t n
   const float* xp = xc.data_ptr<float>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, nblocks, GRAIN, [&](int64_t b0, int64_t b1) { rows(xp, m_all, k_dim, wp, yp, n, b0, b1); });
+  const Operands o{xp, k_dim, yp, n};
+  at::parallel_for(0, nblocks, GRAIN, [&](int64_t b0, int64_t b1) { rows(o, m_all, k_dim, wp, n, b0, b1); });
   return y;
 }
 
@@ -162,9 +173,9 @@ at::Tensor rows_experts(const at::Tensor& x, const at::Tensor& ids, const at::Te
     for (size_t r0 = 0; r0 < tok.size(); r0 += MAX_ROWS) {
       const int64_t m = std::min<int64_t>(MAX_ROWS, tok.size() - r0);
       for (int64_t r = 0; r < m; ++r) std::copy_n(xp + tok[r0 + r] * hidden, hidden, xs.data() + r * hidden);
-      rows(xs.data(), m, hidden, gp + e * g_stride, gu.data(), 2 * inter, 0, num_blocks(2 * inter));
+      rows({xs.data(), hidden, gu.data(), 2 * inter}, m, hidden, gp + e * g_stride, 2 * inter, 0, num_blocks(2 * inter));
       for (int64_t r = 0; r < m; ++r) silu_and_mul(gu.data() + r * 2 * inter, h.data() + r * inter, inter);
-      rows(h.data(), m, inter, dp + e * d_stride, y.data(), hidden, 0, num_blocks(hidden));
+      rows({h.data(), inter, y.data(), hidden}, m, inter, dp + e * d_stride, hidden, 0, num_blocks(hidden));
       for (int64_t r = 0; r < m; ++r) {
         float* o = op + tok[r0 + r] * hidden;
         const float s = scale[r0 + r];
@@ -175,14 +186,38 @@ at::Tensor rows_experts(const at::Tensor& x, const at::Tensor& ids, const at::Te
   return out;
 }
 
+// Per-head products (MLA's absorbed W_UK and W_UV): y[t, h] = x[t, h] @ W_h.T, x [T, H, K] with
+// its last dim contiguous (any row and head strides), blocked [H, ceil(N/32), K, 32] -> [T, H, N].
+at::Tensor rows_heads(const at::Tensor& x, const at::Tensor& blocked, int64_t n) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && blocked.scalar_type() == at::kBFloat16,
+              "rows_heads: float32 x and bfloat16 blocked weight, got ", x.scalar_type(), " and ", blocked.scalar_type());
+  const at::Tensor xc = x.stride(-1) == 1 ? x : x.contiguous();
+  const at::Tensor w = blocked.is_contiguous() ? blocked : blocked.contiguous();
+  TORCH_CHECK(xc.dim() == 3 && w.dim() == 4 && w.size(0) == xc.size(1) && w.size(1) == num_blocks(n) &&
+                  w.size(2) == xc.size(2) && w.size(3) == BLOCK,
+              "rows_heads: blocked weight ", w.sizes(), " does not hold ", n, " outputs of x ", xc.sizes(), " per head");
+  const int64_t tokens = xc.size(0), heads = xc.size(1), k_dim = xc.size(2);
+  at::Tensor y = at::empty({tokens, heads, n}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  float* yp = y.data_ptr<float>();
+  for (int64_t h = 0; h < heads; ++h) {
+    const Operands o{xp + h * xc.stride(1), xc.stride(0), yp + h * n, heads * n};
+    rows(o, tokens, k_dim, wp + h * w.stride(0), n, 0, num_blocks(n));
+  }
+  return y;
+}
+
 TORCH_LIBRARY(mindspec, m) {
   m.def("rows_linear(Tensor x, Tensor blocked, int n) -> Tensor");
   m.def("rows_experts(Tensor x, Tensor ids, Tensor weights, Tensor w13, Tensor w2, int inter) -> Tensor");
+  m.def("rows_heads(Tensor x, Tensor blocked, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mindspec, CPU, m) {
   m.impl("rows_linear", rows_linear);
   m.impl("rows_experts", rows_experts);
+  m.impl("rows_heads", rows_heads);
 }
 
 extern "C" AOTITorchError aoti_torch_cpu_rows_linear(AtenTensorHandle x, AtenTensorHandle blocked, int64_t n,
@@ -203,5 +238,14 @@ extern "C" AOTITorchError aoti_torch_cpu_rows_experts(AtenTensorHandle x, AtenTe
                                   *tensor_handle_to_tensor_pointer(weights), *tensor_handle_to_tensor_pointer(w13),
                                   *tensor_handle_to_tensor_pointer(w2), inter);
     *ret0 = torch::aot_inductor::new_tensor_handle(std::move(out));
+  });
+}
+
+extern "C" AOTITorchError aoti_torch_cpu_rows_heads(AtenTensorHandle x, AtenTensorHandle blocked, int64_t n,
+                                                    AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    at::Tensor y = rows_heads(*torch::aot_inductor::tensor_handle_to_tensor_pointer(x),
+                              *torch::aot_inductor::tensor_handle_to_tensor_pointer(blocked), n);
+    *ret0 = torch::aot_inductor::new_tensor_handle(std::move(y));
   });
 }

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("rows_gemm.cpp")
 BLOCK = 32  # outputs per weight block (rows_gemm.cpp)
 MAX_ROWS = 8  # compiled GEMMs of up to this many rows go through rows_linear
+HEAD_MAX_TOKENS = 64  # compiled per-head products (MLA's absorbed weights) of up to this many tokens: rows_heads
 ENV_SWITCH = "MINDSPEC_CPU_ROWS_GEMM"
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-w", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mfma",
          "-DCPU_CAPABILITY_AVX512"]  # ATen's vectorized exp, as Inductor's kernels build it
@@ -41,6 +42,8 @@ C_SHIMS = {
     "rows_experts": "AOTITorchError aoti_torch_cpu_rows_experts(AtenTensorHandle x, AtenTensorHandle ids, "
                     "AtenTensorHandle weights, AtenTensorHandle w13, AtenTensorHandle w2, int64_t inter, "
                     "AtenTensorHandle* ret0)",
+    "rows_heads": "AOTITorchError aoti_torch_cpu_rows_heads(AtenTensorHandle x, AtenTensorHandle blocked, "
+                  "int64_t n, AtenTensorHandle* ret0)",
 }
 
 
@@ -87,6 +90,18 @@ def rows_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13:
     return torch.ops.mindspec.rows_experts(x, ids, weights, w13, w2, inter)
 
 
+def block_heads(weight: torch.Tensor) -> torch.Tensor:
+    """Per-head weights [H, K, N] as bmm takes them (bfloat16) -> [H, ceil(N / 32), K, 32]: head
+    h's [N, K] transpose as ``block``."""
+    return torch.stack([block(w.T) for w in weight])
+
+
+def rows_heads(x: torch.Tensor, blocked: torch.Tensor, n: int) -> torch.Tensor:
+    """x [T, H, K] float32 (last dim contiguous) -> [T, H, n]: each head's rows times its weight."""
+    _require()
+    return torch.ops.mindspec.rows_heads(x, blocked, n)
+
+
 def rows_linear(x: torch.Tensor, blocked: torch.Tensor, n: int) -> torch.Tensor:
     """x [..., K] float32 @ the blocked weight's [n, K].T -> [..., n] float32."""
     _require()
@@ -110,6 +125,7 @@ def _loaded() -> Optional[Path]:
         return None
     torch.library.register_fake("mindspec::rows_linear")(_linear_shape)
     torch.library.register_fake("mindspec::rows_experts")(_experts_shape)
+    torch.library.register_fake("mindspec::rows_heads")(_heads_shape)
     return path
 
 
@@ -118,7 +134,11 @@ def _linear_shape(x: torch.Tensor, blocked: torch.Tensor, n: int) -> torch.Tenso
 
 
 def _experts_shape(x, ids, weights, w13, w2, inter: int) -> torch.Tensor:
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
+
+
+def _heads_shape(x: torch.Tensor, blocked: torch.Tensor, n: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], x.shape[1], n)
 
 
 def _built() -> Path:

@@ -53,8 +53,8 @@ class MlaAttention:
         kv_b = w.take("kv_b_proj.weight")  # [H * (nope + v), R], rows per head: [k_nope | v]
         self.kv_b_proj = backend.linear_weight(kv_b)
         per_head = kv_b.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        self.w_uk = per_head[:, : self.nope_dim].contiguous()  # [H, nope, R]
-        self.w_uv_t = per_head[:, self.nope_dim :].transpose(1, 2).contiguous()  # [H, R, v]: W_UV^T per head
+        self.w_uk = backend.head_weight(per_head[:, : self.nope_dim].contiguous())  # [H, nope, R]
+        self.w_uv_t = backend.head_weight(per_head[:, self.nope_dim :].transpose(1, 2).contiguous())  # [H, R, v]
         self.o_proj = backend.linear_weight(w.take("o_proj.weight"))  # [hidden, H * v]
 
     def _project(
@@ -120,6 +120,6 @@ class MlaAttention:
         return self.backend.mla_prefill(q_nope, q_pe, k_nope, k_pe, v, meta, self.scale)  # [T, H, v]
 
     def _absorbed(self, q_nope, q_pe, positions, cache, meta) -> torch.Tensor:
-        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, R]
+        q_lat = self.backend.head_linear(q_nope, self.w_uk)  # [T, H, R]
         o_lat = self.backend.rope_mla_attention(q_lat, q_pe, positions, self.rotary, cache, meta, self.scale)
-        return torch.bmm(o_lat.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # [T, H, v]
+        return self.backend.head_linear(o_lat, self.w_uv_t)  # [T, H, v]

@@ -102,6 +102,47 @@ def test_compiled_linear_takes_rows_linear_up_to_max_rows(monkeypatch):
     torch.testing.assert_close(packed_linear.linear(more, w), F.linear(more, w.weight))
 
 
+@needs_kernel
+@pytest.mark.parametrize("tokens", [1, 4, 9, 64])
+def test_rows_heads_equals_bmm_per_head(tokens):
+    """MLA's absorbed products: x [T, H, K] (a view with row and head strides, as q_nope is) times
+    each head's weight, as bmm computes them; a token's result is the same bits alone."""
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(4, 32, 72, generator=g) * 0.1).to(torch.bfloat16)  # [H, K, N], 72: a partial block
+    q = torch.randn(tokens, 4, 48, generator=g)
+    x = q[..., :32]
+    y = rows_gemm.rows_heads(x, rows_gemm.block_heads(w), 72)
+    assert y.shape == (tokens, 4, 72) and y.is_contiguous()
+    expected = torch.bmm(x.transpose(0, 1).double(), w.double()).transpose(0, 1)
+    torch.testing.assert_close(y.double(), expected, atol=2e-5, rtol=1e-5)
+    assert torch.equal(rows_gemm.rows_heads(x[-1:], rows_gemm.block_heads(w), 72)[0], y[-1])
+    with pytest.raises(RuntimeError, match="does not hold 100 outputs"):
+        rows_gemm.rows_heads(x, rows_gemm.block_heads(w), 100)
+
+
+@needs_kernel
+def test_cpu_backend_head_products_run_rows_heads_when_compiled(monkeypatch):
+    """The cpu backend keeps bfloat16-exact per-head weights blocked; inside a traced step up to
+    HEAD_MAX_TOKENS tokens run rows_heads, eagerly (and beyond) bmm: the same products."""
+    w = (torch.randn(4, 16, 40) * 0.1).to(torch.bfloat16).float()
+    be = CpuBackend()
+    hw = be.head_weight(w)
+    assert torch.equal(hw.blocked, rows_gemm.block_heads(w.to(torch.bfloat16)))
+    x = torch.randn(3, 4, 16)
+    eager = be.head_linear(x, hw)
+    calls = []
+    original = rows_gemm.rows_heads
+    monkeypatch.setattr(rows_gemm, "rows_heads", lambda *a: calls.append(a[0].shape[0]) or original(*a))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    torch.testing.assert_close(be.head_linear(x, hw), eager, atol=2e-5, rtol=1e-5)
+    wide = torch.randn(rows_gemm.HEAD_MAX_TOKENS + 1, 4, 16)
+    torch.testing.assert_close(be.head_linear(wide, hw), torch.bmm(wide.transpose(0, 1), w).transpose(0, 1))
+    assert calls == [3]
+    off_grid = w.clone()
+    off_grid[0, 0, 0] += 2.0 ** -20
+    assert be.head_weight(off_grid).blocked is None
+
+
 def _experts(num: int, hidden: int, inter: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     w13 = (torch.randn(num, 2 * inter, hidden, generator=g) * 0.1).to(torch.bfloat16)
@@ -166,11 +207,13 @@ class _Gemms(torch.nn.Module):
         w13, w2 = _experts(4, 20, 8)
         self.register_buffer("w13", rows_gemm.block_experts(w13))
         self.register_buffer("e2", rows_gemm.block_experts(w2))
+        self.register_buffer("wh", rows_gemm.block_heads(_bf16_weight(8, 10).view(2, 4, 10)))
 
     def forward(self, x):
         h = rows_gemm.rows_linear(torch.relu(rows_gemm.rows_linear(x, self.w1, 64)), self.w2, 20)
         ids = torch.topk(h[:, :4], 2, dim=-1)[1]
-        return rows_gemm.rows_experts(h, ids, torch.ones_like(h[:, :2]), self.w13, self.e2, 8)
+        h = rows_gemm.rows_experts(h, ids, torch.ones_like(h[:, :2]), self.w13, self.e2, 8)
+        return rows_gemm.rows_heads(h[:, :8].view(-1, 2, 4), self.wh, 10)
 
 
 @needs_kernel
@@ -188,6 +231,7 @@ def test_package_calls_the_c_shim_directly(tmp_path, monkeypatch):
     with zipfile.ZipFile(path) as z:
         wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith(".wrapper.cpp"))
     assert wrapper.count("aoti_torch_cpu_rows_linear(") >= 2 and wrapper.count("aoti_torch_cpu_rows_experts(") >= 1
+    assert wrapper.count("aoti_torch_cpu_rows_heads(") >= 1
     assert "proxy_executor_call_function" not in wrapper
     runner = torch._inductor.aoti_load_package(str(path))
     assert torch.equal(runner(x), module(x))
