@@ -1,16 +1,18 @@
-"""The few-row GEMM of compiled decode steps (``rows_gemm.cpp``): built on first use, loaded into
-the process, and called by AOTInductor packages directly through its C shim.
+"""The few-row kernels of compiled cpu decode steps (``rows_gemm.cpp``): built on first use,
+loaded into the process, and called by AOTInductor packages directly through their C shims.
 
 Inside a compiled step Inductor's GEMM template keeps one accumulator chain per (row, output
 block) and reads each weight again for every row, so a 4-row verification's GEMMs cost several
 times a 1-row step's. ``rows_linear`` widens each bfloat16 weight vector once and multiplies it
 into up to 8 rows; every output sums over its inputs in one order whatever the row count, so a
-row's result is the same alone or in a batch.
+row's result is the same alone or in a batch. ``rows_experts`` (the routed experts) and
+``rows_heads`` (MLA's absorbed per-head products) run the same inner kernel.
 
 The library is compiled with the C++ compiler AOTInductor uses, for AVX-512F cpus only (others
 keep Inductor's GEMMs), into ``<cache>/kernels/`` keyed by its source and torch's version, and
-loaded once per process (a compile worker loads it as it loads the model). A failed build logs
-one warning and the steps compile without it. MINDSPEC_CPU_ROWS_GEMM=0 turns it off (A/B runs).
+loaded once per process (a compile worker loads the one its parent loaded, whatever its cache
+directory). A failed build logs one warning and the steps compile without it.
+MINDSPEC_CPU_ROWS_GEMM=0 turns it off (A/B runs).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ BLOCK = 32  # outputs per weight block (rows_gemm.cpp)
 MAX_ROWS = 8  # compiled GEMMs of up to this many rows go through rows_linear
 HEAD_MAX_TOKENS = 64  # compiled per-head products (MLA's absorbed weights) of up to this many tokens: rows_heads
 ENV_SWITCH = "MINDSPEC_CPU_ROWS_GEMM"
+LIBRARY_ENV = "MINDSPEC_ROWS_GEMM_LIBRARY"  # set once loaded: the library child processes load
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-w", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mfma",
          "-DCPU_CAPABILITY_AVX512"]  # ATen's vectorized exp, as Inductor's kernels build it
 C_SHIMS = {
@@ -120,6 +123,7 @@ def _loaded() -> Optional[Path]:
     try:
         path = _built()
         ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)  # global: packages resolve the C shim against it
+        os.environ[LIBRARY_ENV] = str(path)  # child processes (compile workers) load this one
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("the few-row GEMM kernel did not build (%s): compiled steps use Inductor's GEMMs", e)
         return None
@@ -146,7 +150,11 @@ def _built() -> Path:
     from mindspec.modeling.exported_step import step_cache_dir  # the steps' cache, beside them
 
     key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(FLAGS).encode()).hexdigest()
-    path = step_cache_dir().parent / "kernels" / f"rows_gemm-{key[:16]}.so"
+    name = f"rows_gemm-{key[:16]}.so"
+    inherited = Path(os.environ.get(LIBRARY_ENV, ""))
+    if inherited.name == name and inherited.is_file():  # the parent's (another cache directory's)
+        return inherited
+    path = step_cache_dir().parent / "kernels" / name
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from mindspec import SamplingParams
 from mindspec.engine.args import EngineArgs
@@ -85,7 +86,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     cfg = tiny_v3_config(initializer_range=0.2, num_hidden_layers=2, num_nextn_predict_layers=1)
-    return make_self_predicting_checkpoint(tmp_path_factory.mktemp("background"), cfg, seed=5, residual_scale=0.005)
+    # bfloat16 weights: on an AVX-512 cpu the workers' packages call rows_gemm's kernels too
+    return make_self_predicting_checkpoint(tmp_path_factory.mktemp("background"), cfg, seed=5, residual_scale=0.005,
+                                           dtype=torch.bfloat16)
 
 
 def _engine(path, warmup: bool, max_batch_size: int, **kw) -> LLMEngine:

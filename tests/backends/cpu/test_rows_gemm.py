@@ -250,10 +250,21 @@ def test_a_failed_build_leaves_compiled_steps_on_inductors_gemms(monkeypatch, ca
 
 def test_build_errors_carry_the_compilers_message(tmp_path, monkeypatch):
     monkeypatch.setenv("MINDSPEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(rows_gemm.LIBRARY_ENV, raising=False)
     monkeypatch.setattr(rows_gemm, "_command", lambda out: ["sh", "-c", "echo 'bad.cpp:3: error: nope' >&2; exit 1"])
     with pytest.raises(subprocess.SubprocessError, match="bad.cpp:3: error: nope"):
         rows_gemm._built()
     assert not list((tmp_path / "kernels").iterdir())  # no half-written library left behind
+
+
+def test_a_child_process_loads_its_parents_library(tmp_path, monkeypatch):
+    """Once loaded, the library's path is in the environment: a compile worker started with
+    another cache directory loads that file instead of building its own."""
+    if not rows_gemm.available():
+        pytest.skip("rows_gemm needs an AVX-512F cpu")
+    monkeypatch.setenv("MINDSPEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(rows_gemm, "_command", lambda out: pytest.fail("built again"))
+    assert rows_gemm._built() == rows_gemm._loaded() and not (tmp_path / "kernels").exists()
 
 
 def test_switched_off_by_env(monkeypatch):
