@@ -21,14 +21,14 @@ machine's memory is still free: CpuBackend._room_for); MINDSPEC_CPU_PACKED_LINEA
 
 Inside a compiled decode step the weights stream from memory every step. A float32 weight whose
 values are all bfloat16 (a bfloat16 checkpoint run in float32) also keeps a bfloat16 copy. On an
-AVX-512 cpu it is ``blocked`` for rows_gemm.cpp, and every GEMM of up to rows_gemm.MAX_ROWS rows
-runs ``rows_linear`` on it (one pass over the weight for all rows; rows_gemm.py). Elsewhere it is
-``narrow``, and a GEMM of one or two rows reads it in ``thin_linear``: the same float32 products
-from half the bytes. Its kernel sums each output with one horizontal reduction, which costs per
-row, so more rows go to Inductor's GEMM on the float32 weight (per GEMM, weights cycled from
-memory, 192 -> 1152: 18 / 32 / 48 us at 1 / 2 / 3 rows against 38 / 72 / 124; a compiled plain
-step of the shipped model 1.05 -> 0.73 ms, while thin verifications of four rows made an MTP K=3
-step slower: 3.24 against 2.97 ms; benchmarks/README.md).
+AVX-512 cpu it is ``blocked`` for rows_gemm.cpp, and every GEMM of up to rows_gemm.LINEAR_MAX_ROWS
+rows runs ``rows_linear`` on it (one pass over the weight for all rows; rows_gemm.py). Elsewhere
+it is ``narrow``, and a GEMM of one or two rows reads it in ``thin_linear``: the same float32
+products from half the bytes. Its kernel sums each output with one horizontal reduction, which
+costs per row, so more rows go to Inductor's GEMM on the float32 weight (per GEMM, weights cycled
+from memory, 192 -> 1152: 18 / 32 / 48 us at 1 / 2 / 3 rows against 38 / 72 / 124; a compiled
+plain step of the shipped model 1.05 -> 0.73 ms, while thin verifications of four rows made an MTP
+K=3 step slower: 3.24 against 2.97 ms; benchmarks/README.md).
 """
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
         return quantized_linear(x, w.weight)
     if torch.compiler.is_compiling():  # first: a traced graph must not touch the oneDNN tensor
         rows = x.numel() // w.weight.shape[1]
-        if w.blocked is not None and rows <= rows_gemm.MAX_ROWS and rows_gemm.available():
+        if w.blocked is not None and rows <= rows_gemm.LINEAR_MAX_ROWS and rows_gemm.available():
             return rows_gemm.rows_linear(x, w.blocked, w.weight.shape[0])
         if w.narrow is not None and rows <= THIN_MAX_ROWS:
             return thin_linear(x, w.narrow)

@@ -33,7 +33,10 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("rows_gemm.cpp")
 BLOCK = 32  # outputs per weight block (rows_gemm.cpp)
-MAX_ROWS = 8  # compiled GEMMs of up to this many rows go through rows_linear
+# Compiled GEMMs of up to this many rows go through rows_linear (8 rows per pass over the weight):
+# 12 chained 192 x 192 GEMMs and a 4096-column lm_head, one thread, 71 / 204 / 396 us at 4 / 16 / 32
+# rows against 144 / 548 / 1092 for Inductor's float32 template (benchmarks/README.md).
+LINEAR_MAX_ROWS = 64
 HEAD_MAX_TOKENS = 64  # compiled per-head products (MLA's absorbed weights) of up to this many tokens: rows_heads
 ENV_SWITCH = "MINDSPEC_CPU_ROWS_GEMM"
 LIBRARY_ENV = "MINDSPEC_ROWS_GEMM_LIBRARY"  # set once loaded: the library child processes load

@@ -91,14 +91,14 @@ def test_cpu_backend_keeps_bfloat16_exact_weights_blocked():
 
 @needs_kernel
 def test_compiled_linear_takes_rows_linear_up_to_max_rows(monkeypatch):
-    """Inside a traced step a GEMM of up to MAX_ROWS rows against a blocked weight runs
+    """Inside a traced step a GEMM of up to LINEAR_MAX_ROWS rows against a blocked weight runs
     rows_linear; more rows run F.linear on the float32 weight (the two hold different values
     here to tell them apart)."""
     w = LinearWeight(_bf16_weight(24, 16).float(), blocked=rows_gemm.block(_bf16_weight(24, 16, seed=1)))
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    few = torch.randn(rows_gemm.MAX_ROWS, 16)
+    few = torch.randn(rows_gemm.LINEAR_MAX_ROWS, 16)
     torch.testing.assert_close(packed_linear.linear(few, w), few @ _bf16_weight(24, 16, seed=1).float().T)
-    more = torch.randn(rows_gemm.MAX_ROWS + 1, 16)
+    more = torch.randn(rows_gemm.LINEAR_MAX_ROWS + 1, 16)
     torch.testing.assert_close(packed_linear.linear(more, w), F.linear(more, w.weight))
 
 
